@@ -1,0 +1,62 @@
+"""Command line: `python -m megatron_sortedrl <subcommand> --help` (also the `megatron-sortedrl` script).
+
+Subcommands are a plain table below: name -> (module, one-line help). Each module defines
+`add_arguments(parser)` and `run(args) -> int`, and is imported only when its subcommand runs so that
+`--help` stays fast. A `UserError` (bad config, bad data, missing checkpoint) prints one line and exits 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatron_sortedrl.errors import UserError
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("megatron_sortedrl.commands.config_cmd", "print the resolved config (or every key's help with --explain)"),
+    "build-tiny-model": ("megatron_sortedrl.commands.build_tiny", "write the built-in tiny Qwen2 model as a Hugging Face directory"),
+    "data": ("megatron_sortedrl.commands.data_cmd", "generate, load and summarise the prompts of a config"),
+    "smoke": ("megatron_sortedrl.commands.smoke", "build the tiny model, generate and score a few prompts"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-sortedrl", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="<subcommand>")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # Arguments are added lazily in main() for the chosen subcommand only.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown subcommand '{argv[0]}'; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+            parser.print_help(sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    sub = argparse.ArgumentParser(prog=f"megatron-sortedrl {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The common `<config.yaml> [key=value ...]` positional arguments."""
+    parser.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.num_workers=2")

@@ -1,0 +1,389 @@
+"""The run configuration: one typed schema, filled from YAML and `key=value` overrides.
+
+    python -m megatron_sortedrl config configs/tiny_cpu.yaml rollout.num_workers=2   # print resolved config
+
+Every field is a dataclass field with a default and a one-line help (`metadata["help"]`). YAML files and
+overrides only fill the schema (OmegaConf structured configs); `__post_init__` of each section validates
+its own values and `RunConfig.__post_init__` checks combinations across sections. Any error is a
+`ConfigError` whose message names the dotted key, the bad value and what is allowed.
+
+Deliberately absent: config composition (defaults lists, includes). A recipe is one readable file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_sortedrl.errors import ConfigError
+from scheduler.config import SchedulerConfig
+from speculative.config import SpeculativeConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
+
+
+def _help(text: str, default: Any = None, factory: Any = None) -> Any:
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the built-in tiny Qwen2-architecture model (used when model.path does not exist yet)."""
+
+    hidden_size: int = _help("Hidden width.", 128)
+    num_layers: int = _help("Transformer layers.", 2)
+    num_attention_heads: int = _help("Query heads; hidden_size / heads must be a vLLM CPU head_dim (32, 64, ...).", 4)
+    num_key_value_heads: int = _help("Key/value heads (grouped-query attention).", 2)
+    intermediate_size: int = _help("SwiGLU inner width.", 256)
+    max_position_embeddings: int = _help("Longest sequence (prompt + response) in tokens.", 1024)
+    rope_theta: float = _help("RoPE base.", 10000.0)
+    tie_word_embeddings: bool = _help("Share input embedding and output projection.", True)
+    seed: int = _help("Seed of the random initialisation.", 0)
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.tiny.{key}", getattr(self, key), "an integer >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                "model.tiny.num_attention_heads", self.num_attention_heads, f"a divisor of hidden_size ({self.hidden_size})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "model.tiny.num_key_value_heads",
+                self.num_key_value_heads,
+                f"a divisor of num_attention_heads ({self.num_attention_heads})",
+            )
+
+
+@dataclass
+class ModelConfig:
+    path: str = _help("Hugging Face model directory (config.json, safetensors, tokenizer).", "runs/tiny_model")
+    build_tiny_if_missing: bool = _help("Build the tiny CPU model at `path` when the directory does not exist.", True)
+    tiny: TinyModelConfig = _help("Shape of the built-in tiny model.", factory=TinyModelConfig)
+    dtype: str = _help("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("model.dtype", self.dtype, "one of float32, bfloat16, float16")
+
+
+@dataclass
+class DataConfig:
+    task: str = _help("arithmetic | knights_knaves (procedural) | file (train_files/eval_files).", "arithmetic")
+    train_files: list[str] = _help("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
+    eval_files: list[str] = _help("Held-out jsonl or parquet files when task=file.", factory=list)
+    prompt_key: str = _help("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
+    answer_key: str = _help(
+        "Dotted key of the ground truth; tried in order: this, reward_model.ground_truth, answer.", "ground_truth"
+    )
+    on_bad_row: str = _help("error: stop at the first malformed row; skip: skip and report the count.", "error")
+    num_train_prompts: int = _help("Procedural tasks: prompts in the training set.", 256)
+    num_eval_prompts: int = _help("Procedural tasks: prompts in the held-out set.", 64)
+    min_difficulty: int = _help("Procedural tasks: smallest difficulty (digits, or K&K people).", 1)
+    max_difficulty: int = _help("Procedural tasks: largest difficulty.", 4)
+    seed: int = _help("Seed of the procedural generator (train and eval sets use different streams).", 1234)
+    apply_chat_template: bool = _help("Wrap prompts with the tokenizer's chat template (real chat models).", False)
+    max_prompt_length: int = _help("Prompts longer than this many tokens are reported and skipped.", 256)
+    reward_fn: str = _help(
+        "Dotted path of `def reward(sample, ground_truth) -> float`; empty picks the task's default.", ""
+    )
+
+    def __post_init__(self) -> None:
+        if self.task not in ("arithmetic", "knights_knaves", "file"):
+            raise ConfigError("data.task", self.task, "one of arithmetic, knights_knaves, file")
+        if self.on_bad_row not in ("error", "skip"):
+            raise ConfigError("data.on_bad_row", self.on_bad_row, "one of error, skip")
+        if self.task == "file" and not self.train_files:
+            raise ConfigError("data.train_files", list(self.train_files), "at least one jsonl/parquet path when data.task=file")
+        if self.min_difficulty < 1 or self.max_difficulty < self.min_difficulty:
+            raise ConfigError(
+                "data.max_difficulty", self.max_difficulty, f"an integer >= min_difficulty ({self.min_difficulty}) >= 1"
+            )
+        if self.task == "knights_knaves" and not (2 <= self.min_difficulty and self.max_difficulty <= 7):
+            raise ConfigError(
+                "data.min_difficulty", (self.min_difficulty, self.max_difficulty), "2..7 people for knights_knaves"
+            )
+        if self.reward_fn and not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self.reward_fn):
+            raise ConfigError("data.reward_fn", self.reward_fn, "a dotted path such as my_pkg.rewards.score")
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = _help("vLLM engines at TP=1 (short-round layout); each is one Ray actor.", 1)
+    tensor_parallel_size: int = _help("Rollout TP of the short-round layout.", 1)
+    long_round_tensor_parallel_size: int = _help("Rollout TP of the long-round layout (elastic parallelism).", 1)
+    n_samples_per_prompt: int = _help("Responses per prompt (the GRPO group).", 4)
+    temperature: float = _help("Sampling temperature.", 1.0)
+    top_p: float = _help("Nucleus sampling threshold.", 1.0)
+    max_response_length: int = _help("Longest response in tokens.", 256)
+    max_num_seqs: int = _help("Concurrent sequences per engine (continuous batching).", 64)
+    kv_cache_gib: float = _help("CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).", 1.0)
+    gpu_memory_utilization: float = _help("GPU engines: fraction of GPU memory vLLM may use.", 0.5)
+    enforce_eager: bool = _help("Disable CUDA graphs / compilation (faster start, needed on CPU).", True)
+    request_timeout_s: float = _help("A worker that produces nothing for this long is declared hung.", 600.0)
+
+    def __post_init__(self) -> None:
+        for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
+                    "max_response_length", "max_num_seqs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"rollout.{key}", getattr(self, key), "an integer >= 1")
+        if self.temperature < 0:
+            raise ConfigError("rollout.temperature", self.temperature, "a float >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("rollout.top_p", self.top_p, "a float in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]")
+        if self.kv_cache_gib <= 0:
+            raise ConfigError("rollout.kv_cache_gib", self.kv_cache_gib, "a positive float")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _help("Trainer TP; must divide attention heads and key/value heads.", 1)
+    pipeline_model_parallel_size: int = _help("Trainer PP; must divide the number of layers.", 1)
+    data_parallel_size: int = _help("Trainer DP; world size is TP x PP x DP.", 1)
+    sequence_parallel: bool = _help("Megatron sequence parallelism (GPU, TP > 1).", False)
+    use_distributed_optimizer: bool = _help("Megatron distributed optimizer (GPU only; CPU uses the plain optimizer).", False)
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key}", getattr(self, key), "an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = _help("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo")
+    clip_low: float = _help("PPO clip: ratio lower bound is 1 - clip_low.", 0.2)
+    clip_high: float = _help("PPO clip-higher: ratio upper bound is 1 + clip_high.", 0.28)
+    loss_aggregation: str = _help("token: mean over all tokens; sequence: mean of per-sequence means.", "token")
+    kl_coef: float = _help("KL penalty to the frozen reference model (0 disables the reference).", 0.0)
+    entropy_coef: float = _help("Entropy bonus coefficient (entropy is always logged).", 0.0)
+    tis_cap: float = _help("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0)
+    normalize_advantage_std: bool = _help("GRPO: divide by the group's reward std.", True)
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"):
+            raise ConfigError("algorithm.advantage", self.advantage, "one of grpo, reinforce_pp, reinforce_pp_baseline, rloo")
+        if self.loss_aggregation not in ("token", "sequence"):
+            raise ConfigError("algorithm.loss_aggregation", self.loss_aggregation, "one of token, sequence")
+        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "tis_cap"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"algorithm.{key}", getattr(self, key), "a float >= 0")
+        if self.clip_low >= 1:
+            raise ConfigError("algorithm.clip_low", self.clip_low, "a float in [0, 1)")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _help("Optimizer updates of the RL phase.", 40)
+    lr: float = _help("Adam learning rate.", 1e-4)
+    weight_decay: float = _help("AdamW weight decay.", 0.0)
+    grad_clip: float = _help("Gradient norm clip (0 disables).", 1.0)
+    micro_batch_tokens: int = _help("Token budget of one packed micro-batch.", 4096)
+    warmup_sft_steps: int = _help("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
+    warmup_sft_lr: float = _help("Learning rate of the supervised warm-start.", 3e-3)
+    eval_interval: int = _help("Evaluate on the held-out set every this many steps (0 disables).", 10)
+
+    def __post_init__(self) -> None:
+        for key in ("total_steps", "micro_batch_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 1")
+        for key in ("warmup_sft_steps", "eval_interval"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 0")
+        if self.lr <= 0:
+            raise ConfigError("trainer.lr", self.lr, "a positive float")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _help("Checkpoint directory; empty means <logging.run_dir>/checkpoints.", "")
+    save_interval: int = _help("Save every this many steps (0: only at the end).", 10)
+    keep_last: int = _help("Checkpoints kept; older ones are deleted after a newer one is complete.", 2)
+    resume: str = _help("auto: newest complete checkpoint if any; never; or a checkpoint path.", "auto")
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0:
+            raise ConfigError("checkpoint.save_interval", self.save_interval, "an integer >= 0")
+        if self.keep_last < 1:
+            raise ConfigError("checkpoint.keep_last", self.keep_last, "an integer >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = _help("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
+    tensorboard: bool = _help("Write TensorBoard event files to <run_dir>/tensorboard.", True)
+    wandb_project: str = _help("Weights & Biases project (empty disables; offline mode works).", "")
+    log_interval: int = _help("Print progress every this many steps.", 1)
+    nvml_sample_hz: float = _help("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0)
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ConfigError("logging.log_interval", self.log_interval, "an integer >= 1")
+        if self.nvml_sample_hz < 0:
+            raise ConfigError("logging.nvml_sample_hz", self.nvml_sample_hz, "a float >= 0")
+
+
+@dataclass
+class ClusterConfig:
+    device: str = _help("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto")
+    ray_address: str = _help("Ray cluster address; empty starts a local Ray instance.", "")
+    num_nodes: int = _help("Nodes in the allocation.", 1)
+    gpus_per_node: int = _help("GPUs per node (0 on CPU machines).", 0)
+    cpus_per_node: int = _help("CPUs Ray may use per node (0: all).", 0)
+    colocate: bool = _help("Trainer and rollout share the same GPUs (time-sliced) instead of separate pools.", False)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "gpu"):
+            raise ConfigError("cluster.device", self.device, "one of auto, cpu, gpu")
+        if self.num_nodes < 1:
+            raise ConfigError("cluster.num_nodes", self.num_nodes, "an integer >= 1")
+        if self.gpus_per_node < 0 or self.cpus_per_node < 0:
+            raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
+
+
+@dataclass
+class RunConfig:
+    name: str = _help("Run name shown in logs and reports.", "tiny_cpu")
+    seed: int = _help("Global seed (data order, sampling, initialisation).", 0)
+    model: ModelConfig = _help("Policy model.", factory=ModelConfig)
+    data: DataConfig = _help("Prompts, ground truth, reward function.", factory=DataConfig)
+    rollout: RolloutConfig = _help("vLLM rollout workers.", factory=RolloutConfig)
+    scheduler: SchedulerConfig = _help("Two-tier length-aware scheduler.", factory=SchedulerConfig)
+    speculative: SpeculativeConfig = _help("HistoSpec speculative decoding.", factory=SpeculativeConfig)
+    algorithm: AlgorithmConfig = _help("Advantages and policy loss.", factory=AlgorithmConfig)
+    trainer: TrainerConfig = _help("Optimisation schedule.", factory=TrainerConfig)
+    parallel: ParallelConfig = _help("Trainer parallel layout.", factory=ParallelConfig)
+    checkpoint: CheckpointConfig = _help("Saving and resuming.", factory=CheckpointConfig)
+    logging: LoggingConfig = _help("Run directory and metrics sinks.", factory=LoggingConfig)
+    cluster: ClusterConfig = _help("Machines and devices.", factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        self.validate_model_shape(self.model.tiny.num_attention_heads, self.model.tiny.num_key_value_heads,
+                                  self.model.tiny.num_layers)
+        s, r = self.scheduler, self.rollout
+        samples_per_round = s.rollout_batch_size * r.n_samples_per_prompt
+        if samples_per_round < s.update_batch_size:
+            raise ConfigError(
+                "scheduler.rollout_batch_size",
+                s.rollout_batch_size,
+                f"at least update_batch_size / n_samples_per_prompt = {s.update_batch_size} / {r.n_samples_per_prompt} "
+                f"(a round of {samples_per_round} samples cannot fill an update batch of {s.update_batch_size})",
+            )
+        if s.update_batch_size % r.n_samples_per_prompt:
+            raise ConfigError(
+                "scheduler.update_batch_size",
+                s.update_batch_size,
+                f"a multiple of rollout.n_samples_per_prompt ({r.n_samples_per_prompt}) so groups are never split",
+            )
+        if self.algorithm.advantage in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
+            raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt, f">= 2 for {self.algorithm.advantage}")
+
+    def validate_model_shape(self, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
+        """Checks the trainer layout against a model's shape (also called with a real HF config)."""
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        if num_heads % tp or num_kv_heads % tp:
+            raise ConfigError(
+                "parallel.tensor_model_parallel_size", tp,
+                f"a divisor of both attention heads ({num_heads}) and key/value heads ({num_kv_heads})",
+            )
+        if num_layers % pp:
+            raise ConfigError("parallel.pipeline_model_parallel_size", pp, f"a divisor of the number of layers ({num_layers})")
+        for key in ("tensor_parallel_size", "long_round_tensor_parallel_size"):
+            rtp = getattr(self.rollout, key)
+            if num_heads % rtp or num_kv_heads % rtp:
+                raise ConfigError(f"rollout.{key}", rtp, f"a divisor of attention heads ({num_heads}) and key/value heads ({num_kv_heads})")
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Returns the validated config from a YAML file (default: configs/tiny_cpu.yaml) plus `key=value` overrides."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError("<config file>", str(path), "an existing YAML file, for example configs/tiny_cpu.yaml")
+    try:
+        schema = OmegaConf.structured(RunConfig)
+        file_cfg = OmegaConf.load(path)
+        merged = OmegaConf.merge(schema, file_cfg)
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError("<override>", item, "key=value, for example rollout.num_workers=2")
+            key = item.split("=", 1)[0]
+            if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
+                _raise_unknown(key)
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, path) from None
+    except Exception as exc:  # yaml syntax errors and the like
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError("<config file>", str(path), f"valid YAML ({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf field; used by `config --explain` and the docs."""
+    rows = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        sub = f.default_factory() if f.default_factory is not MISSING else f.default
+        if is_dataclass(sub):
+            rows.extend(field_help(type(sub), key + "."))
+        else:
+            rows.append((key, json.dumps(sub), f.metadata.get("help", "")))
+    return rows
+
+
+def _raise_unknown(key: str) -> None:
+    parent, _, leaf = key.rpartition(".")
+    node_cls: Any = RunConfig
+    for part in parent.split(".") if parent else []:
+        match = {f.name: f for f in fields(node_cls)}.get(part)
+        if match is None:
+            _raise_unknown(parent)
+        default = match.default_factory() if match.default_factory is not MISSING else match.default
+        if not is_dataclass(default):
+            raise ConfigError.unknown_key(key, f"nothing ('{parent}' is a value, not a section)")
+        node_cls = type(default)
+    allowed = ", ".join(f.name for f in fields(node_cls))
+    raise ConfigError.unknown_key(key, allowed)
+
+
+def _translate(exc: OmegaConfBaseException, path: Path) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "<config>"
+    msg = _first_line(exc)
+    if "not in" in msg or type(exc).__name__ == "ConfigKeyError":
+        try:
+            _raise_unknown(key)
+        except ConfigError as err:
+            return err
+    value = getattr(exc, "value", None)
+    return ConfigError(key, value, f"a value of the field's type ({msg}; set in {path} or an override)")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -1,0 +1,33 @@
+"""User-facing errors: each carries one readable line naming the problem and what to do.
+
+The command line prints `str(error)` for these and exits non-zero without a traceback; anything else is
+a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem in the user's input (config, data, checkpoint, reward function), not in our code."""
+
+
+class ConfigError(UserError):
+    """A config key has a bad value, is unknown, or contradicts another key."""
+
+    def __init__(self, key: str, value: object, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"config error: {key}={value!r} is not allowed; expected {allowed}")
+
+    @classmethod
+    def unknown_key(cls, key: str, allowed: str) -> ConfigError:
+        err = cls(key, None, allowed)
+        err.args = (f"config error: unknown key {key}; allowed here: {allowed}",)
+        return err
+
+
+class DatasetError(UserError):
+    """A dataset file is missing or one of its rows is malformed (message names file and row)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, truncated or does not fit the model."""
