@@ -1,0 +1,38 @@
+"""Telemetry: what a run's hardware did and where its time went.
+
+- `timeline`: the append-only JSON-lines event log (requests, phases, workers) and the metrics of
+  DESIGN section 4 computed from it (worker and slot bubble ratios, step-time breakdown).
+- `nvml`: a background sampler of every visible NVIDIA GPU (SM utilization, memory, power, clocks,
+  temperature) on the same clock as the timeline; without an NVIDIA driver it says so and does nothing.
+- `report`: the HTML utilization report (`python -m megatron_sortedrl nvml-report <run_dir>`).
+
+Left out: a metrics server or dashboard; everything is files in the run directory.
+"""
+
+from megatron_sortedrl.telemetry.timeline import (
+    KINDS,
+    PHASES,
+    Event,
+    RunClock,
+    TimelineError,
+    TimelineWriter,
+    active_integral,
+    phase_intervals,
+    read_run_timeline,
+    read_timeline,
+    request_intervals,
+    rollout_bubble_by_step,
+    slot_bubble_ratio,
+    slot_bubble_ratio_from_intervals,
+    step_breakdown,
+    step_windows,
+    worker_bubble_ratio,
+    worker_bubble_ratio_from_times,
+)
+
+__all__ = [
+    "KINDS", "PHASES", "Event", "RunClock", "TimelineError", "TimelineWriter", "active_integral",
+    "phase_intervals", "read_run_timeline", "read_timeline", "request_intervals", "rollout_bubble_by_step",
+    "slot_bubble_ratio", "slot_bubble_ratio_from_intervals", "step_breakdown", "step_windows",
+    "worker_bubble_ratio", "worker_bubble_ratio_from_times",
+]
