@@ -35,6 +35,7 @@ class Sample:
     # policy version spans: (first response-token index, version) pairs, ascending. Token i was sampled by
     # the version of the last span starting at or before i. One span unless a partial rollout was resumed.
     version_spans: list[tuple[int, int]] = field(default_factory=list)
+    response_text: str = ""  # decoded response, filled by the driver before scoring (what reward functions read)
     finish_reason: str = ""  # "stop" (EOS / stop string), "length" (max tokens), "abort", or "" while running
     # reward
     ground_truth: str = ""  # copied from the prompt so reward workers need nothing else

@@ -1,0 +1,158 @@
+"""Prompt sources: procedural tasks, and local jsonl / parquet files in the verl / DAPO layout.
+
+    from megatron_sortedrl.data import load_prompts
+    train = load_prompts(cfg.data, "train")      # list[Prompt]
+
+A file row is a JSON object (jsonl) or a table row (parquet). The prompt is read from `data.prompt_key`
+(a dotted path; a string, or a list of chat messages `{"role", "content"}` as in verl's and DAPO-Math's
+files), the ground truth from `data.answer_key`, falling back to `reward_model.ground_truth` (verl),
+`answer` and `ground_truth`. The prompt id is `extra_info.index` or `id` when present (so history stays
+keyed on the same prompt across file reorderings), else `<file stem>:<row>`.
+
+A malformed row (not an object, no prompt, empty prompt, no ground truth, duplicate id) raises a
+`DatasetError` naming the file and the 1-based row, or with `data.on_bad_row=skip` is skipped and counted:
+`LoadReport` lists every skipped row, so nothing is silently dropped.
+
+Left out: remote datasets (nothing can be downloaded here; pass local files) and streaming of datasets
+larger than memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from megatron_sortedrl.errors import DatasetError
+from megatron_sortedrl.sample import Prompt
+
+GROUND_TRUTH_FALLBACKS = ("reward_model.ground_truth", "answer", "ground_truth")
+
+
+@dataclass
+class LoadReport:
+    """What a load kept and what it skipped (file:row and why), for logs and the run report."""
+
+    loaded: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return f"{self.loaded} prompts loaded, {len(self.skipped)} malformed rows skipped"
+
+
+def load_prompts(data_cfg, split: str = "train", report: LoadReport | None = None) -> list[Prompt]:
+    """Prompts of `split` ("train" or "eval") as configured by a `DataConfig`."""
+    report = report if report is not None else LoadReport()
+    if data_cfg.task == "file":
+        files = data_cfg.train_files if split == "train" else data_cfg.eval_files
+        prompts = load_files(files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.on_bad_row, report)
+    else:
+        from megatron_sortedrl.data import arithmetic, knights_knaves
+
+        generator = {"arithmetic": arithmetic.generate, "knights_knaves": knights_knaves.generate}[data_cfg.task]
+        # Train and eval use different seeds so the held-out set is disjoint in expectation.
+        seed = data_cfg.seed if split == "train" else data_cfg.seed + 1_000_003
+        num = data_cfg.num_train_prompts if split == "train" else data_cfg.num_eval_prompts
+        prompts = generator(num, seed, data_cfg.min_difficulty, data_cfg.max_difficulty, id_prefix=f"{data_cfg.task}-{split}")
+        report.loaded += len(prompts)
+    return prompts
+
+
+def load_files(files: list[str], prompt_key: str, answer_key: str, on_bad_row: str = "error",
+               report: LoadReport | None = None) -> list[Prompt]:
+    report = report if report is not None else LoadReport()
+    prompts: list[Prompt] = []
+    seen: dict[str, str] = {}
+    for file in files:
+        path = Path(file)
+        if not path.is_file():
+            raise DatasetError(f"dataset file not found: {path} (check data.train_files / data.eval_files)")
+        for row_no, row in _rows(path):
+            where = f"{path}:{row_no}"
+            try:
+                prompt = _to_prompt(row, path, row_no, prompt_key, answer_key)
+                if prompt.prompt_id in seen:
+                    raise ValueError(f"duplicate prompt id '{prompt.prompt_id}' (first at {seen[prompt.prompt_id]})")
+            except ValueError as exc:
+                if on_bad_row == "error":
+                    raise DatasetError(f"{where}: malformed row: {exc} (fix the row or set data.on_bad_row=skip)") from None
+                report.skipped.append(f"{where}: {exc}")
+                continue
+            seen[prompt.prompt_id] = where
+            prompts.append(prompt)
+            report.loaded += 1
+    return prompts
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, row) pairs; a line that is not JSON is yielded as a ValueError-carrying marker."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as f:
+            for row_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield row_no, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield row_no, _BadRow(f"not valid JSON ({exc.msg} at column {exc.colno})")
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises several types for truncated or foreign files
+            raise DatasetError(f"{path}: cannot read parquet file ({type(exc).__name__}: {exc})") from None
+        for row_no, row in enumerate(table.to_pylist(), start=1):
+            yield row_no, row
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format '{suffix}'; use .jsonl or .parquet")
+
+
+class _BadRow:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _get(row: dict, dotted: str) -> Any:
+    node: Any = row
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _to_prompt(row: Any, path: Path, row_no: int, prompt_key: str, answer_key: str) -> Prompt:
+    if isinstance(row, _BadRow):
+        raise ValueError(row.reason)
+    if not isinstance(row, dict):
+        raise ValueError(f"expected an object, got {type(row).__name__}")
+    raw = _get(row, prompt_key)
+    messages = None
+    if isinstance(raw, list):
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in raw):
+            raise ValueError(f"'{prompt_key}' is a list but not of chat messages with a string 'content'")
+        messages = raw
+        text = "\n".join(m["content"] for m in raw)
+    elif isinstance(raw, str):
+        text = raw
+    elif raw is None:
+        raise ValueError(f"no prompt at key '{prompt_key}' (keys present: {', '.join(sorted(row))})")
+    else:
+        raise ValueError(f"prompt at '{prompt_key}' is a {type(raw).__name__}, expected a string or chat messages")
+    if not text.strip():
+        raise ValueError(f"empty prompt at key '{prompt_key}'")
+    truth = next((v for k in (answer_key, *GROUND_TRUTH_FALLBACKS) if (v := _get(row, k)) is not None), None)
+    if truth is None or (isinstance(truth, str) and not truth.strip()):
+        raise ValueError(f"no ground truth at '{answer_key}' or {', '.join(GROUND_TRUTH_FALLBACKS)}")
+    if isinstance(truth, (list, dict)):
+        truth = json.dumps(truth)
+    row_id = _get(row, "extra_info.index")
+    if row_id is None:
+        row_id = row.get("id")
+    prompt_id = f"{path.stem}:{row_id if row_id is not None else row_no}"
+    meta = {"messages": messages} if messages else {}
+    return Prompt(prompt_id=prompt_id, text=text, ground_truth=str(truth), source=str(row.get("data_source", path.stem)),
+                  meta=meta)

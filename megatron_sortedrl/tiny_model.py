@@ -1,0 +1,124 @@
+"""The built-in tiny model: a Qwen2-architecture causal LM with a character-level tokenizer.
+
+    python -m megatron_sortedrl build-tiny-model --out runs/tiny_model      # or tools/build_tiny_model.py
+
+Writes a standard Hugging Face directory (config.json, model.safetensors, generation_config.json,
+tokenizer.json, tokenizer_config.json, special_tokens_map.json) that `transformers` and `vllm` load
+offline. The tokenizer is a byte-level BPE with no merges (the same pipeline as Qwen2's tokenizer, which
+`transformers` substitutes for any model_type=qwen2 directory), so every printable ASCII character and
+newline is exactly one token and decoding is exact.
+
+Deliberately left out: chat templates (the procedural tasks use plain prompts) and any pretrained
+weights (weights are randomly initialised with a seed; the RL driver warm-starts them on the task).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from megatron_sortedrl.config import TinyModelConfig
+
+EOS = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>", "<unk>"]
+CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
+VOCAB_SIZE = 128  # len(SPECIAL_TOKENS) + len(CHARACTERS) = 100, padded to a multiple of 64 for TP splits
+
+
+def build_tokenizer():
+    """Returns the character-level `tokenizers.Tokenizer` (ids: special tokens first, then characters)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # Byte-level BPE stores each byte as a printable unicode stand-in (space is 'Ġ', newline 'Ċ').
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab[_BYTE_TO_UNICODE[ord(ch)]] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table, used by every byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+
+
+def qwen2_config(tiny: TinyModelConfig) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": tiny.hidden_size,
+        "intermediate_size": tiny.intermediate_size,
+        "num_hidden_layers": tiny.num_layers,
+        "num_attention_heads": tiny.num_attention_heads,
+        "num_key_value_heads": tiny.num_key_value_heads,
+        "head_dim": tiny.hidden_size // tiny.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": tiny.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": tiny.rope_theta,
+        "tie_word_embeddings": tiny.tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "initializer_range": 0.02,
+        "bos_token_id": SPECIAL_TOKENS.index(EOS),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS),
+        "pad_token_id": SPECIAL_TOKENS.index(EOS),
+        "torch_dtype": "float32",
+    }
+
+
+def build_tiny_model(out: str | Path, tiny: TinyModelConfig | None = None, overwrite: bool = False) -> Path:
+    """Writes the tiny model directory at `out` and returns its path.
+
+    The directory appears atomically (written to a temporary sibling, then renamed), so an interrupted
+    build never leaves a half-written model that a later run would try to load.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tiny = tiny or TinyModelConfig()
+    out = Path(out)
+    if out.exists() and not overwrite:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        torch.manual_seed(tiny.seed)
+        model = Qwen2ForCausalLM(Qwen2Config(**qwen2_config(tiny))).to(torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        build_tokenizer().save(str(tmp / "tokenizer.json"))
+        eos_id = SPECIAL_TOKENS.index(EOS)
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>", "bos_token": None,
+            "model_max_length": tiny.max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": False, "add_eos_token": False,
+        }, indent=2))
+        (tmp / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>"}))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
