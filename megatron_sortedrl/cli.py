@@ -16,6 +16,7 @@ from megatron_sortedrl.errors import UserError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_sortedrl.commands.config_cmd", "print the resolved config (or every key's help with --explain)"),
+    "nvml-report": ("megatron_sortedrl.commands.nvml_report", "render the NVML utilization report (HTML, PNG, CSV) of a run dir or sample file"),
     "build-tiny-model": ("megatron_sortedrl.commands.build_tiny", "write the built-in tiny Qwen2 model as a Hugging Face directory"),
     "data": ("megatron_sortedrl.commands.data_cmd", "generate, load and summarise the prompts of a config"),
     "smoke": ("megatron_sortedrl.commands.smoke", "build the tiny model, generate and score a few prompts"),
@@ -57,6 +58,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The common `<config.yaml> [key=value ...]` positional arguments."""
+    """The common `[config.yaml] [key=value ...]` positional arguments; read them with `config_from_args`."""
     parser.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.num_workers=2")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The validated RunConfig of `add_config_arguments`; a first `key=value` is an override, not a file."""
+    from megatron_sortedrl.config import load_config
+
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
+        path, overrides = None, [path, *overrides]
+    return load_config(path, overrides)
