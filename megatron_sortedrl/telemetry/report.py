@@ -85,8 +85,7 @@ def plot_heatmap(samples: Samples, events: Sequence[Event], path: Path) -> Path:
     if not names:
         ax_p.text(0.5, 0.5, "no timeline: phases unknown", transform=ax_p.transAxes, ha="center", va="center", fontsize=8)
     ax_p.tick_params(axis="x", labelbottom=False)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#eeeeee")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")  # grey where a GPU has no sample
     im = ax_h.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, vmin=0, vmax=100,
                      extent=(t0, t1, len(keys), 0), interpolation="nearest")
     ax_h.set_yticks([i + 0.5 for i in range(len(keys))], [gpu_label(k, single) for k in keys], fontsize=8)
@@ -108,8 +107,7 @@ def plot_idle_by_phase(summary: Sequence[PhaseUtil], path: Path) -> Path:
     for r in summary:
         matrix[keys.index((r.host, r.gpu)), phases.index(r.phase)] = r.idle_fraction
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(phases), 1.0 + 0.35 * len(keys)))
-    cmap = plt.get_cmap("Reds").copy()
-    cmap.set_bad("#eeeeee")
+    cmap = plt.get_cmap("Reds").with_extremes(bad="#eeeeee")
     im = ax.imshow(np.ma.masked_invalid(matrix), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     if matrix.size <= 600:  # numbers stay legible up to about this many cells
         for i in range(len(keys)):
