@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny_cpu.yaml
 PYTEST_ARGS ?= -m "not gpu and not slow"
+# The main job; `train` (the RL driver) replaces `smoke` once it exists.
+RUN_COMMAND ?= smoke
 
 .PHONY: setup run test test-all clean
 
@@ -13,7 +15,7 @@ setup:
 	@VENV=$(VENV) bash tools/setup_env.sh
 
 run: setup
-	$(PY) -m megatron_sortedrl train $(CONFIG)
+	$(PY) -m megatron_sortedrl $(RUN_COMMAND) $(CONFIG)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

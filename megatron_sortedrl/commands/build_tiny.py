@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_sortedrl.cli import add_config_arguments
-from megatron_sortedrl.config import load_config
+from megatron_sortedrl.cli import add_config_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_sortedrl.tiny_model import build_tiny_model
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = config_from_args(args)
     out = build_tiny_model(args.out or cfg.model.path, cfg.model.tiny, overwrite=args.overwrite)
     print(f"tiny model at {out}")
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_sortedrl.cli import add_config_arguments
-from megatron_sortedrl.config import field_help, load_config, to_yaml
+from megatron_sortedrl.cli import add_config_arguments, config_from_args
+from megatron_sortedrl.config import field_help, to_yaml
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,5 +18,5 @@ def run(args: argparse.Namespace) -> int:
         for key, default, text in field_help():
             print(f"{key:45s} {default:>14s}  {text}")
         return 0
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    print(to_yaml(config_from_args(args)), end="")
     return 0

@@ -3,9 +3,11 @@
     from megatron_sortedrl.data.arithmetic import generate
     prompts = generate(num=256, seed=0, min_difficulty=1, max_difficulty=4)
 
-A prompt of difficulty d adds 2..max(2, d) numbers of up to d digits each, so the worked solution grows
-roughly with d squared: one scratchpad line per column, `carry+digit+digit...=column_sum`, right to left,
-then `#### <answer>`. Example for `57+68=`:
+A prompt of difficulty d adds 2..max(2, d) numbers, the first with exactly d digits and the others with
+1..d, so the worked solution grows roughly with d squared: one scratchpad line per column,
+`carry+digit+digit...=column_sum`, right to left, then `#### <answer>`. Difficulties are drawn with
+weight 1/d, so most prompts are short and a few are long: the long tail the scheduler exists for.
+Example for `57+68=`:
 
     0+7+8=15
     1+5+6=12
@@ -27,8 +29,8 @@ ANSWER_MARK = "####"
 def make_problem(rng: random.Random, difficulty: int) -> tuple[list[int], str]:
     """Returns (operands, worked solution) for one problem of the given difficulty."""
     n_operands = rng.randint(2, max(2, difficulty))
-    digits = [rng.randint(1, difficulty) for _ in range(n_operands)]
-    operands = [rng.randint(10 ** (d - 1) if d > 1 else 0, 10**d - 1) for d in digits]
+    digits = [difficulty] + [rng.randint(1, difficulty) for _ in range(n_operands - 1)]
+    operands = [rng.randint(10 ** (d - 1), 10**d - 1) for d in digits]
     return operands, scratchpad(operands)
 
 
@@ -49,8 +51,10 @@ def generate(num: int, seed: int, min_difficulty: int, max_difficulty: int, id_p
     """`num` prompts; the same seed always gives the same prompts (ids, text, answers)."""
     rng = random.Random(seed)
     prompts = []
+    levels = list(range(min_difficulty, max_difficulty + 1))
+    weights = [1.0 / d for d in levels]
     for i in range(num):
-        difficulty = rng.randint(min_difficulty, max_difficulty)
+        difficulty = rng.choices(levels, weights)[0]
         operands, solution = make_problem(rng, difficulty)
         prompts.append(Prompt(
             prompt_id=f"{id_prefix}-{seed}-{i}",

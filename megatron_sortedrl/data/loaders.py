@@ -7,7 +7,7 @@ A file row is a JSON object (jsonl) or a table row (parquet). The prompt is read
 (a dotted path; a string, or a list of chat messages `{"role", "content"}` as in verl's and DAPO-Math's
 files), the ground truth from `data.answer_key`, falling back to `reward_model.ground_truth` (verl),
 `answer` and `ground_truth`. The prompt id is `extra_info.index` or `id` when present (so history stays
-keyed on the same prompt across file reorderings), else `<file stem>:<row>`.
+keyed on the same prompt across file reorderings), else `<file stem>:row<row>`.
 
 A malformed row (not an object, no prompt, empty prompt, no ground truth, duplicate id) raises a
 `DatasetError` naming the file and the 1-based row, or with `data.on_bad_row=skip` is skipped and counted:
@@ -152,7 +152,8 @@ def _to_prompt(row: Any, path: Path, row_no: int, prompt_key: str, answer_key: s
     row_id = _get(row, "extra_info.index")
     if row_id is None:
         row_id = row.get("id")
-    prompt_id = f"{path.stem}:{row_id if row_id is not None else row_no}"
+    # Explicit ids and row numbers live in separate namespaces so they never collide.
+    prompt_id = f"{path.stem}:{row_id}" if row_id is not None else f"{path.stem}:row{row_no}"
     meta = {"messages": messages} if messages else {}
     return Prompt(prompt_id=prompt_id, text=text, ground_truth=str(truth), source=str(row.get("data_source", path.stem)),
                   meta=meta)
