@@ -64,6 +64,14 @@ def test_steps_table_has_breakdown_and_bubbles(report):
                                              "slot_bubble": 1 - 2.7 / 6})
 
 
+def test_headline_figures(report):
+    # Pooled over steps: idle worker-seconds (2 + 0.3) over worker-seconds (2 x 4 + 2 x 1.5).
+    assert report.headline == pytest.approx({"gpus": 2, "recorded_s": 10.0, "idle_fraction": (0.38 + 0.21) / 2,
+                                             "worker_bubble": 2.3 / 11, "slot_bubble": 1 - (10 + 2.7) / (16 + 6),
+                                             "steps": 2, "mean_step_s": (8.5 + 1.5) / 2})
+    assert "20.9%" in report.html.read_text()  # the pooled worker bubble, shown first
+
+
 def test_report_files_figures_and_csv(report):
     assert set(report.figures) == {"utilization", "idle", "bubbles", "breakdown"}
     for path in report.figures.values():

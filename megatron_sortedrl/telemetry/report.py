@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 
 from megatron_sortedrl.telemetry.nvml import Samples  # noqa: E402
 from megatron_sortedrl.telemetry.timeline import (  # noqa: E402
-    PHASES, Event, phase_intervals, rollout_bubble_by_step, step_breakdown)
+    PHASES, Event, phase_intervals, rollout_bubble_by_step, slot_bubble_ratio, step_breakdown, step_windows,
+    worker_bubble_ratio)
 from megatron_sortedrl.telemetry.utilization import (  # noqa: E402
     PhaseUtil, gpu_label, heatmap_grid, phase_utilization)
 
@@ -51,6 +52,7 @@ class Report:
     summary: list[PhaseUtil] = field(default_factory=list)
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    headline: dict[str, float] = field(default_factory=dict)  # whole-run figures shown first
 
 
 def _color(phase: str) -> str:
@@ -176,6 +178,25 @@ def step_table(events: Sequence[Event], max_batch: int | None) -> dict[int, dict
     return table
 
 
+def headline(report: Report, samples: Samples, events: Sequence[Event], max_batch: int | None) -> dict[str, float]:
+    """Whole-run figures: recording length, GPUs, mean idle fraction, pooled bubble ratios, step time."""
+    out: dict[str, float] = {}
+    whole = [r for r in report.summary if r.phase == "all"]
+    if whole:
+        out["gpus"] = len(whole)
+        out["recorded_s"] = max(r.seconds for r in whole)
+        out["idle_fraction"] = sum(r.idle_fraction for r in whole) / len(whole)
+    if any("worker_bubble" in row for row in report.steps.values()):
+        out["worker_bubble"] = worker_bubble_ratio(events)
+        if max_batch:
+            out["slot_bubble"] = slot_bubble_ratio(events, max_batch)
+    if report.steps:
+        walls = step_windows(events)
+        out["steps"] = len(walls)
+        out["mean_step_s"] = sum(b - a for a, b in walls.values()) / len(walls)
+    return out
+
+
 def write_csvs(out_dir: Path, summary: Sequence[PhaseUtil], steps: dict[int, dict[str, float]]) -> None:
     with open(out_dir / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(PhaseUtil.__dataclass_fields__))
@@ -213,6 +234,7 @@ def render(samples: Samples, events: Sequence[Event], out_dir: str | os.PathLike
             report.figures["breakdown"] = plot_breakdown(report.steps, out / "step_breakdown.png")
     else:
         report.notes.append("No timeline: phase bands, bubble ratios and the step breakdown need the run's timeline*.jsonl.")
+    report.headline = headline(report, samples, events, max_batch)
     write_csvs(out, report.summary, report.steps)
     report.html.write_text(_html(report, samples, title, source), encoding="utf-8")
     return report
@@ -227,6 +249,17 @@ _CAPTIONS = {
                "bubble: share of engine batch slots left empty during the rollout phase.",
     "breakdown": "Seconds per phase per step; idle is the step's wall time covered by no phase.",
 }
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 3, 6] -> "0-3, 6"."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def _img(path: Path) -> str:
@@ -247,19 +280,18 @@ def _html(report: Report, samples: Samples, title: str, source: str) -> str:
         parts.append(f"<p>Source: <code>{e(source)}</code></p>")
     for note in report.notes:
         parts.append(f"<p class='note'>{e(note)}</p>")
-    if samples.meta:
-        rows = "".join(f"<tr><td>{e(str(m.get('host')))}</td><td>{g.get('index')}</td><td>{e(str(g.get('name')))}</td>"
-                       f"<td>{g.get('mem_total_mib')}</td><td>{g.get('power_limit_w')}</td>"
-                       f"<td>{m.get('interval_s')}</td><td>{e(str(m.get('driver')))}</td></tr>"
-                       for m in samples.meta for g in m.get("gpus", []))
-        parts.append("<h2>Hardware</h2><table><tr><th>host</th><th>GPU</th><th>name</th><th>memory MiB</th>"
-                     f"<th>power limit W</th><th>interval s</th><th>driver</th></tr>{rows}</table>")
-    if samples.overhead:
-        rows = "".join(f"<tr><td>{o.get('ticks')}</td><td>{o.get('ms_per_tick')}</td>"
-                       f"<td>{100 * o.get('cpu_fraction_of_one_core', 0):.3f} %</td><td>{o.get('late_ticks')}</td></tr>"
-                       for o in samples.overhead)
-        parts.append("<h2>Sampler cost</h2><table><tr><th>ticks</th><th>ms per tick</th>"
-                     f"<th>CPU of one core</th><th>late ticks</th></tr>{rows}</table>")
+    h = report.headline
+    items = []
+    if "gpus" in h:
+        items.append(f"{h['recorded_s']:.0f} s recorded on {h['gpus']:.0f} GPU(s); "
+                     f"mean idle fraction over the whole run: <b>{h['idle_fraction']:.1%}</b>")
+    if "worker_bubble" in h:
+        slot = f", slot bubble ratio <b>{h['slot_bubble']:.1%}</b>" if "slot_bubble" in h else ""
+        items.append(f"rollout worker bubble ratio over all steps: <b>{h['worker_bubble']:.1%}</b>{slot}")
+    if "steps" in h:
+        items.append(f"{h['steps']:.0f} step(s), mean step time {h['mean_step_s']:.1f} s")
+    if items:
+        parts.append("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
     for name in ("utilization", "idle", "bubbles", "breakdown"):
         if name in report.figures:
             parts.append(f"<figure>{_img(report.figures[name])}<figcaption>{e(_CAPTIONS[name])}</figcaption></figure>")
@@ -278,5 +310,23 @@ def _html(report: Report, samples: Samples, title: str, source: str) -> str:
             f"<td>{report.steps[s][c]:.3f}</td>" if c in report.steps[s] else "<td></td>" for c in cols))
             for s in sorted(report.steps))
         parts.append(f"<h2>Per step</h2><p>Also in <code>steps.csv</code>.</p><table><tr><th>step</th>{head}</tr>{rows}</table>")
+    if samples.meta:
+        # One row per host and GPU model, not per GPU: an 8-GPU node is one line.
+        groups: dict[tuple, list[int]] = {}
+        for m in samples.meta:
+            for g in m.get("gpus", []):
+                key = (m.get("host"), g.get("name"), g.get("mem_total_mib"), g.get("power_limit_w"),
+                       m.get("interval_s"), m.get("driver"))
+                groups.setdefault(key, []).append(g.get("index"))
+        rows = "".join("<tr>" + "".join(f"<td>{e(str(v))}</td>" for v in (k[0], _ranges(ix), *k[1:])) + "</tr>"
+                       for k, ix in groups.items())
+        parts.append("<h2>Hardware</h2><table><tr><th>host</th><th>GPUs</th><th>name</th><th>memory MiB</th>"
+                     f"<th>power limit W</th><th>interval s</th><th>driver</th></tr>{rows}</table>")
+    if samples.overhead:
+        rows = "".join(f"<tr><td>{o.get('ticks')}</td><td>{o.get('ms_per_tick')}</td>"
+                       f"<td>{100 * o.get('cpu_fraction_of_one_core', 0):.3f} %</td><td>{o.get('late_ticks')}</td></tr>"
+                       for o in samples.overhead)
+        parts.append("<h2>Sampler cost</h2><table><tr><th>ticks</th><th>ms per tick</th>"
+                     f"<th>CPU of one core</th><th>late ticks</th></tr>{rows}</table>")
     parts.append("</body></html>")
     return "\n".join(parts)
