@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "nvml-report": ("megatron_sortedrl.commands.nvml_report", "render the NVML utilization report (HTML, PNG, CSV) of a run dir or sample file"),
     "build-tiny-model": ("megatron_sortedrl.commands.build_tiny", "write the built-in tiny Qwen2 model as a Hugging Face directory"),
     "data": ("megatron_sortedrl.commands.data_cmd", "generate, load and summarise the prompts of a config"),
+    "layout": ("megatron_sortedrl.commands.layout_cmd", "print where trainer ranks and rollout engines go (dry run)"),
     "smoke": ("megatron_sortedrl.commands.smoke", "build the tiny model, generate and score a few prompts"),
 }
 

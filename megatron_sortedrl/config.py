@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.layout import check_layout
 from scheduler.config import SchedulerConfig
 from speculative.config import SpeculativeConfig
 
@@ -273,8 +274,14 @@ class RunConfig:
     cluster: ClusterConfig = _help("Machines and devices.", factory=ClusterConfig)
 
     def __post_init__(self) -> None:
-        self.validate_model_shape(self.model.tiny.num_attention_heads, self.model.tiny.num_key_value_heads,
-                                  self.model.tiny.num_layers)
+        hf_config = Path(self.model.path) / "config.json"
+        if hf_config.is_file():  # a real model directory: check the layout against its shape
+            shape = json.loads(hf_config.read_text())
+            heads = shape.get("num_attention_heads", 1)
+            self.validate_model_shape(heads, shape.get("num_key_value_heads", heads), shape.get("num_hidden_layers", 1))
+        elif self.model.build_tiny_if_missing:
+            tiny = self.model.tiny
+            self.validate_model_shape(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers)
         s, r = self.scheduler, self.rollout
         samples_per_round = s.rollout_batch_size * r.n_samples_per_prompt
         if samples_per_round < s.update_batch_size:
@@ -292,6 +299,7 @@ class RunConfig:
             )
         if self.algorithm.advantage in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
             raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt, f">= 2 for {self.algorithm.advantage}")
+        check_layout(self)
 
     def validate_model_shape(self, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
         """Checks the trainer layout against a model's shape (also called with a real HF config)."""
@@ -376,6 +384,10 @@ def _raise_unknown(key: str) -> None:
 def _translate(exc: OmegaConfBaseException, path: Path) -> ConfigError:
     key = getattr(exc, "full_key", None) or "<config>"
     msg = _first_line(exc)
+    env = re.search(r"Environment variable '([^']+)' not found", msg)
+    if env:
+        return ConfigError(key, f"${{oc.env:{env.group(1)}}}",
+                           f"environment variable {env.group(1)} to be set (export {env.group(1)}=... before launching)")
     if "not in" in msg or type(exc).__name__ == "ConfigKeyError":
         try:
             _raise_unknown(key)

@@ -23,8 +23,8 @@ def test_default_config_loads_typed():
 
 def test_every_recipe_in_configs_validates():
     for path in sorted((REPO / "configs").glob("*.yaml")):
-        if path.name.startswith("sim_"):
-            continue  # simulator parameter files have their own schema
+        if path.name.startswith("sim_") or "${oc.env:" in path.read_text():
+            continue  # simulator parameter files have their own schema; cluster recipes: tests/test_layout.py
         load_config(path)
 
 
