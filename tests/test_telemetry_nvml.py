@@ -206,3 +206,27 @@ def test_sampler_sees_a_matmul_load_on_a_real_gpu(tmp_path):
     assert 0 < mean(busy, "sm_clock_mhz") < 5000 and 10 < mean(busy, "temp_c") < 110
     print(f"sampler cost on GPU: {stats}")
     assert stats["ms_per_tick"] < 25  # well under the 50 ms interval
+
+
+def test_node_sampler_actor_writes_the_hosts_file_on_the_run_clock(tmp_path, monkeypatch):
+    from megatron_sortedrl.telemetry.nodes import SamplerActor
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(count=1))
+    actor = SamplerActor(str(tmp_path), epoch=time.time() - 10.0, interval_s=0.02)  # what each Ray actor runs
+    assert actor.status() == (socket.gethostname(), True, None)
+    time.sleep(0.1)
+    assert actor.stop()["ticks"] >= 2
+    rows = read_samples(tmp_path / "nvml" / f"{socket.gethostname()}.jsonl").rows
+    assert rows and all(10.0 <= r["t"] < 20.0 for r in rows)
+
+
+def test_cpu_only_ray_cluster_starts_no_samplers_and_says_so(monkeypatch, caplog, tmp_path):
+    ray = pytest.importorskip("ray")
+    from megatron_sortedrl.telemetry.nodes import NodeSamplers
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "a", "Alive": True, "Resources": {"CPU": 2}}])
+    with caplog.at_level(logging.WARNING):
+        samplers = NodeSamplers.start(tmp_path, epoch=0.0)
+    assert samplers.actors == [] and samplers.stop() == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVML unavailable: the Ray cluster has no GPU nodes; continuing without GPU utilization sampling"]

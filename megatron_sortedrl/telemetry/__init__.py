@@ -4,7 +4,13 @@
   DESIGN section 4 computed from it (worker and slot bubble ratios, step-time breakdown).
 - `nvml`: a background sampler of every visible NVIDIA GPU (SM utilization, memory, power, clocks,
   temperature) on the same clock as the timeline; without an NVIDIA driver it says so and does nothing.
+- `nodes`: one sampler per GPU node of a Ray cluster, started by the driver.
+- `utilization`: samples joined with phases (idle fraction per GPU and phase).
 - `report`: the HTML utilization report (`python -m megatron_sortedrl nvml-report <run_dir>`).
+- `record`: standalone sampling around any command (`python tools/nvml_record.py -- <command>`).
+- `demo`: a synthetic run directory for trying the report without a GPU.
+
+Usage and definitions: docs/telemetry.md.
 
 Left out: a metrics server or dashboard; everything is files in the run directory.
 """
