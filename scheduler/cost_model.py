@@ -1,0 +1,146 @@
+"""Cost model of one continuously batched rollout engine: decode step time, prefill time, KV capacity.
+
+Used twice with the same numbers: the simulator's engines advance by it, and the `cost_model` layout
+planner estimates round times with it. Decode is modelled as memory bound (a roofline): each step reads
+the weights once and the KV cache of every running sequence, split over the engine's TP GPUs, plus a fixed
+per-step overhead, a per-sequence compute term and an all-reduce term that grows with log2(TP):
+
+    step_s(tp, B, C) = overhead + comm * log2(tp) + (weight_bytes + C * kv_bytes_per_token) / (tp * hbm)
+                       + per_seq_s * B / tp
+    prefill_s(tp, T) = T / (prefill_tokens_per_s_per_gpu * tp)
+    kv_capacity(tp)  = (tp * gpu_mem * mem_utilization - weight_bytes) / kv_bytes_per_token
+
+B = running sequences, C = their total context (prompt + generated tokens). Parameters come from
+`configs/sim_*.yaml` (`engine:` section) or `fit_decode_from_timeline`.
+
+Left out: speculative decoding (a speedup factor on tokens per step would go here), chunked-prefill
+interleaving details, and pipeline parallelism inside an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_sortedrl.errors import ConfigError
+
+GIB = 1024**3
+
+
+def _h(text: str, default: float) -> float:
+    return field(default=default, metadata={"help": text})  # type: ignore[return-value]
+
+
+@dataclass
+class EngineCostModel:
+    hbm_gbs: float = _h("Memory bandwidth of one GPU (or CPU socket share) in GB/s.", 3350.0)
+    gpu_mem_gib: float = _h("Memory of one GPU in GiB.", 80.0)
+    mem_utilization: float = _h("Fraction of memory the engine may use (vLLM gpu_memory_utilization).", 0.9)
+    weight_gib: float = _h("Model weights in GiB (whole model, all TP shards together).", 61.0)
+    kv_bytes_per_token: float = _h("KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype bytes).", 262144.0)
+    step_overhead_s: float = _h("Fixed cost of one decode step (scheduling, sampling, launches) in seconds.", 0.006)
+    tp_comm_s: float = _h("All-reduce cost per decode step per doubling of TP, in seconds.", 0.002)
+    per_seq_s: float = _h("Compute per running sequence per decode step at TP=1, in seconds.", 0.00004)
+    prefill_tokens_per_s: float = _h("Prefill throughput of one GPU in tokens/s.", 12000.0)
+    max_num_seqs: int = _h("Running sequences per engine (vLLM max_num_seqs).", 256)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        for key in ("hbm_gbs", "gpu_mem_gib", "kv_bytes_per_token", "prefill_tokens_per_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"engine.{key}", getattr(self, key), "a positive number")
+        for key in ("weight_gib", "step_overhead_s", "tp_comm_s", "per_seq_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"engine.{key}", getattr(self, key), "a number >= 0")
+        if not 0 < self.mem_utilization <= 1:
+            raise ConfigError("engine.mem_utilization", self.mem_utilization, "a float in (0, 1]")
+        if self.max_num_seqs < 1:
+            raise ConfigError("engine.max_num_seqs", self.max_num_seqs, "an integer >= 1")
+
+    def kv_capacity(self, tp: int) -> int:
+        """KV-cache tokens one engine of TP `tp` can hold (0 when the weights do not fit)."""
+        free = tp * self.gpu_mem_gib * self.mem_utilization * GIB - self.weight_gib * GIB
+        return max(0, int(free / self.kv_bytes_per_token))
+
+    def min_tp(self) -> int:
+        """Smallest power-of-two TP whose engine holds the weights and at least one long context."""
+        tp = 1
+        while self.kv_capacity(tp) <= 0 and tp < 1024:
+            tp *= 2
+        return tp
+
+    def decode_step_s(self, tp: int, batch: int, context_tokens: float) -> float:
+        bytes_read = self.weight_gib * GIB + context_tokens * self.kv_bytes_per_token
+        return (self.step_overhead_s + self.tp_comm_s * math.log2(tp) + bytes_read / (tp * self.hbm_gbs * 1e9)
+                + self.per_seq_s * batch / tp)
+
+    def prefill_s(self, tp: int, tokens: float) -> float:
+        return tokens / (self.prefill_tokens_per_s * tp)
+
+    def estimate_round_s(self, tp: int, num_engines: int, lengths: list[float], prompt_len: float) -> float:
+        """Rough time for `num_engines` engines of TP `tp` to generate `lengths` (planner's estimate).
+
+        Per engine (requests dealt longest-first onto the least-loaded engine): the larger of a latency
+        bound (its longest request decoded with a small batch) and a throughput bound (its tokens at the
+        batch the KV cache and max_num_seqs allow), plus prefill.
+        """
+        if not lengths or num_engines < 1:
+            return 0.0
+        cap = self.kv_capacity(tp)
+        if cap <= 0:
+            return math.inf
+        loads = [[0.0, 0, 0.0] for _ in range(num_engines)]  # tokens, count, longest
+        for length in sorted(lengths, reverse=True):
+            slot = min(loads, key=lambda x: x[0])
+            slot[0] += length
+            slot[1] += 1
+            slot[2] = max(slot[2], length)
+        worst = 0.0
+        for tokens, count, longest in loads:
+            if not count:
+                continue
+            mean = tokens / count
+            batch = max(1, min(count, self.max_num_seqs, int(cap / (prompt_len + mean / 2 + 1))))
+            throughput = batch / self.decode_step_s(tp, batch, batch * (prompt_len + mean / 2))
+            latency = longest * self.decode_step_s(tp, min(count, 4), 4 * (prompt_len + longest / 2))
+            worst = max(worst, max(latency, tokens / throughput) + self.prefill_s(tp, count * prompt_len))
+        return worst
+
+
+def fit_decode_from_timeline(events: list, model: EngineCostModel, tp: int = 1) -> EngineCostModel:
+    """Refits `step_overhead_s` and `per_seq_s` from a real run's timeline (request first_token/finish).
+
+    Each finished request gives one point: its seconds per decoded token against the mean number of
+    requests running on its worker meanwhile. A least-squares line `s = a + b * B` gives the per-step
+    overhead (a, minus the weight-read time the roofline already charges) and the per-sequence cost (b * tp).
+    Returns a copy; with fewer than two usable points the model is returned unchanged.
+    """
+    from dataclasses import replace
+
+    first, finish, worker = {}, {}, {}
+    for e in events:
+        if e.kind != "request" or e.sample_id is None:
+            continue
+        if e.event == "first_token":
+            first[e.sample_id] = e.t
+        elif e.event == "finish" and e.tokens:
+            finish[e.sample_id] = (e.t, e.tokens)
+            worker[e.sample_id] = e.worker
+    spans = {sid: (first[sid], finish[sid][0], finish[sid][1]) for sid in finish if sid in first}
+    points = []
+    for sid, (a, b, tokens) in spans.items():
+        if b <= a or tokens < 2:
+            continue
+        overlap = sum(max(0.0, min(b, d) - max(a, c)) for o, (c, d, _) in spans.items()
+                      if worker[o] == worker[sid])
+        points.append((overlap / (b - a), (b - a) / tokens))
+    if len(points) < 2:
+        return model
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    var = sum((p[0] - mx) ** 2 for p in points)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / var if var > 0 else 0.0
+    intercept = my - slope * mx
+    weights_s = model.weight_gib * GIB / (tp * model.hbm_gbs * 1e9)
+    return replace(model, step_overhead_s=max(0.0, intercept - weights_s - model.tp_comm_s * math.log2(tp)),
+                   per_seq_s=max(0.0, slope * tp))

@@ -1,0 +1,120 @@
+"""Per-prompt history of response lengths and the length predictor built on it.
+
+    from scheduler.history import LengthHistory
+    h = LengthHistory(predictor="prev_max")
+    h.record("p17", epoch=0, length=812)        # every finished sample, all n of them
+    h.predict("p17")                            # -> 812.0; unseen prompts get the dataset-wide fallback
+
+What it keeps: for each prompt, the lengths of its finished samples in the last `keep_epochs` epochs and
+a lower bound from aborted samples (an aborted sample that reached L tokens says the prompt runs at least
+L long). Memory is bounded: at most `max_prompts` prompts (least recently recorded evicted) and a ring of
+`global_window` recent lengths for the dataset-wide fallback. `state_dict()` is plain JSON.
+
+Left out: per-token history (that lives in speculative/, which keeps the responses themselves) and any
+learned predictor; the papers report that the previous epoch's lengths already predict well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from typing import Any
+
+PREDICTORS = ("prev_max", "prev_mean", "quantile")
+
+
+def quantile(values: list[float] | list[int], q: float) -> float:
+    """Nearest-rank quantile (q in (0, 1]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))])
+
+
+class LengthHistory:
+    def __init__(self, predictor: str = "prev_max", quantile_q: float = 0.9, max_prompts: int = 1_000_000,
+                 keep_epochs: int = 2, global_window: int = 8192) -> None:
+        if predictor not in PREDICTORS:
+            raise ValueError(f"predictor={predictor!r}; expected one of {PREDICTORS}")
+        self.predictor, self.q = predictor, quantile_q
+        self.max_prompts, self.keep_epochs = max_prompts, keep_epochs
+        # prompt_id -> {epoch: [lengths]}; OrderedDict order is recency of the last record (LRU eviction).
+        self._lengths: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
+        self._lower: dict[str, int] = {}  # prompt_id -> longest aborted partial seen (tokens)
+        self._recent: deque[int] = deque(maxlen=global_window)
+
+    # -- recording ----------------------------------------------------------------------------------------
+
+    def record(self, prompt_id: str, epoch: int, length: int) -> None:
+        """One finished sample of `prompt_id` in `epoch` had `length` response tokens."""
+        per_epoch = self._lengths.pop(prompt_id, {})
+        per_epoch.setdefault(epoch, []).append(int(length))
+        for old in sorted(per_epoch)[: -self.keep_epochs]:
+            del per_epoch[old]
+        self._lengths[prompt_id] = per_epoch
+        self._recent.append(int(length))
+        while len(self._lengths) > self.max_prompts:
+            evicted, _ = self._lengths.popitem(last=False)
+            self._lower.pop(evicted, None)
+
+    def record_lower_bound(self, prompt_id: str, tokens: int) -> None:
+        """An aborted sample of `prompt_id` had already generated `tokens`: its length is at least that."""
+        if tokens > self._lower.get(prompt_id, 0):
+            self._lower[prompt_id] = int(tokens)
+            if len(self._lower) > self.max_prompts:  # bounded even for prompts that never finish
+                self._lower.pop(next(iter(self._lower)))
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __contains__(self, prompt_id: str) -> bool:
+        return prompt_id in self._lengths
+
+    def known(self, prompt_id: str) -> bool:
+        """Whether anything was recorded about this prompt (a finished sample or an aborted partial)."""
+        return prompt_id in self._lengths or prompt_id in self._lower
+
+    def lengths(self, prompt_id: str, epoch: int | None = None) -> list[int]:
+        """Recorded lengths of one epoch (default: the latest epoch with records)."""
+        per_epoch = self._lengths.get(prompt_id)
+        if not per_epoch:
+            return []
+        return list(per_epoch.get(max(per_epoch) if epoch is None else epoch, []))
+
+    def fallback(self) -> float:
+        """Prediction for an unseen prompt, from the dataset-wide recent lengths (0.0 before any record)."""
+        recent = list(self._recent)
+        if not recent:
+            return 0.0
+        if self.predictor == "prev_mean":
+            return sum(recent) / len(recent)
+        return quantile(recent, self.q)
+
+    def predict(self, prompt_id: str) -> float:
+        """Predicted response length in tokens from the latest epoch with records, raised to any lower bound."""
+        seen = self.lengths(prompt_id)
+        if not seen:
+            guess = self.fallback()
+        elif self.predictor == "prev_max":
+            guess = float(max(seen))
+        elif self.predictor == "prev_mean":
+            guess = sum(seen) / len(seen)
+        else:
+            guess = quantile(seen, self.q)
+        return max(guess, float(self._lower.get(prompt_id, 0)))
+
+    # -- checkpointing ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "predictor": self.predictor, "quantile": self.q,
+            "lengths": [[pid, {str(e): v for e, v in per.items()}] for pid, per in self._lengths.items()],
+            "lower": dict(self._lower), "recent": list(self._recent),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._lengths = OrderedDict((pid, {int(e): list(v) for e, v in per.items()}) for pid, per in state["lengths"])
+        self._lower = {k: int(v) for k, v in state.get("lower", {}).items()}
+        self._recent = deque(state.get("recent", []), maxlen=self._recent.maxlen)

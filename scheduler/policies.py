@@ -1,0 +1,215 @@
+"""Tier-1 policies: round composition and harvest. Each implements `scheduler.protocol.SchedulingPolicy`.
+
+    from scheduler.policies import make_policy
+    policy = make_policy(cfg.scheduler, prompt_ids, n_samples=4, max_response_length=256, planner=planner)
+
+- `sync`: `rollout_batch_size` prompts x n; harvest when every sample finished (the slowest decides).
+- `sorted` (SortedRL): a group of `group_size` prompts x n is submitted at once (oversubscribing the
+  engines); as soon as `update_batch_size / n` prompts have all n samples finished, they are harvested
+  (shortest first) and everything still running is aborted: re-queued from scratch (on_policy) or cached
+  with tokens, log-probs and versions and resumed next round (partial, dropped past `max_staleness`).
+  No new prompt is loaded before the whole group has been trained; the group's last round waits for all.
+- `tail` (RollPacker tail batching, on-policy): a short round launches ceil(eta * P0) prompts with
+  ceil(eta * n) responses each (eta = `oversubscription`, P0 = `rollout_batch_size`), keeps the first n
+  responses of the first P0 prompts to complete, aborts the rest and defers those prompts to the long-tail
+  queue. Prompts whose history predicts a long response are deferred before they run. A long round runs
+  the first P0 queued prompts x n at full length (no over-provisioning) when the queue holds P0 of them, or
+  whatever is queued once the data is exhausted.
+- `twotier` (ours): `sorted`'s groups, harvest and staleness control, plus routing: prompts predicted
+  (from their history) longer than `long_round_threshold * max_response_length`, or aborted in more
+  than max(1, max_staleness) short rounds, go to the group's long round, which runs once the group's short
+  prompts are consumed, in the long-round engine layout, and is harvested whole. Leftover short prompts too
+  few for an update batch join the long round (or, if it is empty, form a final round that waits for all).
+
+Left out: asynchronous (overlapping) generation and training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from scheduler.base import PolicyBase, PromptState
+from scheduler.protocol import Clock, Harvest, Round
+
+POLICIES = ("sync", "sorted", "tail", "twotier")
+
+
+class SyncPolicy(PolicyBase):
+    name = "sync"
+
+    def compose_round(self, clock: Clock) -> Round | None:
+        if not self.live:
+            for pid, epoch in self.cursor.take(self.cfg.rollout_batch_size):
+                self.open_prompt(pid, epoch, self.n)
+        if not self.live:
+            return None
+        return self.make_round("sync", list(self.live.values()))
+
+    def harvest(self, clock: Clock) -> Harvest | None:
+        states = list(self.live.values())
+        if not all(self.complete(st) for st in states):
+            return None
+        return self.finish_harvest(self.take(states), [])
+
+
+class SortedPolicy(PolicyBase):
+    """SortedRL; with `route_long` it is `twotier`."""
+
+    name = "sorted"
+    route_long = False
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.group_index = 0
+        self.queue: list[str] = []  # twotier: keys of the current group's prompts routed to its long round
+        self.final = False  # the current short round must wait for all its prompts
+
+    @property
+    def need(self) -> int:
+        return max(1, self.cfg.update_batch_size // self.n)
+
+    def compose_round(self, clock: Clock) -> Round | None:
+        deferred: list[str] = []
+        if not self.live:  # group consumed: load the next one
+            self.queue = []
+            for pid, epoch in self.cursor.take(self.cfg.group_size):
+                self.open_prompt(pid, epoch, self.n, group=self.group_index)
+            self.group_index += 1
+        if not self.live:
+            return None
+        short = [st for st in self.live.values() if not st.long]
+        if self.route_long:
+            for st in short:
+                if self.predicted_long(st) or st.aborted_rounds > max(1, self.cfg.max_staleness):
+                    deferred.append(self._defer(st))
+            short = [st for st in short if not st.long]
+            if short and len(short) < self.need and self.queue:
+                deferred.extend(self._defer(st) for st in short)  # too few to fill an update: ride along
+                short = []
+        if short:
+            self.final = len(short) <= self.need
+            return self.make_round("short", short, deferred)
+        states = [self.live[k] for k in self.queue]
+        return self.make_round("long", states, deferred)
+
+    def _defer(self, st: PromptState) -> str:
+        st.long = True
+        self.queue.append(st.key)
+        return st.key
+
+    def harvest(self, clock: Clock) -> Harvest | None:
+        assert self.round is not None, "harvest before compose_round"
+        states = [self.live[k] for k in self.round.prompts]
+        done = [st for st in states if self.complete(st)]
+        if self.round.kind == "long" or self.final:
+            if len(done) < len(states):
+                return None
+            chosen = done
+        elif len(done) < self.need:
+            return None
+        else:
+            chosen = sorted(done, key=self.completed_at)[: self.need]
+        chosen_keys = {st.key for st in chosen}
+        for st in states:
+            if st.key not in chosen_keys and st.ids("running"):
+                st.aborted_rounds += 1
+        return self.finish_harvest(self.take(chosen), self.running_ids())
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"group_index": self.group_index, "queue": list(self.queue), "final": self.final}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.group_index, self.queue, self.final = state["group_index"], list(state["queue"]), state["final"]
+
+
+class TwoTierPolicy(SortedPolicy):
+    name = "twotier"
+    route_long = True
+
+
+class TailPolicy(PolicyBase):
+    name = "tail"
+    restart_aborted = True  # RollPacker is on-policy: aborted prompts restart from scratch in the long round
+
+    def __init__(self, *args: Any, route_by_history: bool = True, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.route_by_history = route_by_history
+        self.queue: list[str] = []  # long-tail queue of prompt keys, FIFO
+        self.target = 0  # prompts the current short round keeps
+
+    def compose_round(self, clock: Clock) -> Round | None:
+        p0 = self.cfg.rollout_batch_size
+        if len(self.queue) >= p0 or (self.cursor.exhausted and self.queue):
+            return self._long_round()
+        want, responses = math.ceil(self.cfg.oversubscription * p0), math.ceil(self.cfg.oversubscription * self.n)
+        states: list[PromptState] = []
+        deferred: list[str] = []
+        while len(states) < want and not self.cursor.exhausted:
+            for pid, epoch in self.cursor.take(want - len(states)):
+                st = self.open_prompt(pid, epoch, responses)
+                if self.route_by_history and self.predicted_long(st):
+                    st.long = True
+                    self.queue.append(st.key)
+                    deferred.append(st.key)
+                else:
+                    states.append(st)
+        if not states:
+            return self._long_round(deferred) if self.queue else None
+        self.target = min(p0, len(states))
+        return self.make_round("short", states, deferred)
+
+    def _long_round(self, deferred: list[str] | None = None) -> Round:
+        keys, self.queue = self.queue[: self.cfg.rollout_batch_size], self.queue[self.cfg.rollout_batch_size:]
+        states = [self.live[k] for k in keys]
+        for st in states:  # fresh n responses, no over-provisioning
+            for s in st.samples:
+                self.by_sample.pop(s.sample_id, None)
+                self.stats["wasted_tokens"] += s.response_length
+            del self.live[st.key]
+            self.open_prompt(st.prompt_id, st.epoch, self.n).long = True
+        return self.make_round("long", [self.live[k] for k in keys], deferred or [])
+
+    def on_sample_finished(self, sample: Any, clock: Clock) -> list[str]:
+        super().on_sample_finished(sample, clock)
+        st = self._state(sample)
+        if st is not None and self.round is not None and self.round.kind == "short" and self.complete(st, self.n):
+            return st.ids("running")  # the prompt has its n responses: free the surplus slots now
+        return []
+
+    def harvest(self, clock: Clock) -> Harvest | None:
+        assert self.round is not None, "harvest before compose_round"
+        states = [self.live[k] for k in self.round.prompts]
+        if self.round.kind == "long":
+            if not all(self.complete(st, self.n) for st in states):
+                return None
+            return self.finish_harvest(self.take(states, self.n), [])
+        done = [st for st in states if self.complete(st, self.n)]
+        if len(done) < self.target:
+            return None
+        chosen = sorted(done, key=lambda st: self.completed_at(st, self.n))[: self.target]
+        chosen_keys = {st.key for st in chosen}
+        deferred = []
+        for st in states:
+            if st.key not in chosen_keys:
+                st.long = True
+                self.queue.append(st.key)
+                deferred.append(st.key)
+        abort = self.running_ids()
+        return self.finish_harvest(self.take(chosen, self.n), abort, deferred=deferred)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"queue": list(self.queue), "target": self.target}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.queue, self.target = list(state["queue"]), state["target"]
+
+
+POLICY_CLASSES: dict[str, type[PolicyBase]] = {
+    "sync": SyncPolicy, "sorted": SortedPolicy, "tail": TailPolicy, "twotier": TwoTierPolicy,
+}
+
+
+def make_policy(cfg: Any, prompt_ids: Any, **kw: Any) -> PolicyBase:
+    """The policy named by `cfg.policy` (a `SchedulerConfig`); keyword arguments as `PolicyBase`."""
+    return POLICY_CLASSES[cfg.policy](cfg, prompt_ids, **kw)

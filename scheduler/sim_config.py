@@ -1,0 +1,118 @@
+"""Parameters of the cluster simulator, loaded from their own YAML (`configs/sim_*.yaml`).
+
+    from scheduler.sim_config import load_sim_config
+    sim, run = load_sim_config("configs/sim_qwen32b_128gpu.yaml", ["workload.persistence=0.5"])
+
+A sim YAML names a run config (`run_config`, default configs/tiny_cpu.yaml) plus `run_overrides`
+(key=value, as on the command line) for the run-side settings the scheduler reads (rollout.* and
+scheduler.*), and holds the simulator's own sections: `cluster` (GPUs and the costs outside rollout),
+`engine` (`EngineCostModel`) and `workload`. Command-line overrides starting with `run.` go to the run
+config, the others to this file's sections. Errors are `ConfigError`s naming the dotted key.
+
+Left out: network topology (weight-sync time is one number) and failures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_sortedrl.config import RunConfig, load_config
+from megatron_sortedrl.errors import ConfigError
+from scheduler.cost_model import EngineCostModel
+
+WORKLOADS = ("synthetic", "replay")
+
+
+def _h(text: str, default: Any = None, factory: Any = None) -> Any:
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class ClusterCosts:
+    gpus: int = _h("Rollout GPUs (colocated: the trainer uses the same GPUs between rounds).", 2)
+    gpus_per_node: int = _h("GPUs per node; a rollout TP group never spans nodes.", 2)
+    train_tokens_per_s: float = _h("Trainer throughput over prompt+response tokens (log-probs + update), whole cluster.", 2000.0)
+    train_fixed_s: float = _h("Fixed seconds per training step (optimizer, offload/onload).", 1.0)
+    weight_sync_s: float = _h("Seconds to push new weights to the rollout engines after a step.", 0.5)
+    relayout_s: float = _h("Seconds to rebuild the engines when the rollout TP changes.", 5.0)
+    reward_latency_s: float = _h("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ConfigError("cluster.gpus", (self.gpus, self.gpus_per_node), "gpus and gpus_per_node >= 1")
+        if self.train_tokens_per_s <= 0:
+            raise ConfigError("cluster.train_tokens_per_s", self.train_tokens_per_s, "a positive number")
+        for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
+
+
+@dataclass
+class WorkloadConfig:
+    kind: str = _h("synthetic (heavy-tailed lengths below) | replay (lengths recorded in `replay_path`).", "synthetic")
+    replay_path: str = _h("replay: a run timeline (.jsonl) or a {prompt_id: {epoch: [lengths]}} JSON file.", "")
+    num_prompts: int = _h("Prompts in the dataset.", 64)
+    num_epochs: int = _h("Passes over the dataset (all policies train the same samples).", 3)
+    prompt_tokens: int = _h("Mean prompt length in tokens.", 64)
+    median_response: float = _h("Median response length in tokens.", 24.0)
+    sigma: float = _h("Log-normal sigma of response lengths (heavier tail when larger).", 1.0)
+    prompt_share: float = _h("Fraction of the log-length variance that belongs to the prompt (vs the sample).", 0.6)
+    persistence: float = _h("Correlation of a prompt's length level between consecutive epochs (0..1).", 0.8)
+    min_response: int = _h("Shortest response in tokens.", 1)
+    seed: int = _h("Seed of the synthetic lengths.", 0)
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ConfigError("workload.kind", self.kind, "one of " + ", ".join(WORKLOADS))
+        if self.kind == "replay" and not self.replay_path:
+            raise ConfigError("workload.replay_path", self.replay_path, "a timeline .jsonl or lengths .json path")
+        for key in ("num_prompts", "num_epochs", "prompt_tokens", "min_response"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"workload.{key}", getattr(self, key), "an integer >= 1")
+        for key in ("prompt_share", "persistence"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"workload.{key}", getattr(self, key), "a float in [0, 1]")
+        if self.median_response <= 0 or self.sigma < 0:
+            raise ConfigError("workload.sigma", (self.median_response, self.sigma), "median_response > 0, sigma >= 0")
+
+
+@dataclass
+class SimConfig:
+    name: str = _h("Scenario name shown in tables and plots.", "sim")
+    run_config: str = _h("Run config whose rollout.* and scheduler.* settings the simulation uses.", "")
+    run_overrides: list[str] = _h("key=value overrides applied to the run config.", factory=list)
+    cluster: ClusterCosts = _h("GPUs and the costs outside rollout.", factory=ClusterCosts)
+    engine: EngineCostModel = _h("Cost model of one rollout engine.", factory=EngineCostModel)
+    workload: WorkloadConfig = _h("Response-length workload.", factory=WorkloadConfig)
+
+
+def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:
+    """The validated simulator config and the run config it points to (`run.`-prefixed overrides go there)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("<sim config file>", str(path), "an existing YAML file, e.g. configs/sim_tiny_cpu.yaml")
+    overrides = list(overrides or [])
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("<override>", item, "key=value, e.g. workload.persistence=0.5 or run.scheduler.policy=sync")
+    sim_over = [o for o in overrides if not o.startswith("run.")]
+    run_over = [o[len("run."):] for o in overrides if o.startswith("run.")]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(path), OmegaConf.from_dotlist(sim_over))
+        sim: SimConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "<sim config>"
+        raise ConfigError(key, getattr(exc, "value", None),
+                          f"a known key with a value of its type ({str(exc).splitlines()[0]})") from None
+    base = Path(sim.run_config) if sim.run_config else None
+    if base is not None and not base.is_absolute() and not base.is_file():
+        base = path.parent.parent / sim.run_config  # relative to the repository root
+    run = load_config(base, list(sim.run_overrides) + run_over)
+    return sim, run

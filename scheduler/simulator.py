@@ -1,0 +1,362 @@
+"""Discrete-event cluster simulator that drives the real scheduling policies.
+
+    python -m megatron_sortedrl simulate configs/sim_tiny_cpu.yaml --policies sync,sorted,tail,twotier
+    from scheduler.simulator import simulate; result = simulate(sim_cfg, run_cfg, "twotier")
+
+Model (colocated, synchronous, as verl and RollPacker): each round the policy composes requests; the
+simulator builds the round's engine layout (re-layout costs `cluster.relayout_s`), queues requests per
+worker (`WorkerQueues`, work stealing on), and runs every engine as a continuous batcher:
+
+- an engine admits queued requests while it has fewer than `max_num_seqs` running and KV room for their
+  context; admission costs prefill time (a resumed partial re-prefills prompt + response);
+- decode advances all running sequences one token per step; step time is `EngineCostModel.decode_step_s`
+  of the batch and its context; the simulator jumps from event to event (next finish or KV overflow),
+  integrating the step time over the growing context;
+- on KV overflow the most recently admitted sequence is preempted (recompute: it re-queues at the front,
+  keeps its tokens and re-prefills), counted as a preemption;
+- a finished sample reaches the policy `reward_latency_s` later (rewards are scored asynchronously);
+- at harvest the remaining requests are aborted and handed back with their tokens; training takes
+  `train_fixed_s + tokens / train_tokens_per_s`, then `weight_sync_s`; then the next round.
+
+Every request, phase and worker transition is written as a `megatron_sortedrl.telemetry.timeline` event,
+so the bubble ratios come from the same functions as for a real run (see `scheduler/report.py`).
+
+Left out: asynchronous RL (overlapping rollout and training), speculative decoding, stragglers and
+failures, and network contention during weight sync.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_sortedrl.config import RunConfig
+from megatron_sortedrl.errors import UserError
+from megatron_sortedrl.sample import Sample
+from megatron_sortedrl.telemetry.timeline import Event
+from scheduler.base import PolicyBase
+from scheduler.cost_model import EngineCostModel
+from scheduler.layout import make_planner
+from scheduler.placement import WorkerQueues
+from scheduler.policies import make_policy
+from scheduler.protocol import Layout, ManualClock, Request, Round
+from scheduler.sim_config import SimConfig
+from scheduler.workload import make_workload
+
+
+class SimulationError(RuntimeError):
+    """The policy waited for samples while nothing could run (a policy bug, not a user error)."""
+
+
+class _Seq:
+    __slots__ = ("req", "target", "gen0", "gen", "prompt", "first")
+
+    def __init__(self, req: Request, target: int) -> None:
+        self.req, self.target = req, target
+        self.gen0 = self.gen = req.sample.response_length  # tokens at submission / now
+        self.prompt = max(1, len(req.sample.prompt_tokens))
+        self.first = self.gen == 0  # no token yet: a first_token event is due after prefill
+
+    @property
+    def context(self) -> int:
+        return self.prompt + self.gen
+
+
+class SimEngine:
+    """One continuously batched engine; state is exact at `t` and a planned chunk runs to `t_next`."""
+
+    def __init__(self, wid: int, tp: int, model: EngineCostModel, sim: Simulator) -> None:
+        self.wid, self.tp, self.model, self.sim = wid, tp, model, sim
+        self.cap, self.max_seqs = model.kv_capacity(tp), model.max_num_seqs
+        self.t = 0.0
+        self.running: list[_Seq] = []  # admission order (the last one is preempted first)
+        self.preempted: deque[_Seq] = deque()
+        self.ctx = 0  # KV tokens held by running sequences
+        self.chunk = (0, 0.0)  # planned decode steps and their duration from t
+        self.token = 0  # invalidates stale heap entries
+
+    # planning ---------------------------------------------------------------------------------------------
+    def plan(self) -> None:
+        self.token += 1
+        if not self.running:
+            self.chunk = (0, 0.0)
+            return
+        b = len(self.running)
+        steps = min(s.target - s.gen for s in self.running)
+        room = (self.cap - self.ctx) // b
+        steps = max(1, min(steps, room)) if room >= 1 else 1
+        dt = steps * self.model.decode_step_s(self.tp, b, self.ctx + b * steps / 2)
+        self.chunk = (steps, dt)
+        self.sim.push(self.t + dt, self)
+
+    def advance_to(self, t: float) -> None:
+        """Applies the part of the planned chunk that fits before `t` (used when the round is harvested)."""
+        steps, dt = self.chunk
+        if not self.running or t <= self.t or dt <= 0:
+            return
+        done = min(steps, int(steps * (t - self.t) / dt))
+        for s in self.running:
+            s.gen += done
+        self.ctx += done * len(self.running)
+        self.t = t
+
+    # events -----------------------------------------------------------------------------------------------
+    def on_event(self) -> None:
+        steps, dt = self.chunk
+        for s in self.running:
+            s.gen += steps
+        self.ctx += steps * len(self.running)
+        self.t += dt
+        still = []
+        for s in self.running:
+            if s.gen >= s.target:
+                self.ctx -= s.context
+                self.sim.finished(self, s)
+            else:
+                still.append(s)
+        self.running = still
+        # The next step would overflow the KV cache: preempt (a lone sequence is let through rather than thrash).
+        while len(self.running) > 1 and self.ctx + len(self.running) > self.cap:
+            victim = self.running.pop()
+            self.ctx -= victim.context
+            self.preempted.appendleft(victim)
+            self.sim.preemptions += 1
+        self.admit()
+
+    def admit(self) -> None:
+        prefill, started = 0, []
+        while len(self.running) < self.max_seqs:
+            if not self.preempted:
+                # Take work from another worker's queue only when there is KV room to start it now.
+                req = self.sim.queues.pop(self.wid, steal=self.ctx < 0.9 * self.cap)
+                if req is None:
+                    break
+                self.preempted.append(self.sim.start(self, req))
+            seq = self.preempted[0]
+            if self.running and self.ctx + seq.context + len(self.running) + 1 > self.cap:
+                break  # no KV room yet: it waits inside the engine
+            self.preempted.popleft()
+            self.running.append(seq)
+            self.ctx += seq.context
+            prefill += seq.context
+            started.append(seq)
+        if prefill:
+            self.t += self.model.prefill_s(self.tp, prefill)
+            for seq in started:
+                if seq.first:
+                    seq.first = False
+                    self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id, tokens=0)
+        if self.running and not self.sim.busy[self.wid]:
+            self.sim.busy[self.wid] = True
+            self.sim.emit("worker", "busy", self.t, worker=self.wid)
+        elif not self.running and not self.preempted and self.sim.busy[self.wid]:
+            self.sim.busy[self.wid] = False
+            self.sim.emit("worker", "idle", self.t, worker=self.wid)
+        self.plan()
+
+    def abort(self, sample_id: str) -> _Seq | None:
+        for pool in (self.running, self.preempted):
+            for s in pool:
+                if s.req.sample.sample_id == sample_id:
+                    pool.remove(s)
+                    if pool is self.running:
+                        self.ctx -= s.context
+                    return s
+        return None
+
+
+@dataclass
+class SimResult:
+    policy: str
+    events: list[Event]
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # per round: kind, layout, samples, times
+    trained: dict[str, int] = field(default_factory=dict)  # prompt key -> samples trained
+    staleness: dict[int, int] = field(default_factory=dict)
+    policy_stats: dict[str, Any] = field(default_factory=dict)
+    total_s: float = 0.0
+    max_num_seqs: int = 0
+
+
+class Simulator:
+    def __init__(self, sim: SimConfig, run: RunConfig, policy: PolicyBase, workload: Any, record: bool = True) -> None:
+        self.sim, self.run, self.policy, self.workload = sim, run, policy, workload
+        self.clock = ManualClock()
+        self.events: list[Event] = []
+        self.record = record
+        self.heap: list[tuple[float, int, Any]] = []
+        self.seq = itertools.count()
+        self.engines: list[SimEngine] = []
+        self.layout: Layout | None = None
+        self.queues = WorkerQueues(1)
+        self.busy: list[bool] = []
+        self.targets: dict[str, int] = {}  # sample id -> length the current attempt will reach
+        self.attempts: dict[str, int] = {}
+        self.where: dict[str, SimEngine] = {}
+        self.step = 0
+        self.preemptions = 0
+
+    # plumbing ---------------------------------------------------------------------------------------------
+    def emit(self, kind: str, event: str, t: float, **kw: Any) -> None:
+        if self.record:
+            self.events.append(Event(t=t, kind=kind, event=event, step=self.step, **kw))
+
+    def push(self, t: float, item: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), (item, item.token) if isinstance(item, SimEngine) else item))
+
+    def start(self, engine: SimEngine, req: Request) -> _Seq:
+        s = req.sample
+        sid = s.sample_id
+        if s.response_length == 0 or sid not in self.targets:  # a fresh attempt draws a new length
+            attempt = self.attempts.get(sid, -1) + 1
+            self.attempts[sid] = attempt
+            self.targets[sid] = self.workload.length(s.prompt_id, s.epoch, s.index, attempt)
+        target = min(self.targets[sid], s.response_length + req.max_tokens)
+        seq = _Seq(req, max(target, s.response_length + 1))
+        self.where[sid] = engine
+        self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
+        return seq
+
+    def _commit(self, seq: _Seq, version: int) -> Sample:
+        s = seq.req.sample
+        k = seq.gen - s.response_length
+        if k > 0:  # the simulator's tokens are placeholders; lengths and versions are what matter
+            s.append([0] * k, [0.0] * k, version)
+        return s
+
+    def finished(self, engine: SimEngine, seq: _Seq) -> None:
+        s = self._commit(seq, self.policy.version)
+        s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
+        s.finish_time, s.worker_id = engine.t, engine.wid
+        self.where.pop(s.sample_id, None)
+        self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
+        self.push(engine.t + self.sim.cluster.reward_latency_s, s)
+
+    # layout -----------------------------------------------------------------------------------------------
+    def set_layout(self, layout: Layout) -> None:
+        if layout != self.layout:
+            if self.layout is not None and self.sim.cluster.relayout_s > 0:
+                self.phase("relayout", self.sim.cluster.relayout_s)
+            self.layout = layout
+        self.engines = [SimEngine(w, layout.tp, self.sim.engine, self) for w in range(layout.num_engines)]
+        self.busy = [False] * layout.num_engines
+        self.queues = WorkerQueues(layout.num_engines)
+
+    def phase(self, name: str, seconds: float) -> None:
+        self.emit("phase", "start", self.clock.t, phase=name)
+        self.clock.t += seconds
+        self.emit("phase", "end", self.clock.t, phase=name)
+
+    # one round --------------------------------------------------------------------------------------------
+    def run_round(self, rnd: Round) -> dict[str, Any]:
+        self.step = rnd.index
+        self.set_layout(rnd.layout)
+        t0 = self.clock.t
+        self.emit("phase", "start", t0, phase="rollout")
+        self.preemptions = 0
+        self.heap = []
+        self.queues.add(rnd.requests)
+        for e in self.engines:
+            e.t = t0
+            e.admit()
+        while (h := self.policy.harvest(self.clock)) is None:
+            if not self.heap:
+                raise SimulationError(f"{self.policy.name}: round {rnd.index} waits for samples but none is running")
+            t, _, item = heapq.heappop(self.heap)
+            if isinstance(item, tuple):
+                engine, token = item
+                if token == engine.token:
+                    self.clock.t = max(self.clock.t, t)
+                    engine.on_event()
+                continue
+            self.clock.t = max(self.clock.t, t)
+            for sid in self.policy.on_sample_finished(item, self.clock):
+                self.abort(sid)
+        t_end = self.clock.t
+        for e in self.engines:
+            e.advance_to(t_end)
+        pending = [item for _, _, item in sorted(self.heap, key=lambda x: x[:2]) if isinstance(item, Sample)]
+        self.heap = []
+        for sample in pending:  # finished, reward still in flight: it did finish
+            self.policy.on_sample_finished(sample, self.clock)
+        for sid in h.abort:
+            self.abort(sid, mid_round=False)
+        for e in self.engines:
+            if self.busy[e.wid]:
+                self.emit("worker", "idle", t_end, worker=e.wid)
+        self.emit("phase", "end", t_end, phase="rollout")
+        tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
+        c = self.sim.cluster
+        self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
+        self.phase("sync", c.weight_sync_s)
+        self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
+        return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
+                "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
+                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
+                "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred)
+                + list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
+                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch]}
+
+    def abort(self, sample_id: str, mid_round: bool = True) -> None:
+        engine = self.where.pop(sample_id, None)
+        if engine is not None:
+            if mid_round:
+                engine.advance_to(self.clock.t)
+            seq = engine.abort(sample_id)
+            if seq is not None:
+                s = self._commit(seq, self.policy.version)
+                self.emit("request", "abort", max(engine.t, self.clock.t), worker=engine.wid, sample_id=sample_id,
+                          tokens=s.response_length)
+                if mid_round:  # a slot freed up: admit more and re-plan the engine's next chunk
+                    engine.admit()
+                self.policy.on_sample_aborted(s, self.clock)
+                return
+        req = self.queues.remove(sample_id)
+        if req is not None:  # never started
+            self.policy.on_sample_aborted(req.sample, self.clock)
+
+    def run_all(self, max_rounds: int = 100_000) -> SimResult:
+        result = SimResult(policy=self.policy.name, events=self.events, max_num_seqs=self.sim.engine.max_num_seqs)
+        for _ in range(max_rounds):
+            rnd = self.policy.compose_round(self.clock)
+            if rnd is None:
+                break
+            row = self.run_round(rnd)
+            for key in row["trained"]:
+                result.trained[key] = result.trained.get(key, 0) + 1
+            result.rounds.append(row)
+        result.total_s = self.clock.t
+        result.policy_stats = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.policy.stats.items()}
+        result.staleness = dict(self.policy.stats["staleness"])
+        return result
+
+
+def build_policy(sim: SimConfig, run: RunConfig, policy_name: str | None = None, workload: Any = None) -> tuple[PolicyBase, Any]:
+    """The policy of `run.scheduler` (or `policy_name`) wired to the simulated cluster, and the workload."""
+    from dataclasses import replace
+
+    cfg = replace(run.scheduler, policy=policy_name) if policy_name else run.scheduler
+    workload = workload or make_workload(sim.workload, run.rollout.max_response_length)
+    planner = make_planner(cfg.layout_planner, gpus=sim.cluster.gpus, gpus_per_node=sim.cluster.gpus_per_node,
+                           tp_short=run.rollout.tensor_parallel_size, tp_long=run.rollout.long_round_tensor_parallel_size,
+                           model=sim.engine, relayout_s=sim.cluster.relayout_s)
+    prompt_tokens = {pid: workload.prompt_tokens(pid) for pid in workload.prompt_ids}
+
+    def factory(pid: str, epoch: int, index: int) -> Sample:
+        return Sample(prompt_id=pid, index=index, epoch=epoch, prompt_tokens=[0] * prompt_tokens[pid])
+
+    policy = make_policy(cfg, workload.prompt_ids, n_samples=run.rollout.n_samples_per_prompt,
+                         max_response_length=run.rollout.max_response_length, planner=planner,
+                         num_epochs=sim.workload.num_epochs, seed=run.seed, sample_factory=factory)
+    return policy, workload
+
+
+def simulate(sim: SimConfig, run: RunConfig, policy_name: str | None = None, record: bool = True) -> SimResult:
+    """Runs one policy over the whole workload (every prompt x n samples x epochs) and returns the result."""
+    policy, workload = build_policy(sim, run, policy_name)
+    if sim.engine.kv_capacity(sim.engine.min_tp()) <= 0 or sim.engine.min_tp() > sim.cluster.gpus_per_node:
+        raise UserError(f"engine: the model ({sim.engine.weight_gib} GiB) does not fit a node of "
+                        f"{sim.cluster.gpus_per_node} x {sim.engine.gpu_mem_gib} GiB GPUs")
+    return Simulator(sim, run, policy, workload, record=record).run_all()
