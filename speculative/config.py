@@ -25,6 +25,9 @@ class SpeculativeConfig:
     history_max_prompts: int = field(
         default=100_000, metadata={"help": "Prompts kept in the draft history store (least recently updated evicted)."}
     )
+    history_max_responses: int = field(
+        default=16, metadata={"help": "Responses kept per prompt (the latest epoch's first ones)."}
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,3 +44,5 @@ class SpeculativeConfig:
             raise ConfigError("speculative.min_confidence", self.min_confidence, "a float in [0, 1]")
         if self.history_max_prompts < 1:
             raise ConfigError("speculative.history_max_prompts", self.history_max_prompts, "an integer >= 1")
+        if self.history_max_responses < 1:
+            raise ConfigError("speculative.history_max_responses", self.history_max_responses, "an integer >= 1")

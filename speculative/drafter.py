@@ -1,0 +1,181 @@
+"""HistoSpec drafter: continuation drafts from the previous responses to the same prompt (pure logic).
+
+    drafter = HistoryDrafter(DraftSettings(match_tokens=7, max_draft_tokens=16, min_confidence=0.1))
+    drafter.set_prompt(prompt_tokens, previous_responses)
+    draft = drafter.draft(key, tokens_so_far, max_tokens=length.value)   # prompt + response so far
+    length = AdaptiveDraftLength(2, 16); length.update(proposed=len(draft.token_ids), accepted=a)
+
+Index: one suffix tree per prompt (`arctic_inference`'s native `SuffixTree`, the structure behind vLLM's
+`suffix` method) holding that prompt's history responses, each prefixed by the last `match_tokens`
+tokens of the prompt so that the very first response tokens can be matched too. A lookup walks the
+last `match_tokens` tokens of the current sequence into the tree (the longest matching suffix wins on
+score) and follows the most frequent branch; the product of branch frequencies along the path is the
+draft's confidence, and the draft stops where it falls below `min_confidence`. A lookup costs about a
+microsecond natively plus Python call overhead, far below a decode step of any model worth speeding up.
+
+Why per-prompt trees rather than one global tree (vLLM's `suffix`): RL rollouts revisit the same prompt
+each epoch, and its previous responses are far better predictors than other prompts' responses; a
+per-prompt tree also cannot be polluted by unrelated text and evicts with its prompt.
+
+`AdaptiveDraftLength` is the per-request rule of DESIGN section 3: start at the floor, double (up to
+the cap) after a draft that was accepted in full, halve (down to the floor) otherwise.
+
+Deliberately left out: matching against the current request's own prompt and response (self-repetition;
+vLLM's `ngram`/`suffix` cover it) and draft trees inside vLLM (its custom proposer takes chains only;
+`draft(..., tree=True)` returns the tree for engines that can verify one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from speculative.history import HistoryEntry, prompt_key
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    match_tokens: int = 7  # tail of the current sequence matched against history
+    min_draft_tokens: int = 2  # adaptive length floor and start value
+    max_draft_tokens: int = 16  # adaptive length cap
+    min_confidence: float = 0.1  # stop drafting where the history path frequency falls below this
+    max_spec_factor: float = 4.0  # a match of m tokens may draft at most m * factor tokens
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
+            raise ValueError("need 1 <= min_draft_tokens <= max_draft_tokens")
+        if self.match_tokens < 1 or not 0.0 <= self.min_confidence <= 1.0 or self.max_spec_factor <= 0:
+            raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor > 0")
+
+    @classmethod
+    def from_config(cls, cfg) -> DraftSettings:
+        """From `speculative.config.SpeculativeConfig` (or anything with the same attributes)."""
+        return cls(match_tokens=cfg.match_tokens, min_draft_tokens=cfg.min_draft_tokens,
+                   max_draft_tokens=cfg.max_draft_tokens, min_confidence=cfg.min_confidence)
+
+
+@dataclass
+class Draft:
+    token_ids: list[int] = field(default_factory=list)  # proposed continuation (chain, or tree nodes)
+    probs: list[float] = field(default_factory=list)  # history path frequency of each token
+    parents: list[int] = field(default_factory=list)  # tree: index of each token's parent, -1 for root
+    match_len: int = 0  # how many trailing tokens matched the history
+
+
+class AdaptiveDraftLength:
+    """Per-request draft length: start at `low`, x2 (cap `high`) if all accepted, /2 (floor `low`) else."""
+
+    __slots__ = ("low", "high", "value")
+
+    def __init__(self, low: int = 2, high: int = 16) -> None:
+        self.low, self.high, self.value = low, high, low
+
+    def update(self, proposed: int, accepted: int) -> int:
+        if proposed > 0:  # no draft, no evidence: keep the length
+            if accepted >= proposed:
+                self.value = min(self.value * 2, self.high)
+            else:
+                self.value = max(self.value // 2, self.low)
+        return self.value
+
+
+class PromptIndex:
+    """Suffix tree over one prompt's history responses (each prefixed with the prompt's tail)."""
+
+    def __init__(self, prompt_tokens: np.ndarray, responses: Sequence[np.ndarray], settings: DraftSettings) -> None:
+        from arctic_inference.suffix_decoding._C import SuffixTree
+
+        self.prompt_len = len(prompt_tokens)
+        self.num_responses = len(responses)
+        # Depth bounds the matched context plus the draft; arctic matches strictly shorter than the context.
+        self.tree = SuffixTree(settings.match_tokens + settings.max_draft_tokens + 1)
+        tail = np.asarray(prompt_tokens[-settings.match_tokens:], dtype=np.int32)
+        for seq_id, response in enumerate(responses):
+            self.tree.extend_ndarray(seq_id, np.ascontiguousarray(np.concatenate([tail, response]), dtype=np.int32))
+
+
+class HistoryDrafter:
+    """Per-prompt indexes plus the lookup from an engine's token row to its prompt."""
+
+    def __init__(self, settings: DraftSettings | None = None) -> None:
+        self.settings = settings or DraftSettings()
+        self._index: dict[str, PromptIndex] = {}
+        # Row -> prompt lookup without knowing the prompt length: candidate lengths per short prefix digest.
+        self._prefix_lengths: dict[bytes, set[int]] = {}
+        self._prefix_of: dict[str, bytes] = {}
+        self.generation = 0  # bumps on every change, so callers can re-resolve rows that had no history
+
+    PREFIX = 8  # tokens of the prompt start used to narrow the candidate lengths
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def set_prompt(self, prompt_tokens: Sequence[int] | np.ndarray, responses: Sequence[Sequence[int]],
+                   key: str | None = None) -> str:
+        prompt = np.ascontiguousarray(prompt_tokens, dtype=np.int32)
+        key = key or prompt_key(prompt)
+        rs = [np.ascontiguousarray(r, dtype=np.int32) for r in responses if len(r)]
+        self.remove(key)
+        if rs:
+            self._index[key] = PromptIndex(prompt, rs, self.settings)
+            prefix = self._prefix(prompt)
+            self._prefix_lengths.setdefault(prefix, set()).add(len(prompt))
+            self._prefix_of[key] = prefix
+        self.generation += 1
+        return key
+
+    def _prefix(self, prompt: np.ndarray) -> bytes:
+        # Prompts shorter than PREFIX share one bucket (b"") that every lookup also checks.
+        return prompt[:self.PREFIX].tobytes() if len(prompt) >= self.PREFIX else b""
+
+    def set_entries(self, entries: dict[str, HistoryEntry]) -> None:
+        for key, entry in entries.items():
+            self.set_prompt(entry.prompt_tokens, entry.responses, key=key)
+
+    def remove(self, key: str) -> None:
+        index = self._index.pop(key, None)
+        if index is None:
+            return
+        prefix = self._prefix_of.pop(key)
+        # Keep the length candidate unless no other prompt with this prefix has it (cheap to over-keep).
+        if not any(self._prefix_of.get(k) == prefix and i.prompt_len == index.prompt_len
+                   for k, i in self._index.items()):
+            self._prefix_lengths.get(prefix, set()).discard(index.prompt_len)
+        self.generation += 1
+
+    def clear(self) -> None:
+        self._index.clear()
+        self._prefix_lengths.clear()
+        self._prefix_of.clear()
+        self.generation += 1
+
+    def resolve(self, row: np.ndarray, num_tokens: int) -> tuple[str, int] | None:
+        """Finds the prompt with history that `row[:num_tokens]` starts with: (key, prompt_len) or None.
+
+        Tries the longest candidate first so a prompt that extends another known prompt wins."""
+        lengths = self._prefix_lengths.get(np.ascontiguousarray(row[:self.PREFIX], dtype=np.int32).tobytes(), set())
+        lengths = lengths | self._prefix_lengths.get(b"", set())  # prompts shorter than PREFIX
+        if not lengths:
+            return None
+        for length in sorted(lengths, reverse=True):
+            if length < num_tokens:
+                key = prompt_key(row[:length])
+                if key in self._index:
+                    return key, length
+        return None
+
+    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False) -> Draft:
+        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history."""
+        index = self._index.get(key)
+        if index is None or max_tokens <= 0 or len(tokens) == 0:
+            return Draft()
+        s = self.settings
+        context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
+        found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0,
+                                             s.min_confidence, tree)
+        return Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len))

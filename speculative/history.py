@@ -1,0 +1,273 @@
+"""Per-prompt history of the latest epoch's responses: the draft source of HistoSpec.
+
+    store = HistoryStore(max_prompts=100_000, max_responses_per_prompt=16)
+    store.record(prompt_tokens, [response_tokens, ...], epoch=3)   # driver, after each round
+    delta = store.updates_since(shipped_version)                   # only what changed
+    engine.collective_rpc("histospec_update", args=(delta.to_bytes(),))
+    shipped_version = delta.version
+    ckpt["histospec"] = store.state_dict()                        # with the model checkpoint
+
+The key of a prompt is a digest of its token ids (`prompt_key`), because the vLLM proposer sees token
+rows, not prompt ids. Within one epoch responses accumulate (samples of a prompt finish at different
+times); a newer epoch replaces them; an older epoch is ignored (a partial rollout resumed late must not
+overwrite fresher history). Memory is bounded by a prompt count (least recently updated prompt evicted
+first), a per-prompt response cap and an optional total token cap.
+
+Shipping is incremental: every change bumps a version, `updates_since(v)` returns the entries changed
+after v and the keys evicted after v. Evictions are remembered in a bounded log; a consumer older than
+the log gets a full snapshot instead (`delta.full`), so it can never silently miss an eviction.
+`HistoryReplica` is the worker-side copy that applies deltas and refuses a gap.
+
+Deliberately left out: cross-prompt sharing of history (vLLM's `suffix` method already does that) and
+compression of stored tokens (int32 arrays; a 32k-token response of 16 samples is 2 MiB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+MAGIC = b"HSPC1"
+
+
+def prompt_key(prompt_tokens: Sequence[int] | np.ndarray) -> str:
+    """Stable key of a prompt: blake2b-128 of its token ids as little-endian int32."""
+    arr = np.ascontiguousarray(prompt_tokens, dtype="<i4")
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
+
+
+def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens, dtype=np.int32).reshape(-1)
+    return np.ascontiguousarray(arr)
+
+
+@dataclass
+class HistoryEntry:
+    prompt_tokens: np.ndarray  # int32, the prompt as the engine sees it
+    responses: list[np.ndarray]  # int32 each, responses of the latest recorded epoch (EOS included if sampled)
+    epoch: int  # epoch the responses belong to
+    version: int  # store version of the last change
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(r) for r in self.responses))
+
+
+@dataclass
+class HistoryDelta:
+    """What changed in a store between two versions; a full snapshot when `full`."""
+
+    since: int  # consumer's version this delta applies to
+    version: int  # store version after applying it
+    full: bool  # True: replace everything (consumer too old, or a fresh checkpoint)
+    entries: dict[str, HistoryEntry] = field(default_factory=dict)
+    evicted: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.evicted)
+
+    def to_bytes(self) -> bytes:
+        """Compact wire format: magic, header length, JSON header, then all tokens as int32."""
+        keys = list(self.entries)
+        header = {
+            "since": self.since, "version": self.version, "full": self.full, "evicted": self.evicted,
+            "keys": keys,
+            "epochs": [self.entries[k].epoch for k in keys],
+            "versions": [self.entries[k].version for k in keys],
+            "prompt_lens": [len(self.entries[k].prompt_tokens) for k in keys],
+            "response_lens": [[len(r) for r in self.entries[k].responses] for k in keys],
+        }
+        parts = []
+        for k in keys:
+            parts.append(self.entries[k].prompt_tokens)
+            parts.extend(self.entries[k].responses)
+        tokens = np.concatenate(parts).astype("<i4") if parts else np.zeros(0, "<i4")
+        head = json.dumps(header, separators=(",", ":")).encode()
+        return MAGIC + struct.pack("<Q", len(head)) + head + tokens.tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> HistoryDelta:
+        if not data.startswith(MAGIC):
+            raise ValueError("not a HistoSpec history payload (bad magic)")
+        (n,) = struct.unpack_from("<Q", data, len(MAGIC))
+        start = len(MAGIC) + 8
+        header = json.loads(data[start:start + n])
+        tokens = np.frombuffer(data, dtype="<i4", offset=start + n).astype(np.int32)
+        entries, pos = {}, 0
+        for key, epoch, version, plen, rlens in zip(header["keys"], header["epochs"], header["versions"],
+                                                     header["prompt_lens"], header["response_lens"]):
+            prompt = tokens[pos:pos + plen]
+            pos += plen
+            responses = []
+            for rl in rlens:
+                responses.append(tokens[pos:pos + rl])
+                pos += rl
+            entries[key] = HistoryEntry(prompt, responses, epoch, version)
+        if pos != len(tokens):
+            raise ValueError(f"history payload has {len(tokens) - pos} trailing tokens")
+        return cls(header["since"], header["version"], header["full"], entries, list(header["evicted"]))
+
+
+class HistoryStore:
+    """Driver-side store: per prompt key, the latest epoch's responses (see module docstring)."""
+
+    def __init__(self, max_prompts: int = 100_000, max_responses_per_prompt: int = 16,
+                 max_total_tokens: int = 0, eviction_log_size: int | None = None) -> None:
+        if max_prompts < 1 or max_responses_per_prompt < 1 or max_total_tokens < 0:
+            raise ValueError("max_prompts and max_responses_per_prompt must be >= 1, max_total_tokens >= 0")
+        self.max_prompts = max_prompts
+        self.max_responses_per_prompt = max_responses_per_prompt
+        self.max_total_tokens = max_total_tokens  # 0: no token cap
+        self._log_size = eviction_log_size if eviction_log_size is not None else max(1024, 4 * max_prompts)
+        self._entries: OrderedDict[str, HistoryEntry] = OrderedDict()  # least recently updated first
+        self._evicted: OrderedDict[str, int] = OrderedDict()  # key -> version of its eviction, oldest first
+        self._horizon = 0  # consumers at a version below this may have missed an eviction
+        self._version = 0
+        self._total_tokens = 0
+
+    # -- reading ------------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def total_tokens(self) -> int:
+        return self._total_tokens
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, prompt: object) -> bool:
+        return self._key(prompt) in self._entries
+
+    def get(self, prompt: str | Sequence[int] | np.ndarray) -> HistoryEntry | None:
+        return self._entries.get(self._key(prompt))
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    @staticmethod
+    def _key(prompt: object) -> str:
+        return prompt if isinstance(prompt, str) else prompt_key(prompt)  # type: ignore[arg-type]
+
+    # -- writing ------------------------------------------------------------------------------------
+    def record(self, prompt_tokens: Sequence[int] | np.ndarray, responses: Iterable[Sequence[int]],
+               epoch: int) -> str:
+        """Adds responses of `epoch` for this prompt; returns the prompt's key."""
+        prompt = _as_tokens(prompt_tokens)
+        new = [_as_tokens(r) for r in responses]
+        new = [r for r in new if len(r)]
+        key = prompt_key(prompt)
+        entry = self._entries.get(key)
+        if entry is not None and epoch < entry.epoch:
+            return key  # stale: a newer epoch is already recorded
+        if not new:
+            return key
+        self._version += 1
+        if entry is None or epoch > entry.epoch:
+            if entry is not None:
+                self._total_tokens -= entry.num_tokens
+            entry = HistoryEntry(prompt, [], epoch, self._version)
+            self._entries[key] = entry
+        room = self.max_responses_per_prompt - len(entry.responses)
+        kept = new[:max(room, 0)]
+        entry.responses.extend(kept)
+        entry.version = self._version
+        self._total_tokens += sum(len(r) for r in kept)
+        self._entries.move_to_end(key)
+        self._evicted.pop(key, None)
+        self._evict_over_budget(protect=key)
+        return key
+
+    def evict(self, prompt: str | Sequence[int] | np.ndarray) -> bool:
+        key = self._key(prompt)
+        if key not in self._entries:
+            return False
+        self._version += 1
+        self._drop(key)
+        return True
+
+    def _evict_over_budget(self, protect: str) -> None:
+        while len(self._entries) > self.max_prompts or (
+                self.max_total_tokens and self._total_tokens > self.max_total_tokens and len(self._entries) > 1):
+            oldest = next(iter(self._entries))
+            if oldest == protect:
+                break
+            self._drop(oldest)
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self._total_tokens -= entry.num_tokens
+        self._evicted[key] = self._version
+        while len(self._evicted) > self._log_size:
+            _, v = self._evicted.popitem(last=False)
+            self._horizon = max(self._horizon, v)
+
+    # -- shipping -----------------------------------------------------------------------------------
+    def updates_since(self, version: int) -> HistoryDelta:
+        """Entries changed and keys evicted after `version` (a full snapshot if that is too old)."""
+        if version > self._version:
+            raise ValueError(f"consumer version {version} is ahead of the store ({self._version})")
+        if version < self._horizon:
+            return self.snapshot()
+        changed: dict[str, HistoryEntry] = {}
+        for key in reversed(self._entries):  # most recently updated first; stop at the first unchanged
+            entry = self._entries[key]
+            if entry.version <= version:
+                break
+            changed[key] = entry
+        evicted = []
+        for key in reversed(self._evicted):
+            if self._evicted[key] <= version:
+                break
+            evicted.append(key)
+        return HistoryDelta(version, self._version, False, dict(reversed(list(changed.items()))), evicted)
+
+    def snapshot(self) -> HistoryDelta:
+        return HistoryDelta(0, self._version, True, dict(self._entries), [])
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"format": 1, "version": self._version, "snapshot": self.snapshot().to_bytes(),
+                "max_prompts": self.max_prompts, "max_responses_per_prompt": self.max_responses_per_prompt,
+                "max_total_tokens": self.max_total_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != 1:
+            raise ValueError(f"unknown history state format {state.get('format')!r}")
+        delta = HistoryDelta.from_bytes(state["snapshot"])
+        self._entries = OrderedDict(sorted(delta.entries.items(), key=lambda kv: kv[1].version))
+        self._total_tokens = sum(e.num_tokens for e in self._entries.values())
+        self._version = int(state["version"])
+        self._evicted = OrderedDict()
+        # The eviction log is not saved: every consumer of the restored store must start from a snapshot.
+        self._horizon = self._version
+        self._evict_over_budget(protect="")
+
+
+class HistoryReplica:
+    """Consumer-side copy (one per vLLM worker): applies deltas in order, refuses gaps."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.entries: dict[str, HistoryEntry] = {}
+
+    def apply(self, delta: HistoryDelta) -> tuple[list[str], list[str]]:
+        """Applies `delta`; returns (changed keys, removed keys) so a drafter can update its index."""
+        if delta.full:
+            removed = [k for k in self.entries if k not in delta.entries]
+            self.entries = dict(delta.entries)
+        else:
+            if delta.since > self.version:
+                raise ValueError(f"history delta starts at version {delta.since} but this replica is at "
+                                 f"{self.version}: an update was missed; send updates_since({self.version})")
+            removed = [k for k in delta.evicted if self.entries.pop(k, None) is not None]
+            self.entries.update(delta.entries)
+        self.version = max(self.version, delta.version) if not delta.full else delta.version
+        return list(delta.entries), removed

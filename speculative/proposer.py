@@ -1,0 +1,198 @@
+"""HistoSpec as a vLLM custom proposer (`speculative_config={"method": "custom_class", ...}`).
+
+    LLM(model, speculative_config=vllm_speculative_config(cfg.speculative),
+        worker_extension_cls="speculative.vllm_extension.HistoSpecWorkerMixin", ...)
+    llm.collective_rpc("histospec_update", args=(store.updates_since(v).to_bytes(),))
+
+vLLM 0.32 builds the proposer in each worker as `HistoSpecProposer(vllm_config)` and calls, once per
+engine step after sampling, `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+slot_mappings=None)`: row i of the persistent batch has `token_ids_cpu[i, :num_tokens_no_spec[i]]` =
+prompt + response so far (this step's tokens included) and `sampled_token_ids[i]` = the tokens this step
+emitted for it (empty during a chunked prefill). The return value is one draft list per row, of any
+length up to `num_speculative_tokens`; vLLM's rejection sampler verifies it as a one-hot draft (accept
+x with probability p(x), else resample from the residual), so the output distribution is the target
+model's whatever we propose.
+
+It gets no request ids. A row's prompt is found by hashing row prefixes of the prompt lengths that the
+history holds (`HistoryDrafter.resolve`), once per request. Accepted counts are inferred on the next call:
+a row that continues the same request (same prompt prefix, `num_tokens_no_spec` grown by exactly the
+tokens emitted) emitted `accepted + 1` tokens, which drives the adaptive draft length.
+
+Deliberately left out: draft trees (vLLM verifies chains from custom proposers) and drafting from the
+request's own text (vLLM's `ngram`/`suffix` do that).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from speculative.drafter import AdaptiveDraftLength, DraftSettings, HistoryDrafter
+from speculative.history import HistoryDelta, HistoryReplica
+from speculative.metrics import RequestRecord, SpecStats, StepRecord
+
+PROPOSER_PATH = "speculative.proposer.HistoSpecProposer"
+
+
+def vllm_speculative_config(cfg) -> dict | None:
+    """vLLM's `speculative_config` for a `SpeculativeConfig`; None (vanilla vLLM) when disabled."""
+    if not cfg.enabled:
+        return None
+    k = cfg.max_draft_tokens
+    if cfg.method == "histospec":
+        return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": k}
+    if cfg.method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                "prompt_lookup_max": cfg.match_tokens}
+    return {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_min_token_prob": cfg.min_confidence}
+
+
+class _Row:
+    """What the proposer remembers about the request in one batch row between two steps."""
+
+    __slots__ = ("label", "fingerprint", "key", "prompt_len", "generation", "n_last", "draft_len", "length", "rec")
+
+    def __init__(self, label: str, fingerprint: bytes, settings: DraftSettings) -> None:
+        self.label = label
+        self.fingerprint = fingerprint  # first tokens of the row: a cheap "same request" check
+        self.key = ""  # history key ("" when the prompt has no history)
+        self.prompt_len = 0
+        self.generation = -1  # drafter generation when `key` was resolved
+        self.n_last = 0  # num_tokens_no_spec at the last call
+        self.draft_len = 0  # length of the draft proposed at the last call
+        self.length = AdaptiveDraftLength(settings.min_draft_tokens, settings.max_draft_tokens)
+        self.rec = RequestRecord(label, "", 0, 0, 0, 0, 0, 0.0)
+
+
+class HistoSpecProposer:
+    FINGERPRINT = 32  # tokens compared to tell a continuing request from a new one in the same row
+
+    def __init__(self, vllm_config: Any = None, settings: DraftSettings | None = None) -> None:
+        spec = getattr(vllm_config, "speculative_config", None)
+        k = int(spec.num_speculative_tokens) if spec is not None else (settings or DraftSettings()).max_draft_tokens
+        self.num_speculative_tokens = k
+        model_config = getattr(vllm_config, "model_config", None)
+        self.max_model_len = int(model_config.max_model_len) if model_config is not None else 1 << 30
+        base = settings or DraftSettings()
+        # vLLM cannot verify more than num_speculative_tokens: cap the adaptive length there.
+        self.settings = DraftSettings(base.match_tokens, min(base.min_draft_tokens, k), min(base.max_draft_tokens, k),
+                                      base.min_confidence, base.max_spec_factor)
+        self.drafter = HistoryDrafter(self.settings)
+        self.replica = HistoryReplica()
+        self.stats = SpecStats()
+        self.enabled = True  # histospec_configure(enabled=False) makes every draft empty
+        self.runner: Any = None  # vLLM model runner, bound by the worker extension (request ids for metrics)
+        self._rows: dict[int, _Row] = {}
+        self._step = 0
+
+    # -- vLLM interface ----------------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        pass  # no draft model: drafts come from history
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        t_start = time.perf_counter()
+        self._step += 1
+        req_ids = self._req_ids()
+        rows: dict[int, _Row] = {}
+        drafts: list[list[int]] = []
+        tokens = verified = accepted = n_drafts = forwards = drafted_rows = draft_tokens = 0
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                drafts.append([])  # chunked prefill in progress: nothing to continue yet
+                continue
+            t_row = time.perf_counter()
+            n = int(num_tokens_no_spec[i])
+            row = token_ids_cpu[i]
+            state = self._rows.pop(i, None)
+            if state is not None and not self._continues(state, row, n, len(sampled)):
+                self._finish(state)
+                state = None
+            if state is None:
+                label = req_ids[i] if req_ids is not None and i < len(req_ids) else f"row{i}@{self._step}"
+                state = _Row(str(label), row[:min(n, self.FINGERPRINT)].tobytes(), self.settings)
+            elif state.draft_len:
+                a = min(len(sampled) - 1, state.draft_len)
+                state.length.update(state.draft_len, a)
+                verified += state.draft_len
+                accepted += a
+                n_drafts += 1
+                state.rec.verified_draft_tokens += state.draft_len
+                state.rec.accepted_tokens += a
+                state.rec.drafts += 1
+            tokens += len(sampled)
+            forwards += 1
+            state.rec.forwards += 1
+            state.rec.tokens += len(sampled)
+
+            if state.generation != self.drafter.generation:  # history changed since we looked: look again
+                found = self.drafter.resolve(row, n)
+                state.key, state.prompt_len = found if found else ("", 0)
+                state.rec.prompt_key = state.key
+                state.generation = self.drafter.generation
+            budget = min(state.length.value, self.max_model_len - n - 1)
+            draft: list[int] = []
+            if self.enabled and state.key and budget > 0:
+                draft = self.drafter.draft(state.key, row[:n], budget).token_ids
+            state.n_last = n
+            state.draft_len = len(draft)
+            if draft:
+                drafted_rows += 1
+                draft_tokens += len(draft)
+            drafts.append(draft)
+            rows[i] = state
+            state.rec.drafter_s += time.perf_counter() - t_row
+        for state in self._rows.values():  # rows that left the batch: their requests finished
+            self._finish(state)
+        self._rows = rows
+        elapsed = time.perf_counter() - t_start
+        self.stats.on_step(StepRecord(self._step, forwards, tokens, verified, accepted, drafted_rows,
+                                      draft_tokens, elapsed), forwards=forwards, drafts_verified=n_drafts)
+        return drafts
+
+    # -- history ------------------------------------------------------------------------------------
+    def apply_update(self, payload: bytes | HistoryDelta) -> dict[str, int]:
+        delta = payload if isinstance(payload, HistoryDelta) else HistoryDelta.from_bytes(payload)
+        if delta.full:
+            self.drafter.clear()
+        changed, removed = self.replica.apply(delta)
+        for key in removed:
+            self.drafter.remove(key)
+        for key in changed:
+            entry = self.replica.entries[key]
+            self.drafter.set_prompt(entry.prompt_tokens, entry.responses, key=key)
+        return {"version": self.replica.version, "prompts": len(self.drafter), "changed": len(changed),
+                "removed": len(removed)}
+
+    def configure(self, enabled: bool | None = None, **settings: Any) -> dict[str, Any]:
+        """Changes drafter settings (match_tokens, min/max_draft_tokens, min_confidence, max_spec_factor)."""
+        if enabled is not None:
+            self.enabled = bool(enabled)
+        if settings:
+            merged = {**self.settings.__dict__, **settings}
+            merged["max_draft_tokens"] = min(int(merged["max_draft_tokens"]), self.num_speculative_tokens)
+            merged["min_draft_tokens"] = min(int(merged["min_draft_tokens"]), merged["max_draft_tokens"])
+            self.settings = DraftSettings(**merged)
+            old = self.drafter
+            self.drafter = HistoryDrafter(self.settings)
+            self.drafter.generation = old.generation + 1
+            self.drafter.set_entries(self.replica.entries)
+            self._rows.clear()
+        return {"enabled": self.enabled, **self.settings.__dict__}
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _continues(self, state: _Row, row: np.ndarray, n: int, emitted: int) -> bool:
+        if state.n_last + emitted != n:
+            return False
+        fp = state.fingerprint
+        return row[:len(fp) // row.itemsize].tobytes() == fp
+
+    def _finish(self, state: _Row) -> None:
+        self.stats.on_request_end(state.rec)  # its last draft was never verified: not counted
+
+    def _req_ids(self) -> list[str] | None:
+        batch = getattr(self.runner, "input_batch", None)
+        ids = getattr(batch, "req_ids", None)
+        return list(ids) if ids is not None else None

@@ -1,0 +1,64 @@
+"""Worker-extension mixin that feeds HistoSpec history into the proposer living in each vLLM worker.
+
+    llm = LLM(..., speculative_config=vllm_speculative_config(cfg.speculative),
+              worker_extension_cls="speculative.vllm_extension.HistoSpecWorkerMixin")
+    llm.collective_rpc("histospec_update", args=(delta.to_bytes(),))      # or a file path
+    totals = llm.collective_rpc("histospec_stats", kwargs={"drain": True})[0]
+
+vLLM mixes `worker_extension_cls` into its Worker, so `self` here is the Worker: the proposer is
+`self.model_runner.drafter` (one per worker process, built by vLLM from `speculative_config`). The rollout
+extension class (`megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension`) inherits this mixin,
+so rollout engines get these methods next to weight sync. Payloads cross the process boundary as bytes
+or as the path of a file holding them (large first snapshots), never as tensors.
+
+On an engine without HistoSpec (speculation off, or `ngram`/`suffix`) the methods answer
+`{"active": False}` instead of failing, so the driver can push history unconditionally.
+Left out: pushing to the drafter of a non-last pipeline stage (vLLM builds the drafter on the last one).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class HistoSpecWorkerMixin:
+    def _histospec(self) -> Any:
+        runner = getattr(self, "model_runner", None)
+        drafter = getattr(runner, "drafter", None)
+        if drafter is None or not hasattr(drafter, "apply_update"):
+            return None
+        if drafter.runner is None:
+            drafter.runner = runner  # lets the proposer label per-request metrics with vLLM request ids
+        return drafter
+
+    def histospec_update(self, payload: bytes | str | os.PathLike) -> dict[str, Any]:
+        """Applies a `HistoryDelta` (its bytes, or a path to a file with them); returns the new state."""
+        proposer = self._histospec()
+        if proposer is None:
+            return {"active": False}
+        if isinstance(payload, (str, os.PathLike)):
+            with open(payload, "rb") as f:
+                payload = f.read()
+        return {"active": True, **proposer.apply_update(bytes(payload))}
+
+    def histospec_configure(self, **settings: Any) -> dict[str, Any]:
+        """Sets drafter settings (`enabled`, `match_tokens`, `min_draft_tokens`, `max_draft_tokens`,
+        `min_confidence`, `max_spec_factor`); returns the settings in force."""
+        proposer = self._histospec()
+        if proposer is None:
+            return {"active": False}
+        return {"active": True, **proposer.configure(**settings)}
+
+    def histospec_stats(self, drain: bool = False, reset: bool = False) -> dict[str, Any]:
+        """Raw totals and summary figures; `drain` also returns (and forgets) per-step/per-request records."""
+        proposer = self._histospec()
+        if proposer is None:
+            return {"active": False}
+        out: dict[str, Any] = {"active": True, "version": proposer.replica.version,
+                               "totals": dict(proposer.stats.totals), "summary": proposer.stats.summary()}
+        if drain:
+            out["records"] = proposer.stats.drain()
+        if reset:
+            proposer.stats.reset()
+        return out

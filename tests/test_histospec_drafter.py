@@ -1,0 +1,184 @@
+"""HistoSpec drafter and proposer logic without an engine (CPU, pure).
+
+The proposer is driven by a small simulation of vLLM's contract: a persistent batch of token rows, one
+`propose` call per step, and a verifier that accepts the draft's longest prefix agreeing with the target
+sequence and then emits one more target token (what greedy rejection sampling does).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from speculative.drafter import AdaptiveDraftLength, DraftSettings, HistoryDrafter
+from speculative.history import HistoryStore, prompt_key
+from speculative.proposer import HistoSpecProposer, vllm_speculative_config
+from speculative.config import SpeculativeConfig
+
+PROMPT = np.array([40, 41, 42, 43, 44, 45, 46, 47, 48, 49], dtype=np.int32)
+RESPONSE = [int(x) for x in np.random.default_rng(0).integers(4, 100, size=60)] + [0]
+
+
+def test_exact_continuation_when_response_retraces_history():
+    d = HistoryDrafter(DraftSettings(max_draft_tokens=16))
+    key = d.set_prompt(PROMPT, [RESPONSE])
+    for pos in (1, 5, 30):
+        tokens = np.concatenate([PROMPT, RESPONSE[:pos]]).astype(np.int32)
+        draft = d.draft(key, tokens, max_tokens=8)
+        assert draft.token_ids == RESPONSE[pos:pos + 8]
+        assert draft.match_len == 7 and all(p == 1.0 for p in draft.probs)
+    # At the end of the history response the draft ends with it (EOS included).
+    tokens = np.concatenate([PROMPT, RESPONSE[:-3]]).astype(np.int32)
+    assert d.draft(key, tokens, max_tokens=16).token_ids == RESPONSE[-3:]
+
+
+def test_no_draft_without_history_or_match():
+    d = HistoryDrafter()
+    row = np.concatenate([PROMPT, RESPONSE[:5], np.zeros(20)]).astype(np.int32)
+    assert d.resolve(row, 15) is None
+    assert d.draft(prompt_key(PROMPT), row[:15], 8).token_ids == []
+    key = d.set_prompt(PROMPT, [RESPONSE])
+    assert d.resolve(row, 15) == (key, len(PROMPT))
+    off = np.concatenate([PROMPT, [200, 201, 202, 203, 204, 205, 206, 207]]).astype(np.int32)  # diverged
+    assert d.draft(key, off, 8).token_ids == []
+    d.remove(key)
+    assert d.resolve(row, 15) is None and d.draft(key, row[:15], 8).token_ids == []
+
+
+def test_confidence_floor_and_majority_branch():
+    branch_a = RESPONSE[:20] + [1, 2, 3, 4]
+    branch_b = RESPONSE[:20] + [9, 9, 9, 9]
+    tokens = np.concatenate([PROMPT, RESPONSE[:20]]).astype(np.int32)
+    d = HistoryDrafter(DraftSettings(min_confidence=0.5))
+    key = d.set_prompt(PROMPT, [branch_a, branch_a, branch_b])
+    assert d.draft(key, tokens, 4).token_ids == [1, 2, 3, 4]  # 2/3 >= 0.5: majority branch
+    d = HistoryDrafter(DraftSettings(min_confidence=0.7))
+    key = d.set_prompt(PROMPT, [branch_a, branch_a, branch_b])
+    assert d.draft(key, tokens, 4).token_ids == []  # 2/3 < 0.7: nothing confident enough
+
+
+def test_prompt_resolution_prefers_longest_known_prompt():
+    d = HistoryDrafter()
+    short = PROMPT[:6]
+    k_short = d.set_prompt(short, [[7, 7, 7]])
+    k_long = d.set_prompt(PROMPT, [[8, 8, 8]])
+    row = np.concatenate([PROMPT, [8], np.zeros(5)]).astype(np.int32)
+    assert d.resolve(row, 11) == (k_long, 10)
+    row2 = np.concatenate([short, [7, 7], np.zeros(5)]).astype(np.int32)
+    assert d.resolve(row2, 8) == (k_short, 6)
+
+
+def test_adaptive_length_rule():
+    a = AdaptiveDraftLength(2, 16)
+    assert a.value == 2
+    assert [a.update(a.value, a.value) for _ in range(4)] == [4, 8, 16, 16]  # all accepted: double, cap 16
+    assert a.update(16, 15) == 8 and a.update(8, 0) == 4 and a.update(4, 3) == 2 and a.update(2, 0) == 2
+    assert a.update(0, 0) == 2  # no draft: no change
+
+
+def test_drafter_cost_is_microseconds():
+    d = HistoryDrafter()
+    rng = np.random.default_rng(1)
+    key = d.set_prompt(PROMPT, [rng.integers(4, 100, 2000) for _ in range(16)])
+    tokens = np.concatenate([PROMPT, rng.integers(4, 100, 500)]).astype(np.int32)
+    t = time.perf_counter()
+    for _ in range(2000):
+        d.draft(key, tokens, 16)
+    per_call = (time.perf_counter() - t) / 2000
+    assert per_call < 200e-6, per_call  # a decode step of even the tiny CPU model is milliseconds
+
+
+class _SimEngine:
+    """vLLM's persistent batch as the proposer sees it, with a greedy verifier."""
+
+    def __init__(self, prompts, targets, k):
+        self.rows = np.zeros((len(prompts), 512), dtype=np.int32)
+        self.n = np.array([len(p) for p in prompts], dtype=np.int32)
+        for i, p in enumerate(prompts):
+            self.rows[i, :len(p)] = p
+        self.plen = [len(p) for p in prompts]
+        self.targets = targets
+        self.k = k
+        self.forwards = 0
+
+    def run(self, proposer):
+        sampled = [[t[0]] for t in self.targets]  # prefill emits the first token
+        self._append(sampled)
+        self.forwards += 1
+        lengths = []
+        while True:
+            drafts = proposer.propose(sampled, self.n.copy(), self.rows)
+            lengths.append([len(d) for d in drafts])
+            live = [i for i in range(len(self.targets)) if self.n[i] - self.plen[i] < len(self.targets[i])]
+            if not live:
+                proposer.propose([[] for _ in self.targets], self.n.copy(), self.rows)  # rows leave the batch
+                return lengths
+            sampled = [[] for _ in self.targets]
+            for i in live:
+                done = int(self.n[i] - self.plen[i])
+                target = list(self.targets[i]) + [0] * (self.k + 1)  # vLLM emits past EOS, then truncates
+                acc = 0
+                for tok in drafts[i][:self.k]:
+                    if tok == target[done + acc]:
+                        acc += 1
+                    else:
+                        break
+                sampled[i] = target[done:done + acc + 1]
+            self.forwards += 1
+            self._append(sampled)
+
+    def _append(self, sampled):
+        for i, s in enumerate(sampled):
+            self.rows[i, self.n[i]:self.n[i] + len(s)] = s
+            self.n[i] += len(s)
+
+
+def test_proposer_adapts_length_and_cuts_forwards():
+    store = HistoryStore()
+    store.record(PROMPT, [RESPONSE], epoch=1)
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16))
+    assert proposer.apply_update(store.updates_since(0).to_bytes())["prompts"] == 1
+    other = np.array([7, 7, 7, 7, 7, 7], dtype=np.int32)  # no history: never drafted
+    engine = _SimEngine([PROMPT, other], [RESPONSE, RESPONSE[:30]], k=16)
+    lengths = engine.run(proposer)
+    assert [step[0] for step in lengths[:5]] == [2, 4, 8, 16, 16]  # all accepted: 2, 4, 8, 16 (cap)
+    assert all(step[1] == 0 for step in lengths)
+    s = proposer.stats.summary()
+    assert s["spec/acceptance_rate"] == 1.0
+    # 61 tokens of a retraced response in 1 prefill + ceil-ish steps: far fewer forwards than tokens.
+    rec = {r.prompt_key: r for r in proposer.stats.requests}
+    assert len(RESPONSE) <= rec[prompt_key(PROMPT)].tokens <= len(RESPONSE) + 1  # the bonus token past EOS
+    assert rec[prompt_key(PROMPT)].tokens_per_forward >= 5.0
+    assert rec[""].tokens_per_forward == 1.0
+
+
+def test_proposer_halves_after_rejection_and_recovers():
+    history = RESPONSE[:30] + [1] * 40
+    target = RESPONSE[:30] + [2] + [1] * 39  # one divergence in the middle
+    store = HistoryStore()
+    store.record(PROMPT, [history], epoch=0)
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=8))
+    proposer.apply_update(store.snapshot())
+    lengths = [s[0] for s in _SimEngine([PROMPT], [target], k=8).run(proposer)]
+    assert 8 in lengths
+    first_drop = next(i for i in range(1, len(lengths)) if 0 < lengths[i] < lengths[i - 1])
+    assert lengths[first_drop] == lengths[first_drop - 1] // 2
+    assert proposer.stats.summary()["spec/acceptance_rate"] < 1.0
+
+
+def test_vllm_speculative_config_switch():
+    assert vllm_speculative_config(SpeculativeConfig(enabled=False)) is None
+    hs = vllm_speculative_config(SpeculativeConfig())
+    assert hs == {"method": "custom_class", "model": "speculative.proposer.HistoSpecProposer",
+                  "num_speculative_tokens": 16}
+    assert vllm_speculative_config(SpeculativeConfig(method="ngram"))["method"] == "ngram"
+    assert vllm_speculative_config(SpeculativeConfig(method="suffix"))["method"] == "suffix"
+
+
+@pytest.mark.parametrize("bad", [dict(min_draft_tokens=0), dict(min_draft_tokens=4, max_draft_tokens=2),
+                                 dict(min_confidence=1.5)])
+def test_draft_settings_validation(bad):
+    with pytest.raises(ValueError):
+        DraftSettings(**bad)
