@@ -18,6 +18,7 @@ import base64
 import csv
 import html
 import os
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -58,7 +59,8 @@ class Report:
 def _color(phase: str) -> str:
     if phase in PHASE_COLORS:
         return PHASE_COLORS[phase]
-    return plt.get_cmap("tab10")(hash(phase) % 10)
+    # crc32, not hash(): str hashes are salted per process and colours must match between reports.
+    return plt.get_cmap("tab10")(zlib.crc32(phase.encode()) % 10)
 
 
 def _phase_order(names: Sequence[str]) -> list[str]:

@@ -213,17 +213,17 @@ def slot_bubble_ratio_from_intervals(
 # Metrics over events.
 
 
-def phase_window(events: Sequence[Event], step: int, phase: str = "rollout") -> tuple[float, float] | None:
-    """(first start, last end) of `phase` in `step`; an unterminated phase ends at the last event's time."""
+def phase_window(events: Sequence[Event], step: int, phase: str = "rollout",
+                 t_last: float | None = None) -> tuple[float, float] | None:
+    """(first start, last end) of `phase` in `step`; an unterminated phase ends at `t_last` (default: the
+    last event's time)."""
     starts = [e.t for e in events if e.kind == "phase" and e.phase == phase and e.step == step and e.event == "start"]
     ends = [e.t for e in events if e.kind == "phase" and e.phase == phase and e.step == step and e.event == "end"]
     if not starts:
         return None
-    return min(starts), (max(ends) if ends else max(e.t for e in events))
-
-
-def _steps_with(events: Sequence[Event], phase: str) -> list[int]:
-    return sorted({e.step for e in events if e.kind == "phase" and e.phase == phase and e.event == "start"})
+    if ends:
+        return min(starts), max(ends)
+    return min(starts), max(e.t for e in events) if t_last is None else t_last
 
 
 def request_intervals(events: Sequence[Event], step: int) -> dict[int, list[tuple[float, float]]]:
@@ -247,11 +247,22 @@ def request_intervals(events: Sequence[Event], step: int) -> dict[int, list[tupl
     return dict(out)
 
 
-def _rollout_step_figures(events: Sequence[Event], step: int) -> tuple[float, float, dict[int, list[tuple[float, float]]]] | None:
-    window = phase_window(events, step, "rollout")
-    if window is None:
-        return None
-    return window[0], window[1], request_intervals(events, step)
+def _rollout_figures(events: Sequence[Event], step: int | None) -> dict[int, tuple[float, float, dict]]:
+    """Per step with a rollout phase (or only `step`): (T_start, T_end, request intervals per worker).
+    Events are grouped by step once, so pooling over many steps stays linear in the number of events."""
+    if not events:
+        return {}
+    t_last = max(e.t for e in events)
+    by_step: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        if step is None or e.step == step:
+            by_step[e.step].append(e)
+    out = {}
+    for s, evs in sorted(by_step.items()):
+        window = phase_window(evs, s, "rollout", t_last)
+        if window is not None:
+            out[s] = (window[0], window[1], request_intervals(evs, s))
+    return out
 
 
 def worker_bubble_ratio(events: Sequence[Event], step: int | None = None) -> float:
@@ -262,13 +273,8 @@ def worker_bubble_ratio(events: Sequence[Event], step: int | None = None) -> flo
     its requests is still open). With `step=None` the ratio covers every step with a rollout phase, each
     weighted by its W * (T_end - T_start): total idle worker-seconds over total worker-seconds.
     """
-    steps = _steps_with(events, "rollout") if step is None else [step]
     idle = total = 0.0
-    for s in steps:
-        fig = _rollout_step_figures(events, s)
-        if fig is None:
-            continue
-        t0, t1, per_worker = fig
+    for t0, t1, per_worker in _rollout_figures(events, step).values():
         if not per_worker or t1 <= t0:
             continue
         last = [max(b for _, b in iv) for iv in per_worker.values()]
@@ -287,13 +293,8 @@ def slot_bubble_ratio(events: Sequence[Event], max_batch: int, step: int | None 
     worker w submitted at or before t and not yet finished or aborted. `step=None` pools every step with a
     rollout phase (slot-seconds weighted), like `worker_bubble_ratio`.
     """
-    steps = _steps_with(events, "rollout") if step is None else [step]
     busy = total = 0.0
-    for s in steps:
-        fig = _rollout_step_figures(events, s)
-        if fig is None:
-            continue
-        t0, t1, per_worker = fig
+    for t0, t1, per_worker in _rollout_figures(events, step).values():
         w = num_workers if num_workers is not None else len(per_worker)
         if w <= 0 or t1 <= t0:
             continue
@@ -369,11 +370,14 @@ def rollout_bubble_by_step(events: Sequence[Event], max_batch: int | None = None
     """Per step with a rollout phase: its duration, worker bubble ratio and (given `max_batch`) slot
     bubble ratio. This is the table the report plots."""
     out = {}
-    for s in _steps_with(events, "rollout"):
-        window = phase_window(events, s, "rollout")
-        assert window is not None
-        row = {"rollout_s": window[1] - window[0], "worker_bubble": worker_bubble_ratio(events, s)}
+    for s, (t0, t1, per_worker) in _rollout_figures(events, None).items():
+        row = {"rollout_s": t1 - t0, "worker_bubble": 0.0}
+        if per_worker and t1 > t0:
+            last = [max(b for _, b in iv) for iv in per_worker.values()]
+            row["worker_bubble"] = worker_bubble_ratio_from_times(last, t0, t1)
         if max_batch:
-            row["slot_bubble"] = slot_bubble_ratio(events, max_batch, s)
+            intervals = [iv for ivs in per_worker.values() for iv in ivs]
+            row["slot_bubble"] = slot_bubble_ratio_from_intervals(intervals, max_batch * len(per_worker), t0, t1) \
+                if per_worker else 0.0
         out[s] = row
     return out

@@ -68,13 +68,15 @@ class PhaseUtil:
 
 
 def phase_masks(times: np.ndarray, spans: Sequence[tuple[int, str, float, float]]) -> dict[str, np.ndarray]:
-    """Boolean mask per phase name (plus "none" and "all") over `times`, per the module's definitions."""
+    """Boolean mask per phase name (plus "none" and "all") over sorted `times`, per the module's definitions."""
     masks: dict[str, np.ndarray] = {}
     any_phase = np.zeros(len(times), dtype=bool)
+    # `times` is sorted, so each span is one slice: linear in samples plus spans, not their product.
     for _, phase, a, b in spans:
-        inside = (times >= a) & (times < b)
-        masks[phase] = masks.get(phase, np.zeros(len(times), dtype=bool)) | inside
-        any_phase |= inside
+        lo, hi = np.searchsorted(times, [a, b], side="left")
+        mask = masks.setdefault(phase, np.zeros(len(times), dtype=bool))
+        mask[lo:hi] = True
+        any_phase[lo:hi] = True
     if spans:
         masks["none"] = ~any_phase
     masks["all"] = np.ones(len(times), dtype=bool)
