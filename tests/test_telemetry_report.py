@@ -64,6 +64,13 @@ def test_steps_table_has_breakdown_and_bubbles(report):
                                              "slot_bubble": 1 - 2.7 / 6})
 
 
+def test_breakdown_stacks_seconds_only_and_tables_read_in_phase_order(report):
+    from megatron_sortedrl.telemetry.report import step_columns
+
+    assert step_columns(report.steps, ratios=False) == ["rollout", "reward", "train", "idle"]
+    assert step_columns(report.steps) == ["rollout", "reward", "train", "idle", "worker_bubble", "slot_bubble"]
+
+
 def test_headline_figures(report):
     # Pooled over steps: idle worker-seconds (2 + 0.3) over worker-seconds (2 x 4 + 2 x 1.5).
     assert report.headline == pytest.approx({"gpus": 2, "recorded_s": 10.0, "idle_fraction": (0.38 + 0.21) / 2,

@@ -153,9 +153,20 @@ def plot_bubbles(bubbles: dict[int, dict[str, float]], path: Path) -> Path:
     return path
 
 
+RATIOS = ("worker_bubble", "slot_bubble")  # per-step ratios kept in the steps table beside phase seconds
+
+
+def step_columns(steps: dict[int, dict[str, float]], ratios: bool = True) -> list[str]:
+    """Columns of the steps table in reading order: phases, idle, then (if `ratios`) bubble ratios.
+    The breakdown figure stacks only seconds, so it asks for `ratios=False`."""
+    keys = {k for row in steps.values() for k in row}
+    cols = _phase_order(sorted(keys - {"idle", *RATIOS})) + ["idle"]
+    return cols + [c for c in RATIOS if c in keys] if ratios else cols
+
+
 def plot_breakdown(breakdown: dict[int, dict[str, float]], path: Path) -> Path:
     steps = sorted(breakdown)
-    phases = _phase_order(sorted({p for row in breakdown.values() for p in row if p != "idle"})) + ["idle"]
+    phases = step_columns(breakdown, ratios=False)
     fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(steps) + 2), 3))
     bottom = np.zeros(len(steps))
     for p in phases:
@@ -205,8 +216,7 @@ def write_csvs(out_dir: Path, summary: Sequence[PhaseUtil], steps: dict[int, dic
         w.writeheader()
         for r in summary:
             w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items()})
-    cols = _phase_order(sorted({k for row in steps.values() for k in row if k not in ("idle", "worker_bubble", "slot_bubble")}))
-    cols += [c for c in ("idle", "worker_bubble", "slot_bubble") if any(c in row for row in steps.values())]
+    cols = step_columns(steps)
     with open(out_dir / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", *cols])
@@ -306,7 +316,7 @@ def _html(report: Report, samples: Samples, title: str, source: str) -> str:
         parts.append("<h2>Per GPU and phase</h2><p>Also in <code>summary.csv</code>.</p><table><tr><th>GPU</th>"
                      f"<th>phase</th><th>seconds</th><th>mean util %</th><th>idle</th><th>mean power W</th></tr>{rows}</table>")
     if report.steps:
-        cols = sorted({k for row in report.steps.values() for k in row})
+        cols = step_columns(report.steps)
         head = "".join(f"<th>{e(c)}</th>" for c in cols)
         rows = "".join("<tr><td>%d</td>%s</tr>" % (s, "".join(
             f"<td>{report.steps[s][c]:.3f}</td>" if c in report.steps[s] else "<td></td>" for c in cols))
