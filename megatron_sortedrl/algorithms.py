@@ -1,0 +1,190 @@
+"""RL math as pure torch functions: advantages, PPO-clip with clip-higher, aggregation, KL, entropy, TIS.
+
+    from megatron_sortedrl import algorithms as A
+    adv = A.compute_advantages(rewards, group_ids, "grpo")                  # one scalar per sample
+    out = A.policy_loss(logp, behaviour_logp, adv_tok, mask, clip_low=0.2, clip_high=0.28)
+    pytest tests/test_algorithms.py
+
+Shapes: per-sample tensors are [B]; per-token tensors are [B, T] with `mask` 1.0 on response tokens that
+count and 0.0 elsewhere (padding, prompt). Log-probs are natural logs.
+
+Conventions (each matches the reference formula in tests/test_algorithms.py):
+
+* GRPO: `A_i = (r_i - mean_g) / (std_g + eps)` within the prompt's group (std optional; population std).
+* RLOO: `A_i = r_i - mean_{j != i, j in g} r_j`.
+* Reinforce++: the reward, whitened over all response tokens of the batch (token-weighted mean/std).
+* Reinforce++-baseline: the group mean is subtracted first, then the same whitening.
+* PPO-clip with clip-higher: `ratio = exp(logp - logp_old)`,
+  `loss_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`.
+* Truncated importance sampling (rollout/trainer mismatch): `w_t = min(exp(logp_old - logp_rollout), cap)`,
+  detached, multiplies the per-token policy loss. `logp_old` is the trainer's proximal policy; for tokens
+  of a partial rollout sampled by older versions `logp_rollout` is the per-token behaviour log-prob of the
+  version that sampled it, so the same weight also corrects staleness.
+* KL to the reference: the k3 estimator `exp(ref - logp) - (ref - logp) - 1` (non-negative, unbiased).
+* Aggregation: `token` = sum over all tokens / number of tokens; `sequence` = mean over sequences of the
+  per-sequence token mean. `token_weights` gives the weights so a sharded batch (micro-batches, data
+  parallel ranks) can sum its parts against global counts.
+
+Deliberately left out: value functions / GAE (no critic in this project) and sequence-level importance
+ratios (GSPO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")
+
+
+def _group_index(group_ids: Sequence) -> tuple[torch.Tensor, int]:
+    ids: dict = {}
+    idx = torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
+    return idx, len(ids)
+
+
+def _group_stats(rewards: torch.Tensor, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, idx, torch.ones_like(rewards))
+    total = torch.zeros(n, dtype=rewards.dtype).index_add_(0, idx, rewards)
+    mean = total / count
+    var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, idx, (rewards - mean[idx]) ** 2) / count
+    return count, mean, var.sqrt()
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence, *, normalize_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    idx, n = _group_index(group_ids)
+    _, mean, std = _group_stats(rewards, idx, n)
+    adv = rewards - mean[idx]
+    return adv / (std[idx] + eps) if normalize_std else adv
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: Sequence) -> torch.Tensor:
+    idx, n = _group_index(group_ids)
+    count, mean, _ = _group_stats(rewards, idx, n)
+    c = count[idx]
+    if bool((c < 2).any()):
+        raise ValueError("RLOO needs at least 2 samples per group")
+    loo_mean = (mean[idx] * c - rewards) / (c - 1)
+    return rewards - loo_mean
+
+
+def _whiten_tokens(values: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    w = lengths.to(values.dtype)
+    mean = (values * w).sum() / w.sum()
+    var = (((values - mean) ** 2) * w).sum() / w.sum()
+    return (values - mean) / (var.sqrt() + eps)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, lengths: torch.Tensor, group_ids: Sequence | None = None,
+                            *, baseline: bool = False) -> torch.Tensor:
+    """Reinforce++ (baseline=False) or Reinforce++-baseline (group mean subtracted first)."""
+    values = rewards
+    if baseline:
+        if group_ids is None:
+            raise ValueError("reinforce_pp_baseline needs group ids")
+        idx, n = _group_index(group_ids)
+        _, mean, _ = _group_stats(rewards, idx, n)
+        values = rewards - mean[idx]
+    return _whiten_tokens(values, lengths.clamp(min=1))
+
+
+def compute_advantages(rewards: torch.Tensor, group_ids: Sequence, method: str, *,
+                       lengths: torch.Tensor | None = None, normalize_std: bool = True) -> torch.Tensor:
+    """One scalar advantage per sample (broadcast over its response tokens by the caller)."""
+    rewards = rewards.to(torch.float64)
+    if method == "grpo":
+        out = grpo_advantages(rewards, group_ids, normalize_std=normalize_std)
+    elif method == "rloo":
+        out = rloo_advantages(rewards, group_ids)
+    elif method in ("reinforce_pp", "reinforce_pp_baseline"):
+        if lengths is None:
+            raise ValueError(f"{method} needs response lengths")
+        out = reinforce_pp_advantages(rewards, lengths, group_ids, baseline=method == "reinforce_pp_baseline")
+    else:
+        raise ValueError(f"unknown advantage estimator {method!r}; expected one of {ADVANTAGES}")
+    return out.to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- losses
+
+
+def token_weights(mask: torch.Tensor, mode: str, num_tokens: float | None = None,
+                  num_sequences: float | None = None) -> torch.Tensor:
+    """Weights w with loss = sum(w * per_token_loss); counts default to this batch's, or pass global ones."""
+    mask = mask.to(torch.float32)
+    if mode == "token":
+        n = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        return mask / max(n, 1.0)
+    if mode == "sequence":
+        s = float(mask.shape[0]) if num_sequences is None else float(num_sequences)
+        per_seq = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        return mask / per_seq / max(s, 1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected token or sequence")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    return (per_token * token_weights(mask, mode)).sum()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights trainer/rollout; cap <= 0 disables (all ones)."""
+    if cap <= 0:
+        return torch.ones_like(logp_old)
+    return torch.exp(logp_old - logp_rollout).clamp(max=cap).detach()
+
+
+def ppo_clip_per_token(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
+                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss and a 0/1 tensor marking tokens where the clipped branch was active."""
+    ratio = torch.exp(logp - logp_old)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, (clipped < unclipped).to(logp.dtype)
+
+
+def policy_loss_per_token(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor | None,
+                          advantages: torch.Tensor, *, clip_low: float, clip_high: float, tis_cap: float = 0.0,
+                          ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                          entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The full per-token objective (before aggregation) and per-token terms for logging."""
+    pg, clipped = ppo_clip_per_token(logp, logp_old, advantages, clip_low=clip_low, clip_high=clip_high)
+    terms = {"pg_loss": pg, "clip_frac": clipped, "ratio": torch.exp(logp - logp_old).detach()}
+    if logp_rollout is not None and tis_cap > 0:
+        w = tis_weights(logp_old.detach(), logp_rollout, tis_cap)
+        pg = pg * w
+        terms["tis_weight"] = w
+        terms["rollout_kl"] = (logp_rollout - logp_old).detach()  # k1 estimate of KL(rollout || trainer)
+    loss = pg
+    if ref_logp is not None and kl_coef > 0:
+        kl = kl_k3(logp, ref_logp)
+        loss = loss + kl_coef * kl
+        terms["kl"] = kl.detach()
+    if entropy is not None:
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * entropy
+        terms["entropy"] = entropy.detach()
+    return loss, terms
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                clip_low: float, clip_high: float, aggregation: str = "token",
+                logp_rollout: torch.Tensor | None = None, tis_cap: float = 0.0,
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Aggregated loss of a whole batch and token-mean metrics (convenience over the per-token form)."""
+    per_token, terms = policy_loss_per_token(
+        logp, logp_old, logp_rollout, advantages, clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+        ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef)
+    n = mask.sum().clamp(min=1)
+    metrics = {k: float((v * mask).sum() / n) for k, v in terms.items()}
+    return aggregate(per_token, mask, aggregation), metrics

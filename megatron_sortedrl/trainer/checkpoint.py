@@ -1,0 +1,148 @@
+"""Atomic megatron-core `dist_checkpointing` (torch_dist) checkpoints of model, optimizer and trainer state.
+
+    save_checkpoint(path, model, opt, sched, trainer_state)      # every rank (a collective)
+    trainer_state = load_checkpoint(path, model, opt, sched)     # every rank; any TP/PP
+    latest = find_latest_checkpoint(root)                        # newest complete checkpoint under root
+
+Layout of one checkpoint directory:
+
+    <path>/                 torch_dist shards + metadata (model and optimizer; resharded on load)
+    <path>/trainer_state.pt step counters, LR schedule, anything the caller adds (driver resume state)
+    <path>/COMPLETE.json    written last; its presence is what makes the checkpoint valid
+
+Atomicity: everything is written into `<parent>/.<name>.partial`; only after every rank has finished and
+COMPLETE.json is fsynced is that directory renamed to `<path>` (an existing checkpoint at `<path>` is
+moved aside first and deleted afterwards). A crash at any point leaves either the old checkpoint or the
+new one, plus perhaps a `.partial` directory that the next save removes. `load_checkpoint` refuses a
+directory without COMPLETE.json with a `CheckpointError`, and `find_latest_checkpoint` skips it.
+
+Checkpoints use Megatron's sharded keys, which are the same for the local (CPU) and Transformer Engine
+(GPU) layer specs, so a CPU checkpoint loads on GPU and back.
+
+Deliberately left out: asynchronous saving and keeping N checkpoints (the driver deletes old ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_sortedrl.errors import CheckpointError
+
+MARKER = "COMPLETE.json"
+STATE_FILE = "trainer_state.pt"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def _sharded_state(model, opt, is_loading: bool) -> dict:
+    model_sd = model.sharded_state_dict()
+    if not is_loading and not opt.state_dict().get("state"):
+        opt.init_state_fn(opt.optimizer, opt.config)  # fresh Adam state is all zeros; saves a uniform layout
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(path: str | Path, model, opt, sched, trainer_state: dict, meta: dict) -> Path:
+    """Writes a checkpoint atomically (collective over all trainer ranks); returns its path."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(path).resolve()
+    tmp = final.parent / f".{final.name}.partial"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by an earlier crash
+        tmp.mkdir()
+    _barrier()
+    dist_checkpointing.save(_sharded_state(model, opt, is_loading=False), str(tmp))
+    _barrier()
+    if rank0:
+        state = dict(trainer_state)
+        state["lr_scheduler"] = sched.state_dict()
+        torch.save(state, tmp / STATE_FILE)
+        _fsync_write(tmp / MARKER, json.dumps({**meta, "saved_at": time.time()}, indent=1))
+        old = final.parent / f".{final.name}.old"
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not is_complete(path):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER}; the save was interrupted); "
+            f"use the previous checkpoint, e.g. find_latest_checkpoint({str(path.parent)!r})")
+    return json.loads((path / MARKER).read_text())
+
+
+def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool = True) -> dict:
+    """Loads model (and optimizer) state at this rank's TP/PP; returns the saved trainer state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    read_meta(path)
+    try:
+        if load_optimizer:
+            sharded = _sharded_state(model, opt, is_loading=True)
+        else:
+            sharded = {"model": model.sharded_state_dict()}
+        loaded = dist_checkpointing.load(sharded, str(path))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a shard file missing or cut short
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from exc
+    model.load_state_dict(loaded["model"], strict=False)
+    if load_optimizer:
+        opt.load_state_dict(loaded["optimizer"])
+    state = torch.load(path / STATE_FILE, weights_only=False)
+    if sched is not None and "lr_scheduler" in state:
+        sched.load_state_dict(state["lr_scheduler"])
+    return state
+
+
+def find_latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint under `root` with the highest saved step (incomplete ones are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    best, best_key = None, None
+    for d in root.iterdir():
+        if not d.is_dir() or d.name.startswith("."):
+            continue
+        if not is_complete(d):
+            continue
+        meta = json.loads((d / MARKER).read_text())
+        key = (meta.get("step", -1), meta.get("saved_at", 0.0))
+        if best_key is None or key > best_key:
+            best, best_key = d, key
+    return best

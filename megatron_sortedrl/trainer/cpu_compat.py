@@ -1,0 +1,97 @@
+"""Makes megatron-core 0.16 build, run, train and checkpoint on a machine without CUDA.
+
+    from megatron_sortedrl.trainer import cpu_compat
+    cpu_compat.activate()          # no-op when CUDA is available; idempotent
+    pytest tests/test_cpu_compat.py
+
+Megatron-core assumes a GPU in a handful of places that have nothing to do with the math:
+`torch.cuda.current_device()` / `torch.cuda.synchronize()` are called unconditionally, and some tensors
+are created with a hard-coded `device="cuda"` (rotary embedding, default causal mask, the pipeline
+schedule's token counter, p2p receive buffers, the dist-checkpoint saver's all-reduce). With this layer
+active:
+
+* `torch.cuda.current_device()` returns 0 and `torch.cuda.synchronize()` does nothing;
+* a `TorchFunctionMode` rewrites every CUDA device argument (`"cuda"`, `"cuda:0"`, `0`,
+  `torch.device("cuda")`) of tensor factories, `Tensor.to` and `Tensor.cuda` to the CPU;
+* `seed_model_parallel(seed)` seeds Megatron's RNG tracker with `inference_rng_tracker=True` on CPU
+  (that tracker never forks the CUDA generator) and with the normal tracker on GPU.
+
+Everything is process-wide and guarded by `torch.cuda.is_available()`: on a GPU machine `activate()`
+returns False and changes nothing. The mode is pushed on the calling thread; `activate()` must be
+called again (it is cheap) on any other thread that runs Megatron code.
+
+Deliberately left out: anything the distributed optimizer needs (it refuses CPU tensors; the CPU path
+uses a plain optimizer, see `optimizer.py`) and fused kernels (the local layer spec needs none).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_patched = False
+_local = threading.local()
+_CPU = torch.device("cpu")
+
+
+def needed() -> bool:
+    """True when the layer is required (no usable CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare ordinal always means a CUDA device in torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Redirects CUDA device arguments to the CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seeds torch and Megatron's model-parallel RNG tracker (call after the process groups exist)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=needed(), force_reset_rng=True)
+
+
+def activate() -> bool:
+    """Activates the layer in this process and thread when CUDA is absent; returns whether it is active."""
+    global _patched
+    if not needed():
+        return False
+    with _lock:
+        if not _patched:
+            torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+            torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+            _patched = True
+    if not getattr(_local, "mode", None):
+        _local.mode = CpuDeviceMode()
+        _local.mode.__enter__()
+    return True
+
+
+def active() -> bool:
+    """True when the layer is active on the calling thread."""
+    return bool(getattr(_local, "mode", None))

@@ -1,0 +1,192 @@
+"""Megatron-core GPTModel built from a Hugging Face config (Qwen2 / Qwen2.5 / Llama-3 architectures).
+
+    from megatron_sortedrl.trainer.model import read_hf_config, build_model
+    arch = read_hf_config("runs/tiny_model")
+    model = build_model(arch, dtype=torch.float32, use_te=False)   # after parallel_state is initialised
+
+This module knows nothing about parallelism beyond what Megatron's own layers need: it maps the HF config
+to a `TransformerConfig` (RMSNorm, SwiGLU, RoPE with the model's base and scaling, grouped-query
+attention, Qwen2's qkv bias, tied or untied embeddings) and picks the layer spec: the local spec (pure
+torch, RMSNorm via torch) on CPU and the Transformer Engine spec on GPU. The two specs name parameters
+differently; `weights.py` knows both.
+
+Deliberately left out: MoE, sliding-window attention, YaRN attention scaling and learned absolute
+positions (none of the target families need them); rope types other than default/linear/llama3 are
+rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_sortedrl.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class HFArch:
+    """The parts of a Hugging Face config the trainer needs (read once, picklable, no transformers import)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)  # the full config.json, for rope init functions
+
+
+def read_hf_config(model_dir: str | Path) -> HFArch:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
+    cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"{path}: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    # transformers >= 5 moves rope settings into `rope_parameters`; older files use rope_theta/rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UserError(f"{path}: rope type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    heads = cfg["num_attention_heads"]
+    return HFArch(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        rope_scaling={**rope, "rope_type": rope_type},
+        raw=cfg,
+    )
+
+
+def padded_vocab_size(arch: HFArch, tp: int) -> int:
+    """Vocabulary rounded up so every TP rank holds an equal slice (padding logits are masked out)."""
+    return -(-arch.vocab_size // tp) * tp
+
+
+def rope_inv_freq(arch: HFArch) -> torch.Tensor:
+    """Inverse RoPE frequencies exactly as Hugging Face computes them (base, linear or llama3 scaling)."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = arch.rope_scaling
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * torch.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
+                       sequence_parallel: bool = False, on_gpu: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        variable_seq_lengths=True,  # micro-batches are padded to their own length, not a global maximum
+        moe_token_dispatcher_type="alltoall",  # only to satisfy a check tied to variable_seq_lengths; no MoE
+        deallocate_pipeline_outputs=on_gpu,
+        calculate_per_token_loss=False,
+    )
+
+
+def layer_spec(use_te: bool):
+    """Transformer Engine spec on GPU (fused norms in linear_qkv / linear_fc1), local spec on CPU."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: bool = False,
+                sequence_parallel: bool = False):
+    """One GPTModel chunk for this rank's pipeline stage (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=use_te)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=padded_vocab_size(arch, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        parallel_output=True,
+    )
+    # Megatron only knows llama3 scaling with fixed factors; HF's exact frequencies cover every case.
+    inv = rope_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
+    model.rotary_pos_emb.inv_freq = inv
+    if use_te:
+        model.cuda(torch.cuda.current_device())
+    return model.to(dtype)

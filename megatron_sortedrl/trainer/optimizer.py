@@ -1,0 +1,138 @@
+"""Megatron optimizer, learning-rate schedule and one guarded optimizer step.
+
+    opt, sched = build_optimizer(ddp_model, cfg, on_gpu=False)
+    metrics = optimizer_step(opt, sched, [ddp_model], loss, grad_clip=1.0, on_gpu=False)
+
+GPU: Megatron's optimizer with the distributed optimizer (when `parallel.use_distributed_optimizer`),
+bf16/fp16 mixed precision and Megatron's own gradient clipping. CPU: the same `get_megatron_optimizer`
+call with `clip_grad=0` (its clipping asserts CUDA tensors) and no distributed optimizer (it refuses CPU
+tensors); clipping is done here with Megatron's duplicate-aware global norm (TP-replicated parameters and
+the tied embedding copy are counted once), so the clipped update is identical at any TP/PP.
+
+Every step first checks the loss and all local gradients for inf/nan and agrees on the answer across the
+whole world; a non-finite step is skipped (gradients zeroed, parameters and optimizer state untouched,
+the schedule not advanced) and counted.
+
+Deliberately left out: fp16 loss scaling on CPU, CPU offloading of optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def build_optimizer(model_chunks: list, cfg, *, on_gpu: bool):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dtype = cfg.model.dtype
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.trainer.lr,
+        min_lr=0.0,
+        weight_decay=cfg.trainer.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        params_dtype=getattr(torch, dtype),
+        clip_grad=cfg.trainer.grad_clip if on_gpu else 0.0,
+        use_distributed_optimizer=bool(on_gpu and cfg.parallel.use_distributed_optimizer),
+    )
+    opt = get_megatron_optimizer(ocfg, model_chunks)
+    total = max(cfg.trainer.total_steps, 1)
+    warmup = min(getattr(cfg.trainer, "lr_warmup_steps", 0), total - 1) if total > 1 else 0
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0 if warmup else cfg.trainer.lr,
+        max_lr=cfg.trainer.lr,
+        min_lr=0.0,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=total,
+        lr_decay_style=getattr(cfg.trainer, "lr_decay_style", "constant"),
+        start_wd=cfg.trainer.weight_decay,
+        end_wd=cfg.trainer.weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style="constant",
+    )
+    return opt, sched
+
+
+def set_lr(opt, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def _local_grads(model_chunks: list) -> list[torch.Tensor]:
+    grads = []
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None:
+                grads.append(g)
+    return grads
+
+
+def all_finite(loss: float, model_chunks: list) -> bool:
+    """True when the loss and every gradient on every rank are finite (a world-wide agreement)."""
+    bad = 0.0 if math.isfinite(loss) else 1.0
+    for g in _local_grads(model_chunks):
+        if not bool(torch.isfinite(g).all()):
+            bad = 1.0
+            break
+    device = _local_grads(model_chunks)[0].device if _local_grads(model_chunks) else "cpu"
+    flag = torch.tensor([bad], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+def zero_grads(opt, model_chunks: list) -> None:
+    for chunk in model_chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    opt.zero_grad()
+
+
+def optimizer_step(opt, sched, model_chunks: list, loss: float, *, grad_clip: float, on_gpu: bool,
+                   lr_override: float | None = None) -> dict[str, float]:
+    """One update after backward + gradient reduction; returns metrics (skipped, grad_norm, lr)."""
+    if not all_finite(loss, model_chunks):
+        zero_grads(opt, model_chunks)
+        return {"skipped": 1.0, "grad_norm": float("nan"), "lr": opt.param_groups[0]["lr"]}
+    if lr_override is not None:
+        set_lr(opt, lr_override)
+    else:  # the schedule's value for this step, even if a supervised step changed the lr meanwhile
+        for group in opt.param_groups:
+            group["lr"] = sched.get_lr(group)
+    lr = opt.param_groups[0]["lr"]
+    if on_gpu:
+        ok, grad_norm, _ = opt.step()
+        if not ok:  # fp16 loss-scale overflow
+            zero_grads(opt, model_chunks)
+            return {"skipped": 1.0, "grad_norm": float("nan"), "lr": opt.param_groups[0]["lr"]}
+    else:
+        opt.prepare_grads()
+        grad_norm = opt.get_grad_norm()
+        if grad_clip > 0:
+            coeff = grad_clip / (grad_norm + 1e-6)
+            if coeff < 1.0:
+                for g in _param_grads(opt):
+                    g.mul_(coeff)
+        opt.step_with_ready_grads()
+    if lr_override is None:
+        sched.step(increment=1)
+    zero_grads(opt, model_chunks)
+    return {"skipped": 0.0, "grad_norm": float(grad_norm), "lr": lr}
+
+
+def _param_grads(opt) -> list[torch.Tensor]:
+    return [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]

@@ -1,0 +1,329 @@
+"""The Hugging Face <-> Megatron weight table, and loading / exporting weights at any TP and PP.
+
+    from megatron_sortedrl.trainer.weights import load_hf_weights, export_hf_weights
+    load_hf_weights(model, "runs/tiny_model", arch, use_te=False)          # every rank, after build_model
+    for name, tensor in export_hf_weights(model, arch, use_te=False):     # every rank, in lockstep
+        ...                                                                # full, un-sharded HF tensors
+
+`WEIGHT_TABLE` is data: one row per Megatron parameter (per layer where `{i}` appears) naming the HF
+tensors it is made of and how it is laid out across tensor-parallel ranks:
+
+* `vocab`  - split along dim 0 (vocabulary), padded with zero rows to a multiple of TP;
+* `column` - split along dim 0 (output features);
+* `row`    - split along dim 1 (input features);
+* `replicated` - every rank holds the full tensor (norm weights);
+* `qkv`    - q, k, v fused per query group, `[q heads of group g..., k_g, v_g]` for every g, then split
+             along dim 0 (each TP rank holds whole query groups); biases the same;
+* `gate_up` - `[gate_i; up_i]` on TP rank i (gate and up each split along dim 0, then stacked).
+
+The Transformer Engine spec fuses the two RMSNorm weights into the following linear layer; the TE
+column of the table gives those names. Pipeline stages hold a contiguous slice of layers; local layer
+`i` on stage `s` is global layer `s * num_layers / pp + i`. With tied embeddings the last stage holds a
+copy of the embedding as `output_layer.weight`.
+
+The export iterator is a collective: every rank of the trainer calls it and consumes it in the same
+order; shards are all-gathered over TP and the owning stage broadcasts over PP, so every rank yields the
+same full tensors. The checkpoint conversion tool and rollout weight sync build on it.
+
+Deliberately left out: MoE expert tables and learned position embeddings (no target model has them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_sortedrl.errors import CheckpointError
+
+L = "model.layers.{i}."
+# (megatron name, TE megatron name, HF names, layout)
+WEIGHT_TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
+    ("embedding.word_embeddings.weight", "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    ("decoder.layers.{i}.input_layernorm.weight", "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight",
+     (L + "input_layernorm.weight",), "replicated"),
+    ("decoder.layers.{i}.self_attention.linear_qkv.weight", "decoder.layers.{i}.self_attention.linear_qkv.weight",
+     (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"), "qkv"),
+    ("decoder.layers.{i}.self_attention.linear_qkv.bias", "decoder.layers.{i}.self_attention.linear_qkv.bias",
+     (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"), "qkv"),
+    ("decoder.layers.{i}.self_attention.linear_proj.weight", "decoder.layers.{i}.self_attention.linear_proj.weight",
+     (L + "self_attn.o_proj.weight",), "row"),
+    ("decoder.layers.{i}.pre_mlp_layernorm.weight", "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight",
+     (L + "post_attention_layernorm.weight",), "replicated"),
+    ("decoder.layers.{i}.mlp.linear_fc1.weight", "decoder.layers.{i}.mlp.linear_fc1.weight",
+     (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "gate_up"),
+    ("decoder.layers.{i}.mlp.linear_fc2.weight", "decoder.layers.{i}.mlp.linear_fc2.weight",
+     (L + "mlp.down_proj.weight",), "row"),
+    ("decoder.final_layernorm.weight", "decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ("output_layer.weight", "output_layer.weight", ("lm_head.weight",), "vocab"),
+]
+
+
+def _rows(use_te: bool) -> list[tuple[str, tuple[str, ...], str]]:
+    return [(te if use_te else local, hf, layout) for local, te, hf, layout in WEIGHT_TABLE]
+
+
+# ------------------------------------------------------------------------------------------ layout math
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron's per-query-group fused layout."""
+    g = num_kv_heads
+    qg = q.reshape(g, -1, *q.shape[1:])
+    kg = k.reshape(g, -1, *k.shape[1:])
+    vg = v.reshape(g, -1, *v.shape[1:])
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *q.shape[1:])
+
+
+def split_qkv(fused: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Inverse of `fuse_qkv`: Megatron fused qkv -> HF (q, k, v)."""
+    qpg = num_heads // num_kv_heads
+    grouped = fused.reshape(num_kv_heads, (qpg + 2) * head_dim, *fused.shape[1:])
+    q, k, v = grouped.split([qpg * head_dim, head_dim, head_dim], dim=1)
+    return tuple(t.reshape(-1, *fused.shape[1:]) for t in (q, k, v))
+
+
+def full_to_shard(full: list[torch.Tensor], layout: str, tp: int, rank: int, arch) -> torch.Tensor:
+    """The TP shard of rank `rank` from the full HF tensor(s) of one table row."""
+    if layout == "replicated":
+        return full[0]
+    if layout == "vocab":
+        from megatron_sortedrl.trainer.model import padded_vocab_size
+
+        t = full[0]
+        pad = padded_vocab_size(arch, tp) - t.shape[0]
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+        return t.chunk(tp, dim=0)[rank]
+    if layout == "column":
+        return full[0].chunk(tp, dim=0)[rank]
+    if layout == "row":
+        return full[0].chunk(tp, dim=1)[rank]
+    if layout == "qkv":
+        return fuse_qkv(*full, arch.num_kv_heads).chunk(tp, dim=0)[rank]
+    if layout == "gate_up":
+        gate, up = full
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    raise ValueError(f"unknown layout {layout}")
+
+
+def shards_to_full(shards: list[torch.Tensor], layout: str, arch) -> list[torch.Tensor]:
+    """Full HF tensor(s) of one table row from the TP shards of all ranks (in rank order)."""
+    if layout == "replicated":
+        return [shards[0]]
+    if layout == "vocab":
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+    if layout == "column":
+        return [torch.cat(shards, dim=0)]
+    if layout == "row":
+        return [torch.cat(shards, dim=1)]
+    if layout == "qkv":
+        return list(split_qkv(torch.cat(shards, dim=0), arch.num_heads, arch.num_kv_heads, arch.head_dim))
+    if layout == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown layout {layout}")
+
+
+def hf_shapes(arch) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor of the model (what the export broadcast allocates)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = L.format(i=i)
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (arch.num_heads * hd, h),
+            p + "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
+            p + "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
+            p + "self_attn.o_proj.weight": (h, arch.num_heads * hd),
+            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
+        })
+        if arch.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (arch.num_heads * hd,),
+                           p + "self_attn.k_proj.bias": (arch.num_kv_heads * hd,),
+                           p + "self_attn.v_proj.bias": (arch.num_kv_heads * hd,)})
+    return shapes
+
+
+# --------------------------------------------------------------------------------------- reading HF files
+
+
+class HFReader:
+    """Reads single tensors from a HF safetensors checkpoint (sharded or not) without loading it all."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        d = Path(model_dir)
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (d / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self._handles = {f: safe_open(str(d / f), framework="pt") for f in files}
+        self._where = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"HF checkpoint has no tensor {name}")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+# -------------------------------------------------------------------------------------------- load/export
+
+
+def _stage_layers(arch) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    per = arch.num_layers // pp
+    return rank * per, per
+
+
+def _local_params(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if "_extra_state" not in k}
+
+
+def load_hf_weights(model, model_dir: str | Path, arch, *, use_te: bool = False) -> None:
+    """Copies a HF checkpoint into this rank's Megatron chunk (its TP shard of its PP stage's layers)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    first, per = _stage_layers(arch)
+    reader = HFReader(model_dir)
+    params = _local_params(model)
+    done = set()
+    for mname, hf_names, layout in _rows(use_te):
+        for local_i in range(per) if "{i}" in mname else [None]:
+            name = mname.format(i=local_i) if local_i is not None else mname
+            if name not in params:
+                continue
+            gi = first + local_i if local_i is not None else None
+            names = [n.format(i=gi) for n in hf_names]
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                names = ["model.embed_tokens.weight"]  # last stage's copy of the tied embedding
+            shard = full_to_shard([reader.get(n) for n in names], layout, tp, tp_rank, arch)
+            target = params[name]
+            if target.shape != shard.shape:
+                raise CheckpointError(f"{name}: checkpoint shard {tuple(shard.shape)} != model {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(shard.to(target.dtype))
+            done.add(name)
+    missing = set(params) - done
+    if missing:
+        raise CheckpointError(f"parameters not covered by the HF weight table: {sorted(missing)}")
+
+
+def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None,
+                      tensors: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, full tensor) for the whole model on every rank; a collective, see module docstring.
+
+    `tensors` replaces the parameters by other tensors of the same names and shapes (gradients, for tests
+    and debugging)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else [dist.get_rank()]
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    per = arch.num_layers // pp
+    params = tensors if tensors is not None else _local_params(model)
+    shapes = hf_shapes(arch)
+    out_dtype = dtype or next(iter(params.values())).dtype
+    device = next(iter(params.values())).device
+    for mname, hf_names, layout in _rows(use_te):
+        if mname == "output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        layers = range(arch.num_layers) if "{i}" in mname else [None]
+        for gi in layers:
+            names = [n.format(i=gi) for n in hf_names]
+            if names[0] not in shapes:
+                continue  # e.g. qkv bias of a model without one
+            if gi is None:
+                owner = 0 if mname.startswith("embedding") else pp - 1
+            else:
+                owner = gi // per
+            fulls: list[torch.Tensor]
+            if owner == my_stage:
+                local = params[mname.format(i=gi - owner * per) if gi is not None else mname].detach()
+                if tp > 1 and layout != "replicated":
+                    gathered = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(gathered, local.contiguous(), group=tp_group)
+                else:
+                    gathered = [local] * tp
+                fulls = [t.to(out_dtype).contiguous() for t in shards_to_full(gathered, layout, arch)]
+            else:
+                fulls = [torch.empty(shapes[n], dtype=out_dtype, device=device) for n in names]
+            if pp > 1:
+                for t in fulls:
+                    dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
+            for n, t in zip(names, fulls):
+                yield n, t
+
+
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def write_hf_dir(out_dir: str | Path, tensors: Iterator[tuple[str, torch.Tensor]], source_dir: str | Path,
+                 shard_bytes: int = 2 << 30) -> str:
+    """Writes streamed HF tensors as a loadable HF directory (safetensors shards + config/tokenizer copies).
+
+    Written into `<out_dir>.partial` and renamed at the end, so readers (rollout weight sync) never see a
+    half-written directory."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.parent / f".{out.name}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    shard: dict[str, torch.Tensor] = {}
+    size, files, weight_map = 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for name, t in tensors:
+        shard[name] = t.detach().cpu().contiguous().clone()
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    if len(files) == 1:
+        os.rename(tmp / files[0], tmp / "model.safetensors")
+    else:
+        total = sum((tmp / f).stat().st_size for f in files)
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    for f in HF_SIDE_FILES:
+        if (Path(source_dir) / f).is_file():
+            shutil.copy(Path(source_dir) / f, tmp / f)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return str(out)

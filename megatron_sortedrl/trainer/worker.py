@@ -1,0 +1,307 @@
+"""Per-rank trainer logic: one process of the TP x PP x DP world (run inside a Ray actor by `group.py`).
+
+    w = TrainerWorker(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    w.setup(); w.logprobs(items); w.train_step(items, "rl"); w.save("ckpt/iter_1", {}); w.shutdown()
+
+Every public method is a collective: the group calls it on all ranks with the same arguments. Items are
+plain dicts (see `group.py`), so the module needs no Ray and tests can drive it from any process.
+Data parallelism: items are sorted by length and dealt round-robin to the DP replicas; all ranks of a
+replica (its TP x PP ranks) see the same shard and the same micro-batches. Results come back from the
+last pipeline stage's TP-rank-0 of each replica; the group merges them.
+
+Loss scaling: each micro-batch returns `sum(w * per_token_loss) * num_microbatches * dp`, where the
+weights `w` use the *global* token / sequence counts. Megatron's schedule divides by the number of
+micro-batches and its DDP averages over DP, so the gradient is exactly that of the global aggregated loss
+at any layout.
+
+Deliberately left out: virtual pipeline stages, context parallelism, several optimizer steps per batch
+(one update per `train_step`; the proximal policy is then the current one, see `algorithms.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from functools import partial
+
+import torch
+
+from megatron_sortedrl import algorithms as A
+from megatron_sortedrl.trainer import cpu_compat
+from megatron_sortedrl.trainer.logprobs import SeqItem, make_microbatches, token_entropy, token_logprobs
+
+METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
+
+
+def on_gpu(cfg) -> bool:
+    return cfg.cluster.device == "gpu" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
+
+
+class TrainerWorker:
+    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.master = (master_addr, master_port)
+        self.gpu = on_gpu(cfg)
+        self.step = 0
+        self.skipped_steps = 0
+        self.ref_model = None
+
+    # ------------------------------------------------------------------------------------- set-up
+
+    def setup(self) -> dict:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from megatron_sortedrl.trainer.model import build_model, read_hf_config
+        from megatron_sortedrl.trainer.optimizer import build_optimizer
+        from megatron_sortedrl.trainer.weights import load_hf_weights
+
+        cfg = self.cfg
+        if self.gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
+            self.use_te = _has_te()
+        else:
+            cpu_compat.activate()
+            self.use_te = False
+        addr, port = self.master
+        dist.init_process_group("nccl" if self.gpu else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30))
+        p = cfg.parallel
+        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        cpu_compat.seed_model_parallel(cfg.seed)
+        self.arch = read_hf_config(cfg.model.path)
+        cfg.validate_model_shape(self.arch.num_heads, self.arch.num_kv_heads, self.arch.num_layers)
+        self.dtype = getattr(torch, cfg.model.dtype)
+        sp = p.sequence_parallel and self.gpu
+        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp)
+        load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, check_for_nan_in_grad=False,
+            use_distributed_optimizer=bool(self.gpu and p.use_distributed_optimizer))
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+        self.opt, self.sched = build_optimizer([self.model], cfg, on_gpu=self.gpu)
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp)
+            load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
+            self.ref_model.eval().requires_grad_(False)
+        self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        temp = cfg.rollout.temperature
+        self.temperature = temp if temp > 0 else 1.0
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "reporter": self.reporter, "use_te": self.use_te,
+                "device": "cuda" if self.gpu else "cpu"}
+
+    @property
+    def module(self):
+        return self.model.module
+
+    # ------------------------------------------------------------------------------------ batching
+
+    def _shard(self, items: list[dict]) -> list[SeqItem]:
+        order = sorted(range(len(items)), key=lambda i: -(len(items[i]["prompt"]) + len(items[i]["response"])))
+        mine = order[self.dp_rank::self.dp]
+        out = [SeqItem(i, items[i]["prompt"], items[i]["response"], items[i].get("extras", {}),
+                       items[i].get("mask")) for i in mine]
+        if not out:  # fewer samples than replicas: run a fully masked row to keep collectives aligned
+            keys = items[0].get("extras", {}).keys() if items else ()
+            out = [SeqItem(-1, [0], [0], {k: [0.0] for k in keys}, [0.0])]
+        return out
+
+    def _microbatches(self, seq_items: list[SeqItem]):
+        multiple = self.tp if (self.cfg.parallel.sequence_parallel and self.gpu) else 1
+        mbs = make_microbatches(seq_items, self.cfg.trainer.micro_batch_tokens, multiple)
+        if self.gpu:
+            for mb in mbs:
+                for name in ("tokens", "position_ids", "labels", "loss_mask"):
+                    setattr(mb, name, getattr(mb, name).cuda(non_blocking=True))
+                mb.extras = {k: v.cuda(non_blocking=True) for k, v in mb.extras.items()}
+        return mbs
+
+    def _run(self, model, mbs, loss_fn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, chunk):
+            mb = next(data_iterator)
+            return chunk(mb.tokens, mb.position_ids, None), partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only)
+
+    # ----------------------------------------------------------------------------------- log-probs
+
+    def logprobs(self, items: list[dict], reference: bool = False) -> dict[int, list[float]] | None:
+        """Per-response-token log-probs of this rank's shard (reporters only; None elsewhere)."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model (algorithm.kl_coef is 0)")
+        mbs = self._microbatches(self._shard(items))
+        vocab, temp = self.arch.vocab_size, self.temperature
+
+        def loss_fn(mb, logits):
+            lp = token_logprobs(logits, mb.labels, vocab, temp)
+            return lp.sum() * 0.0, {"lp": lp.detach().cpu(), "mb": mb}
+
+        model.eval()
+        with torch.no_grad():
+            out = self._run(model, mbs, loss_fn, forward_only=True)
+        model.train()
+        if not self.reporter:
+            return None
+        result = {}
+        for rec in out:
+            mb = rec["mb"]
+            for row, (idx, (s, e)) in enumerate(zip(mb.indices, mb.response_slices)):
+                if idx >= 0:
+                    result[idx] = rec["lp"][row, s:e].tolist()
+        return result
+
+    # -------------------------------------------------------------------------------------- training
+
+    def _global_counts(self, items: list[dict]) -> tuple[float, float]:
+        tokens = sum(sum(it["mask"]) if it.get("mask") is not None else len(it["response"]) for it in items)
+        return float(tokens), float(len(items))
+
+    def _rl_loss(self, n_tok, n_seq, scale, mb, logits):
+        a = self.cfg.algorithm
+        vocab, temp = self.arch.vocab_size, self.temperature
+        lp = token_logprobs(logits, mb.labels, vocab, temp)
+        if a.entropy_coef > 0:
+            ent = token_entropy(logits, vocab, temp)
+        else:
+            with torch.no_grad():
+                ent = token_entropy(logits.detach(), vocab, temp)
+        ex = mb.extras
+        old = ex["old_logprobs"] if "old_logprobs" in ex else lp.detach()
+        per_tok, terms = A.policy_loss_per_token(
+            lp, old, ex.get("rollout_logprobs"), ex["advantages"], clip_low=a.clip_low, clip_high=a.clip_high,
+            tis_cap=a.tis_cap, ref_logp=ex.get("ref_logprobs"), kl_coef=a.kl_coef, entropy=ent,
+            entropy_coef=a.entropy_coef)
+        w = A.token_weights(mb.loss_mask, a.loss_aggregation, n_tok, n_seq)
+        loss = (per_tok * w).sum()
+        sums = {k: (v.detach() * mb.loss_mask).sum() for k, v in terms.items()}
+        sums.update(loss=loss.detach(), n_tokens=mb.loss_mask.sum())
+        return loss * scale, sums
+
+    def _sft_loss(self, n_tok, n_seq, scale, mb, logits):
+        lp = token_logprobs(logits, mb.labels, self.arch.vocab_size)
+        w = A.token_weights(mb.loss_mask, "token", n_tok, n_seq)
+        loss = -(lp * w).sum()
+        return loss * scale, {"loss": loss.detach(), "n_tokens": mb.loss_mask.sum()}
+
+    def _forward_backward(self, items: list[dict], kind: str) -> dict[str, float]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+
+        n_tok, n_seq = self._global_counts(items)
+        mbs = self._microbatches(self._shard(items))
+        scale = len(mbs) * self.dp
+        fn = self._rl_loss if kind == "rl" else self._sft_loss
+        out = self._run(self.model, mbs, partial(fn, n_tok, n_seq, scale), forward_only=False)
+        finalize_model_grads([self.model])
+        if not ps.is_pipeline_last_stage():
+            return {}
+        keys = [k for k in METRIC_KEYS if out and k in out[0]]
+        vec = torch.stack([sum(rec[k] for rec in out).float() for k in keys]).cpu()
+        if self.dp > 1:
+            dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
+        sums = dict(zip(keys, vec.tolist()))
+        metrics = {"loss": sums["loss"], "n_tokens": sums["n_tokens"]}
+        for k in keys:
+            if k not in ("loss", "n_tokens"):
+                metrics[k] = sums[k] / max(sums["n_tokens"], 1.0)
+        return metrics
+
+    def _broadcast_loss(self, metrics: dict) -> float:
+        """The loss is known on the last stage only; every rank needs it for the finiteness check."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor([metrics.get("loss", 0.0)], device="cuda" if self.gpu else "cpu")
+        if self.pp > 1:
+            ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+            dist.broadcast(t, src=ranks[-1], group=ps.get_pipeline_model_parallel_group())
+        return float(t.item())
+
+    def train_step(self, items: list[dict], kind: str = "rl") -> dict[str, float]:
+        """Forward/backward over all items, then one optimizer update (skipped if anything is non-finite)."""
+        from megatron_sortedrl.trainer.optimizer import optimizer_step
+
+        self.model.train()
+        metrics = self._forward_backward(items, kind)
+        loss = self._broadcast_loss(metrics)
+        lr = self.cfg.trainer.warmup_sft_lr if kind == "sft" else None
+        stepped = optimizer_step(self.opt, self.sched, [self.model], loss, grad_clip=self.cfg.trainer.grad_clip,
+                                 on_gpu=self.gpu, lr_override=lr)
+        if stepped["skipped"]:
+            self.skipped_steps += 1
+        elif kind == "rl":
+            self.step += 1
+        metrics.update(stepped, skipped_total=float(self.skipped_steps), step=float(self.step))
+        return metrics if self.reporter else {}
+
+    def loss_and_grads(self, items: list[dict], kind: str = "rl") -> dict:
+        """Loss and full HF-layout gradients without an update (parity tests and debugging)."""
+        from megatron_sortedrl.trainer.optimizer import zero_grads
+        from megatron_sortedrl.trainer.weights import export_hf_weights
+
+        metrics = self._forward_backward(items, kind)
+        grads = {n: p.main_grad for n, p in self.module.named_parameters()}
+        full = {n: t.clone().cpu() for n, t in export_hf_weights(self.module, self.arch, use_te=self.use_te,
+                                                                    tensors=grads, dtype=torch.float32)}
+        zero_grads(self.opt, [self.model])
+        return {"metrics": metrics, "grads": full} if self.rank == 0 or self.reporter else {}
+
+    # ----------------------------------------------------------------------------- weights and state
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from megatron_sortedrl.trainer.weights import export_hf_weights
+
+        out = {n: t.cpu().clone() for n, t in export_hf_weights(self.module, self.arch, use_te=self.use_te)}
+        return out if self.rank == 0 else None
+
+    def export_hf(self, out_dir: str, dtype: str | None = None) -> str | None:
+        from megatron_sortedrl.trainer.weights import export_hf_weights, write_hf_dir
+
+        tensors = export_hf_weights(self.module, self.arch, use_te=self.use_te,
+                                    dtype=getattr(torch, dtype) if dtype else None)
+        if self.rank == 0:
+            return write_hf_dir(out_dir, tensors, self.cfg.model.path)
+        for _ in tensors:  # every rank takes part in the collective
+            pass
+        return None
+
+    def save(self, path: str, extra: dict | None = None) -> str:
+        from megatron_sortedrl.trainer.checkpoint import save_checkpoint
+
+        state = {"step": self.step, "skipped_steps": self.skipped_steps, "extra": extra or {}}
+        meta = {"step": self.step, "tp": self.tp, "pp": self.pp, "dp": self.dp, "model_type": self.arch.model_type}
+        return str(save_checkpoint(path, self.module, self.opt, self.sched, state, meta))
+
+    def load(self, path: str, load_optimizer: bool = True) -> dict:
+        from megatron_sortedrl.trainer.checkpoint import load_checkpoint
+
+        state = load_checkpoint(path, self.module, self.opt, self.sched, load_optimizer=load_optimizer)
+        self.step, self.skipped_steps = state.get("step", 0), state.get("skipped_steps", 0)
+        return state.get("extra", {})
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _has_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
