@@ -1,0 +1,268 @@
+"""One rollout engine: a Ray actor that owns a vLLM `AsyncLLM` (token ids in, token ids + log-probs out).
+
+    pool = RolloutPool(PoolOptions(model_path="runs/tiny_model"))      # normally built through the pool
+    # or by hand:
+    actor = ray.remote(EngineWorker).options(num_cpus=1, runtime_env={"env_vars": engine_env(...)}).remote(
+        0, engine_kwargs(model_path, tp=1))
+    ray.get(actor.start.remote())
+
+What it does:
+* `submit` starts one asyncio task per request; each streams DELTA outputs from vLLM and appends the
+  sampled tokens and their log-probs (`logprobs=0` asks vLLM for exactly the sampled token's log-prob)
+  to a `Completion`, tagging them with the policy version the engine held when they were produced.
+* `poll(wait_s)` long-polls: it returns as soon as at least one request has finished, so the driver sees
+  short requests first. A request leaves the worker exactly once: through `poll` or through `abort`.
+* `abort(ids)` returns the partial `Completion` (finish_reason "abort") of each request still running,
+  and the finished-but-undelivered ones with their real finish reason.
+* Weight updates (`begin_weight_update`, `load_weight_bucket`, `finish_weight_update`) pause the engine
+  ("keep" mode: running requests freeze and later continue under the new weights with a new version
+  span), load safetensors buckets through the worker extension, then clear the prefix cache.
+* GPU transfer hooks (`transfer_*`) forward to vLLM's built-in weight-transfer engine (NCCL broadcast).
+
+Several engines per node do not clash: vLLM takes OS-assigned free ports for its process group and ZMQ
+sockets, the CPU shared-memory communicator names its segments after that port, and weight buckets use a
+fresh uuid file name. CPU thread binding is passed per engine (`engine_env`).
+
+Deliberately left out: tokenization, stop strings, and multiple samples per request (n > 1): the
+scheduler submits each of a prompt's n samples as its own request so each can be aborted on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from megatron_sortedrl.rollout.types import Completion, GenRequest, WorkerLoad
+
+DEFAULT_EXTENSION = "megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension"
+# vLLM's own per-step log lines drown test and driver output; users can override with the env variable.
+DEFAULT_LOG_LEVEL = "WARNING"
+
+
+def engine_kwargs(model_path: str, *, tp: int = 1, dtype: str = "float32", max_num_seqs: int = 64,
+                  max_model_len: int | None = None, seed: int = 0, enforce_eager: bool = True,
+                  gpu_memory_utilization: float = 0.5, load_format: str = "auto",
+                  speculative_config: dict | None = None, worker_extension_cls: str = DEFAULT_EXTENSION,
+                  weight_transfer_backend: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Keyword arguments of vLLM's `AsyncEngineArgs` for one rollout engine."""
+    kw: dict[str, Any] = dict(
+        model=str(model_path), skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=tp,
+        max_num_seqs=max_num_seqs, seed=seed, enforce_eager=enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization, load_format=load_format,
+        worker_extension_cls=worker_extension_cls,
+        # Multiprocessing executor inside the actor: the actor holds all of its TP group's devices, so a TP
+        # group can never span nodes, and no nested Ray placement is needed.
+        distributed_executor_backend="mp",
+        max_logprobs=1,
+    )
+    if max_model_len:
+        kw["max_model_len"] = max_model_len
+    if speculative_config:
+        kw["speculative_config"] = dict(speculative_config)
+    if weight_transfer_backend:
+        kw["weight_transfer_config"] = {"backend": weight_transfer_backend}
+    kw.update(extra)
+    return kw
+
+
+def engine_env(*, device: str, kv_cache_gib: float = 1.0, cpu_ids: list[list[int]] | None = None) -> dict[str, str]:
+    """Environment of one engine actor. `cpu_ids[r]`: cores of TP rank r (CPU only; None: vLLM's auto binding)."""
+    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", DEFAULT_LOG_LEVEL)}
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))
+        if cpu_ids:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, ids)) for ids in cpu_ids)
+    return env
+
+
+def sampling_params(sampling: dict[str, Any]):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # logprobs=0: the log-prob of the sampled token only, which is what the trainer's ratio needs.
+    return SamplingParams(**sampling, logprobs=0, output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+
+class EngineWorker:
+    """The body of a rollout actor (wrap with `ray.remote`); every public method is an actor method."""
+
+    def __init__(self, worker_id: int, engine_kwargs: dict[str, Any], version: int = 0) -> None:
+        self.worker_id = worker_id
+        self.kwargs = dict(engine_kwargs)
+        self.tp = int(self.kwargs.get("tensor_parallel_size", 1))
+        self.version = version
+        self.engine: Any = None
+        self._inflight: dict[str, tuple[Completion, int]] = {}  # id -> (record, max_tokens)
+        self._outbox: dict[str, Completion] = {}  # finished, not yet delivered (insertion order = finish order)
+        self._event: asyncio.Event | None = None
+        self._generated = 0
+        self._error = ""
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    async def start(self, version: int | None = None, weight_buckets: list | None = None) -> dict[str, Any]:
+        """Builds the engine; then, if given, loads `weight_buckets` (Ray refs of {name: tensor}) as `version`."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.monotonic()
+        self._event = asyncio.Event()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
+        t1 = time.monotonic()
+        if weight_buckets:
+            import ray
+
+            await self.begin_weight_update()
+            for ref in weight_buckets:
+                await self.load_weight_bucket(await ref if isinstance(ref, ray.ObjectRef) else ref)
+            await self.finish_weight_update(self.version if version is None else version)
+        elif version is not None:
+            self.version = version
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "clock": time.monotonic(),
+                "engine_start_s": t1 - t0, "weight_load_s": time.monotonic() - t1, "tp": self.tp}
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    async def ping(self) -> float:
+        return time.monotonic()
+
+    # ----------------------------------------------------------------------------------------- generation
+    async def submit(self, requests: list[GenRequest | dict]) -> int:
+        for req in requests:
+            req = req if isinstance(req, GenRequest) else GenRequest(**req)
+            if req.request_id in self._inflight or req.request_id in self._outbox:
+                raise ValueError(f"worker {self.worker_id}: request {req.request_id} is already in flight")
+            rec = Completion(req.request_id, self.worker_id, num_prompt_tokens=len(req.prompt_tokens),
+                             submit_time=time.monotonic())
+            max_tokens = int(req.sampling.get("max_tokens", 16))
+            self._inflight[req.request_id] = (rec, max_tokens)
+            asyncio.get_running_loop().create_task(self._generate(req, rec))
+        return len(requests)
+
+    async def _generate(self, req: GenRequest, rec: Completion) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid = req.request_id
+        try:
+            params = sampling_params(req.sampling)
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(req.prompt_tokens)), params, rid):
+                if self._inflight.get(rid, (None,))[0] is not rec:
+                    return  # aborted by us: the partial record was already handed out
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                if ids:
+                    lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [])]
+                    if len(lps) != len(ids):
+                        raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+                    if not rec.first_token_time:
+                        rec.first_token_time = time.monotonic()
+                    rec.append(ids, lps, self.version)
+                    self._generated += len(ids)
+                if out.finished:
+                    rec.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                    break
+        except Exception as exc:  # engine died or refused the request: hand back what exists as a partial
+            self._error = f"{type(exc).__name__}: {exc}"
+            rec.finish_reason = "abort"
+        if self._inflight.get(rid, (None,))[0] is rec:
+            del self._inflight[rid]
+            rec.finish_reason = rec.finish_reason or "abort"
+            rec.finish_time = time.monotonic()
+            self._outbox[rid] = rec
+            assert self._event is not None
+            self._event.set()
+
+    async def poll(self, wait_s: float = 1.0) -> dict[str, Any]:
+        """Finished requests since the last poll (waits up to `wait_s` for the first), plus a heartbeat."""
+        assert self._event is not None
+        if not self._outbox and wait_s > 0:
+            try:
+                await asyncio.wait_for(self._event.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        out, self._outbox = list(self._outbox.values()), {}
+        self._event.clear()
+        return {"completions": out, "generated_tokens": self._generated, "running": len(self._inflight),
+                "error": self._error}
+
+    async def abort(self, request_ids: list[str]) -> list[Completion]:
+        """Stops the given requests; returns their records (partial ones with finish_reason "abort")."""
+        out, to_abort = [], []
+        now = time.monotonic()
+        for rid in request_ids:
+            if rid in self._inflight:
+                rec, _ = self._inflight.pop(rid)
+                snap = Completion(**{**asdict(rec), "version_spans": list(rec.version_spans)})
+                snap.tokens, snap.logprobs = list(rec.tokens), list(rec.logprobs)
+                snap.finish_reason, snap.finish_time = "abort", now
+                out.append(snap)
+                to_abort.append(rid)
+            elif rid in self._outbox:
+                out.append(self._outbox.pop(rid))
+        if to_abort and self.engine is not None:
+            await self.engine.abort(to_abort)
+        return out
+
+    async def load(self) -> WorkerLoad:
+        pending = sum(max(0, m - len(r.tokens)) for r, m in self._inflight.values())
+        return WorkerLoad(self.worker_id, len(self._inflight), pending, self._generated, self.version, self.tp)
+
+    # --------------------------------------------------------------------------- weight sync (CPU path)
+    async def begin_weight_update(self) -> None:
+        # "keep": running requests freeze in place and resume under the new weights; their later tokens get
+        # the new version span. clear_cache must stay off, or the frozen requests would lose their KV.
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        await self.engine.collective_rpc("msrl_begin_weight_update")
+
+    async def load_weight_bucket(self, bucket: dict[str, Any]) -> int:
+        """Loads one {hf_name: tensor} bucket into every TP rank through a shared-memory safetensors file."""
+        from safetensors.torch import save_file
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(shm, f"msrl-w{self.worker_id}-{uuid.uuid4().hex}.safetensors")
+        try:
+            save_file({k: v.contiguous() for k, v in bucket.items()}, path)
+            counts = await self.engine.collective_rpc("msrl_load_weights_file", args=(path,))
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        return int(counts[0])
+
+    async def finish_weight_update(self, version: int) -> int:
+        await self.engine.collective_rpc("msrl_finish_weight_update")
+        self.version = int(version)
+        await self.engine.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        await self.engine.resume_generation()
+        return self.version
+
+    async def weights_digest(self) -> list[str]:
+        return await self.engine.collective_rpc("msrl_weights_digest")
+
+    async def set_version(self, version: int) -> None:
+        self.version = int(version)
+
+    # ----------------------------------------------------------------------- weight sync (GPU transport)
+    async def transfer_init(self, init_info: dict[str, Any]) -> None:
+        await self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    async def transfer_start(self) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        await self.engine.collective_rpc("start_weight_update")
+
+    async def transfer_update(self, update_info: dict[str, Any]) -> None:
+        await self.engine.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    async def transfer_finish(self, version: int) -> int:
+        await self.engine.collective_rpc("finish_weight_update")
+        self.version = int(version)
+        await self.engine.reset_prefix_cache()
+        await self.engine.resume_generation()
+        return self.version

@@ -1,0 +1,116 @@
+"""vLLM worker extension: methods that run inside every vLLM worker process of a rollout engine.
+
+vLLM mixes this class into its Worker when the engine is built with
+`worker_extension_cls="megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension"`; the engine
+worker calls the methods through `AsyncLLM.collective_rpc("msrl_...", args=...)`, which runs them on every
+TP rank. Arguments cross a process boundary as plain Python values (tensors arrive as nested lists), so a
+weight bucket travels as the path of a safetensors file in shared memory (/dev/shm), never as tensors.
+
+Weight updates use vLLM's layerwise reload in three steps, so a model is streamed bucket by bucket and
+never held twice: `msrl_begin_weight_update` (restore kernel-format layers to checkpoint format),
+`msrl_load_weights_file` per bucket (each TP rank shards the full tensors with vLLM's own weight loaders),
+`msrl_finish_weight_update` (re-run kernel processing such as the CPU backend's weight prepacking).
+
+Composition: when `speculative.vllm_extension.HistoSpecWorkerMixin` is importable it is put in front of
+the bases, so one extension class serves weight sync and HistoSpec history updates. Another extension can
+be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted path as
+`worker_extension_cls` to `EngineWorker`.
+
+Deliberately left out: GPU transports (NCCL broadcast, CUDA IPC). On GPU the engine is configured with
+vLLM's own `weight_transfer_config` and driven by `weight_sync.NcclWeightSync` instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from typing import Any
+
+import torch
+
+OPTIONAL_MIXINS = ("speculative.vllm_extension.HistoSpecWorkerMixin",)
+
+
+def _optional_mixins() -> tuple[type, ...]:
+    found = []
+    for dotted in OPTIONAL_MIXINS:
+        module, _, name = dotted.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue  # feature not installed in this checkout: the extension works without it
+    return tuple(found)
+
+
+class WeightSyncExtension:
+    """Weight reload from shared-memory safetensors buckets (CPU path; also works on GPU)."""
+
+    # `self` is vLLM's Worker at run time: it has `model_runner`, `vllm_config`, `rank`.
+
+    def _msrl_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def msrl_begin_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._msrl_aliases = _tied_aliases(self._msrl_model())  # before the reload unties them on meta
+        initialize_layerwise_reload(self._msrl_model())
+
+    def msrl_load_weights_file(self, path: str) -> int:
+        """Loads every tensor of the safetensors file at `path` (checkpoint names); returns how many."""
+        from safetensors import safe_open
+
+        # Read to host memory: during a layerwise reload the parameters sit on the meta device, and vLLM's
+        # weight loaders copy (and shard) host tensors onto whatever device the layer is restored to.
+        model = self._msrl_model()
+        aliases = getattr(self, "_msrl_aliases", {})
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            model.load_weights((n, f.get_tensor(n)) for n in names)
+            # A tied output layer (lm_head sharing the embedding) is skipped by load_weights, but on CPU it
+            # holds its own prepacked GEMM copy; feeding it the same tensor makes the reload re-pack it.
+            for name in names:
+                for alias in aliases.get(name, ()):
+                    module_name, _, param_name = alias.rpartition(".")
+                    param = getattr(model.get_submodule(module_name), param_name)
+                    loader = getattr(param, "weight_loader", None)
+                    if loader is None:
+                        from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+                    loader(param, f.get_tensor(name))
+        return len(names)
+
+    def msrl_finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self._msrl_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
+        # Derived state of the old weights must not survive the swap.
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
+
+    def msrl_weights_digest(self) -> str:
+        """A hash of this rank's parameters (kernel layout), to check that two syncs loaded the same bytes."""
+        h = hashlib.sha256()
+        for name, p in sorted(self._msrl_model().named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def msrl_rank(self) -> int:
+        return int(self.rank)  # type: ignore[attr-defined]
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """{first name of a parameter shared by several modules: its other names} (e.g. lm_head -> embedding)."""
+    owners: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(f"{module_name}.{param_name}" if module_name else param_name)
+    return {names[0]: names[1:] for names in owners.values() if len(names) > 1}
+
+
+RolloutWorkerExtension = type("RolloutWorkerExtension", (*_optional_mixins(), WeightSyncExtension), {
+    "__doc__": "The worker extension rollout engines use by default (weight sync + optional mixins).",
+    "__module__": __name__,
+})
