@@ -108,6 +108,7 @@ def read_meta(path: str | Path) -> dict:
 def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool = True) -> dict:
     """Loads model (and optimizer) state at this rank's TP/PP; returns the saved trainer state."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = Path(path)
     read_meta(path)
@@ -119,8 +120,8 @@ def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool
         loaded = dist_checkpointing.load(sharded, str(path))
     except CheckpointError:
         raise
-    except Exception as exc:  # a shard file missing or cut short
-        raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from exc
+    except (Exception, CheckpointException) as exc:  # a shard file missing or cut short
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from None
     model.load_state_dict(loaded["model"], strict=False)
     if load_optimizer:
         opt.load_state_dict(loaded["optimizer"])

@@ -1,0 +1,213 @@
+"""`TrainerGroup`: the Megatron policy trainer as the RL driver sees it (one Ray actor per rank).
+
+    group = TrainerGroup(cfg)                              # cfg: RunConfig; model at cfg.model.path
+    logps = group.compute_logprobs(samples)                # list[list[float]], one per response token
+    metrics = group.train_step(samples)                    # advantages from sample.reward (cfg.algorithm)
+    metrics = group.sft_step([(prompt_tokens, target_tokens), ...])
+    group.save_checkpoint("runs/x/checkpoints/iter_0000010", extra={...}); extra = group.load_checkpoint(path)
+    path = group.export_hf_weights("runs/x/weights/v10")   # HF dir for rollout weight sync
+    group.shutdown()
+
+The group starts a local Ray instance when none is running (and stops it in `shutdown`), reserves one
+placement-group bundle per rank (1 CPU, or 1 GPU + 1 CPU with `cluster.device=gpu`), asks rank 0's actor
+for its address and a free port, and passes both to every rank, which then forms the
+`torch.distributed` world (gloo on CPU, NCCL on GPU) and Megatron's TP x PP x DP groups. Every method
+fans out to all ranks and returns the reporting rank's answer; ranks are never addressed individually.
+
+Samples travel as small dicts (tokens and per-token floats), not as `Sample` objects.
+
+Deliberately left out: colocating trainer and rollout on the same GPUs, and restarting dead actors (a
+failed rank raises in the driver; restart from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_sortedrl import algorithms as A
+from megatron_sortedrl.sample import Sample
+from megatron_sortedrl.trainer.checkpoint import find_latest_checkpoint
+from megatron_sortedrl.trainer.worker import TrainerWorker, on_gpu
+
+
+class TrainerActor:
+    """Ray actor body: holds one `TrainerWorker` and forwards calls to it."""
+
+    def __init__(self, cfg, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.worker: TrainerWorker | None = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        self.worker = TrainerWorker(self.cfg, self.rank, self.world_size, master_addr, master_port)
+        return self.worker.setup()
+
+    def call(self, method: str, *args, **kwargs):
+        from megatron_sortedrl.trainer import cpu_compat
+
+        if not self.worker.gpu:
+            cpu_compat.activate()  # the mode is per thread; Ray may run a call on another thread
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class TrainerGroup:
+    def __init__(self, cfg, *, num_cpus_per_rank: float = 1.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        self.world_size = cfg.parallel.world_size
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=cfg.cluster.ray_address or None, include_dashboard=False,
+                     num_cpus=None if cfg.cluster.ray_address else max(int(self.world_size * num_cpus_per_rank), 1))
+        gpu = on_gpu(cfg)
+        bundle = {"CPU": num_cpus_per_rank, **({"GPU": 1} if gpu else {})}
+        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ray.get(self._pg.ready())
+        cls = ray.remote(TrainerActor)
+        self.actors = [
+            cls.options(num_cpus=num_cpus_per_rank, num_gpus=1 if gpu else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+                        ).remote(cfg, r, self.world_size)
+            for r in range(self.world_size)
+        ]
+        addr, port = ray.get(self.actors[0].address.remote())
+        self.info = ray.get([a.setup.remote(addr, port) for a in self.actors])
+        self.reporters = [i["rank"] for i in self.info if i["reporter"]]
+        self.first_reporter = min(i["rank"] for i in self.info if i["reporter"] and i["dp_rank"] == 0)
+
+    # ---------------------------------------------------------------------------------------- plumbing
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        import ray
+
+        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    @staticmethod
+    def _item(prompt: Sequence[int], response: Sequence[int], extras: dict | None = None, mask=None) -> dict:
+        return {"prompt": list(prompt), "response": list(response), "extras": extras or {}, "mask": mask}
+
+    # ---------------------------------------------------------------------------------------- log-probs
+
+    def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
+        """Per-response-token log-probs under the current policy (or the frozen reference)."""
+        items = [self._item(s.prompt_tokens, s.response_tokens) for s in samples]
+        merged: dict[int, list[float]] = {}
+        for out in self._all("logprobs", items, reference):
+            if out:
+                merged.update(out)
+        return [merged[i] for i in range(len(samples))]
+
+    # ---------------------------------------------------------------------------------------- training
+
+    def advantages(self, samples: list[Sample]) -> list[float]:
+        """One advantage per sample from `sample.reward`, grouped by prompt id (cfg.algorithm.advantage)."""
+        if any(s.reward is None for s in samples):
+            raise ValueError("every sample needs a reward before its advantage can be computed")
+        a = self.cfg.algorithm
+        rewards = torch.tensor([float(s.reward) for s in samples])
+        groups = [(s.prompt_id, s.epoch) for s in samples]
+        lengths = torch.tensor([len(s.response_tokens) for s in samples])
+        return A.compute_advantages(rewards, groups, a.advantage, lengths=lengths,
+                                    normalize_std=a.normalize_advantage_std).tolist()
+
+    def _rl_items(self, samples, advantages, old_logprobs) -> list[dict]:
+        if advantages is None:
+            advantages = self.advantages(samples)
+        with_rollout = [bool(s.response_tokens) and len(s.rollout_logprobs) == len(s.response_tokens) for s in samples]
+        use_rollout = all(with_rollout) and self.cfg.algorithm.tis_cap > 0
+        ref = self.compute_logprobs(samples, reference=True) if self.cfg.algorithm.kl_coef > 0 else None
+        items = []
+        for i, s in enumerate(samples):
+            n = len(s.response_tokens)
+            adv = advantages[i]
+            ex = {"advantages": list(adv) if isinstance(adv, (list, tuple)) else [float(adv)] * n}
+            if use_rollout:
+                # Per-token behaviour log-probs: tokens of a resumed partial rollout carry the log-prob of
+                # the policy version that sampled them, so TIS corrects staleness as well as engine mismatch.
+                ex["rollout_logprobs"] = list(s.rollout_logprobs)
+            if old_logprobs is not None:
+                ex["old_logprobs"] = list(old_logprobs[i])
+            if ref is not None:
+                ex["ref_logprobs"] = ref[i]
+            items.append(self._item(s.prompt_tokens, s.response_tokens, ex))
+        return items
+
+    def _report(self, outs: list) -> dict:
+        return outs[self.first_reporter]
+
+    def train_step(self, samples: list[Sample], advantages: Sequence | None = None,
+                   old_logprobs: list[list[float]] | None = None) -> dict[str, float]:
+        """One policy update on `samples`. `advantages`: one float (or one list per token) per sample;
+        None computes them from rewards. `old_logprobs`: the proximal policy's per-token log-probs; None
+        uses the current policy (exact for one update per batch). Returns metrics (loss, pg_loss, kl,
+        entropy, clip_frac, tis_weight, grad_norm, lr, skipped, skipped_total, step, ...)."""
+        items = self._rl_items(samples, advantages, old_logprobs)
+        metrics = dict(self._report(self._all("train_step", items, "rl")))
+        rewards = [s.reward for s in samples if s.reward is not None]
+        if rewards:
+            metrics["reward_mean"] = float(sum(rewards) / len(rewards))
+        return metrics
+
+    def sft_step(self, pairs: list[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
+        """Supervised step (lr = trainer.warmup_sft_lr): cross-entropy on target tokens given the prompt."""
+        items = [self._item(p, t) for p, t in pairs]
+        return dict(self._report(self._all("train_step", items, "sft")))
+
+    def loss_and_grads(self, samples: list[Sample], advantages: Sequence | None = None) -> dict:
+        """RL loss metrics and full HF-layout gradients, without an update (tests, debugging)."""
+        items = self._rl_items(samples, advantages, None)
+        outs = self._all("loss_and_grads", items, "rl")
+        return {"metrics": outs[self.first_reporter]["metrics"], "grads": outs[0]["grads"]}
+
+    # ------------------------------------------------------------------------------ weights and state
+
+    def export_hf_weights(self, out_dir: str | Path | None = None, dtype: str | None = None):
+        """With `out_dir`: writes a HF model directory there (atomically) and returns its path, which the
+        rollout workers reload. Without: returns {HF name: full tensor} (small models only)."""
+        if out_dir is None:
+            return self._all("hf_state_dict")[0]
+        return self._all("export_hf", str(out_dir), dtype)[0]
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> str:
+        """Atomic torch_dist checkpoint of model + optimizer + trainer state; `extra` (driver resume state,
+        picklable) comes back from `load_checkpoint`."""
+        return self._all("save", str(path), extra)[0]
+
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict:
+        """Loads a checkpoint saved at any TP/PP; raises CheckpointError for a missing or incomplete one."""
+        return self._all("load", str(path), load_optimizer)[0]
+
+    @staticmethod
+    def latest_checkpoint(root: str | Path) -> Path | None:
+        return find_latest_checkpoint(root)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not self.actors:
+            return
+        try:
+            self._all("shutdown")
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
+            remove_placement_group(self._pg)
+            if self._owns_ray:
+                ray.shutdown()
