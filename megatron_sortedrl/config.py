@@ -192,6 +192,8 @@ class AlgorithmConfig:
 class TrainerConfig:
     total_steps: int = _help("Optimizer updates of the RL phase.", 40)
     lr: float = _help("Adam learning rate.", 1e-4)
+    lr_warmup_steps: int = _help("RL steps of linear learning-rate warm-up from 0.", 0)
+    lr_decay_style: str = _help("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant")
     weight_decay: float = _help("AdamW weight decay.", 0.0)
     grad_clip: float = _help("Gradient norm clip (0 disables).", 1.0)
     micro_batch_tokens: int = _help("Token budget of one packed micro-batch.", 4096)
@@ -208,6 +210,10 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 0")
         if self.lr <= 0:
             raise ConfigError("trainer.lr", self.lr, "a positive float")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError("trainer.lr_warmup_steps", self.lr_warmup_steps, "an integer >= 0")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ConfigError("trainer.lr_decay_style", self.lr_decay_style, "one of constant, linear, cosine")
 
 
 @dataclass
