@@ -113,7 +113,7 @@ def compute_advantages(rewards: torch.Tensor, group_ids: Sequence, method: str, 
 def token_weights(mask: torch.Tensor, mode: str, num_tokens: float | None = None,
                   num_sequences: float | None = None) -> torch.Tensor:
     """Weights w with loss = sum(w * per_token_loss); counts default to this batch's, or pass global ones."""
-    mask = mask.to(torch.float32)
+    mask = mask if mask.is_floating_point() else mask.to(torch.float32)
     if mode == "token":
         n = float(mask.sum()) if num_tokens is None else float(num_tokens)
         return mask / max(n, 1.0)
@@ -125,7 +125,7 @@ def token_weights(mask: torch.Tensor, mode: str, num_tokens: float | None = None
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    return (per_token * token_weights(mask, mode)).sum()
+    return (per_token * token_weights(mask.to(per_token.dtype), mode)).sum()
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,9 @@ def test_tp2_matches_tp1_loss_and_grads(tp1, tp2):
     for name, g in lg1["grads"].items():
         assert torch.allclose(g, lg2["grads"][name], atol=1e-6, rtol=1e-4), name
     assert sum(float(g.abs().sum()) for g in lg1["grads"].values()) > 0
+    # the clipping norm counts TP-replicated norms and the tied embedding once: it is the HF-layout norm
+    hf_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in lg2["grads"].values()))
+    assert tp2["step"]["grad_norm"] == pytest.approx(hf_norm, rel=1e-5)
 
 
 def test_checkpoint_from_tp2_loads_at_tp1(tp1, tp2):

@@ -47,7 +47,7 @@ def build_optimizer(model_chunks: list, cfg, *, on_gpu: bool):
     )
     opt = get_megatron_optimizer(ocfg, model_chunks)
     total = max(cfg.trainer.total_steps, 1)
-    warmup = min(getattr(cfg.trainer, "lr_warmup_steps", 0), total - 1) if total > 1 else 0
+    warmup = min(cfg.trainer.lr_warmup_steps, total - 1) if total > 1 else 0
     sched = OptimizerParamScheduler(
         opt,
         init_lr=0.0 if warmup else cfg.trainer.lr,
@@ -55,7 +55,7 @@ def build_optimizer(model_chunks: list, cfg, *, on_gpu: bool):
         min_lr=0.0,
         lr_warmup_steps=warmup,
         lr_decay_steps=total,
-        lr_decay_style=getattr(cfg.trainer, "lr_decay_style", "constant"),
+        lr_decay_style=cfg.trainer.lr_decay_style,
         start_wd=cfg.trainer.weight_decay,
         end_wd=cfg.trainer.weight_decay,
         wd_incr_steps=total,
@@ -110,9 +110,10 @@ def optimizer_step(opt, sched, model_chunks: list, loss: float, *, grad_clip: fl
         return {"skipped": 1.0, "grad_norm": float("nan"), "lr": opt.param_groups[0]["lr"]}
     if lr_override is not None:
         set_lr(opt, lr_override)
-    else:  # the schedule's value for this step, even if a supervised step changed the lr meanwhile
-        for group in opt.param_groups:
-            group["lr"] = sched.get_lr(group)
+    else:
+        # Advance first, so RL step k (1-based) runs at the schedule's value for k: warm-up never starts
+        # with a zero learning rate, and a supervised step's lr never leaks into an RL step.
+        sched.step(increment=1)
     lr = opt.param_groups[0]["lr"]
     if on_gpu:
         ok, grad_norm, _ = opt.step()
@@ -128,8 +129,6 @@ def optimizer_step(opt, sched, model_chunks: list, loss: float, *, grad_clip: fl
                 for g in _param_grads(opt):
                     g.mul_(coeff)
         opt.step_with_ready_grads()
-    if lr_override is None:
-        sched.step(increment=1)
     zero_grads(opt, model_chunks)
     return {"skipped": 0.0, "grad_norm": float(grad_norm), "lr": lr}
 

@@ -1,0 +1,185 @@
+"""Advantage estimators and the PPO-clip loss against naive, loop-based reference formulas.
+
+    pytest tests/test_algorithms.py -q        # CPU, a few seconds
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_sortedrl import algorithms as A
+
+
+def _batch(seed: int, n_groups: int = 4, group: int = 4):
+    rng = random.Random(seed)
+    rewards, ids, lengths = [], [], []
+    for g in range(n_groups):
+        for _ in range(group):
+            rewards.append(rng.choice([0.0, 1.0, 0.5, rng.random()]))
+            ids.append(f"p{g}")
+            lengths.append(rng.randint(1, 20))
+    return rewards, ids, lengths
+
+
+def _naive_grpo(rewards, ids, normalize=True, eps=1e-6):
+    out = []
+    for r, g in zip(rewards, ids):
+        grp = [x for x, h in zip(rewards, ids) if h == g]
+        mean = sum(grp) / len(grp)
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / len(grp))
+        out.append((r - mean) / (std + eps) if normalize else r - mean)
+    return out
+
+
+def _naive_rloo(rewards, ids):
+    out = []
+    for i, (r, g) in enumerate(zip(rewards, ids)):
+        others = [x for j, (x, h) in enumerate(zip(rewards, ids)) if h == g and j != i]
+        out.append(r - sum(others) / len(others))
+    return out
+
+
+def _naive_whiten_tokens(values, lengths, eps=1e-6):
+    tokens = [v for v, n in zip(values, lengths) for _ in range(n)]
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((t - mean) ** 2 for t in tokens) / len(tokens))
+    return [(v - mean) / (std + eps) for v in values]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_advantages_match_reference(seed):
+    rewards, ids, lengths = _batch(seed)
+    r, L = torch.tensor(rewards), torch.tensor(lengths)
+    checks = {
+        "grpo": _naive_grpo(rewards, ids),
+        "rloo": _naive_rloo(rewards, ids),
+        "reinforce_pp": _naive_whiten_tokens(rewards, lengths),
+        "reinforce_pp_baseline": _naive_whiten_tokens(_naive_grpo(rewards, ids, normalize=False), lengths),
+    }
+    for method, ref in checks.items():
+        got = A.compute_advantages(r, ids, method, lengths=L).tolist()
+        assert got == pytest.approx(ref, abs=1e-5), method
+    got = A.compute_advantages(r, ids, "grpo", normalize_std=False).tolist()
+    assert got == pytest.approx(_naive_grpo(rewards, ids, False), abs=1e-6)
+
+
+def test_grpo_group_with_equal_rewards_has_zero_advantage():
+    adv = A.compute_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), ["a", "a", "b", "b"], "grpo")
+    assert adv[:2].abs().max() < 1e-6
+    assert adv[2] < 0 < adv[3]
+
+
+def test_rloo_needs_two_samples_and_unknown_method_fails():
+    with pytest.raises(ValueError):
+        A.compute_advantages(torch.tensor([1.0, 0.0]), ["a", "b"], "rloo")
+    with pytest.raises(ValueError, match="unknown advantage"):
+        A.compute_advantages(torch.tensor([1.0]), ["a"], "ppo")
+
+
+def _naive_ppo(logp, old, adv, mask, lo, hi, mode, rollout=None, cap=0.0, ref=None, kl_coef=0.0):
+    B, T = len(logp), len(logp[0])
+    per = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            ratio = math.exp(logp[b][t] - old[b][t])
+            clipped = min(max(ratio, 1 - lo), 1 + hi)
+            loss = -min(ratio * adv[b][t], clipped * adv[b][t])
+            if rollout is not None and cap > 0:
+                loss *= min(math.exp(old[b][t] - rollout[b][t]), cap)
+            if ref is not None:
+                d = ref[b][t] - logp[b][t]
+                loss += kl_coef * (math.exp(d) - d - 1)
+            per[b][t] = loss
+    if mode == "token":
+        n = sum(sum(row) for row in mask)
+        return sum(per[b][t] * mask[b][t] for b in range(B) for t in range(T)) / n
+    seq = []
+    for b in range(B):
+        n = sum(mask[b])
+        seq.append(sum(per[b][t] * mask[b][t] for t in range(T)) / max(n, 1))
+    return sum(seq) / B
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+@pytest.mark.parametrize("seed", range(4))
+def test_ppo_clip_loss_matches_reference(mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 5, 9
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)  # ratios well outside the clip range
+    rollout = old + 0.3 * (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
+    ref = logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    adv[0, 3] = 0.0
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    mask[1] = 0.0  # a fully masked row
+    mask[2, 0] = 1.0
+    got, metrics = A.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation=mode,
+                                 logp_rollout=rollout, tis_cap=1.5, ref_logp=ref, kl_coef=0.05)
+    want = _naive_ppo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, mode,
+                      rollout.tolist(), 1.5, ref.tolist(), 0.05)
+    assert float(got) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert 0.0 < metrics["clip_frac"] < 1.0
+    assert metrics["tis_weight"] <= 1.5 + 1e-12
+
+
+def test_clip_boundaries_are_asymmetric_and_gradients_stop_outside():
+    adv_pos, adv_neg = torch.tensor([1.0]), torch.tensor([-1.0])
+    old = torch.zeros(1)
+    for ratio, adv, clipped in [(1.27, adv_pos, False), (1.29, adv_pos, True), (0.81, adv_neg, False),
+                                (0.79, adv_neg, True), (1.5, adv_neg, False), (0.5, adv_pos, False)]:
+        logp = torch.tensor([math.log(ratio)], requires_grad=True)
+        loss, flag = A.ppo_clip_per_token(logp, old, adv, clip_low=0.2, clip_high=0.28)
+        loss.sum().backward()
+        assert bool(flag.item()) == clipped, (ratio, float(adv))
+        # clipped branch active => no gradient; otherwise d(-ratio*A)/dlogp = -ratio*A
+        want = 0.0 if clipped else -ratio * float(adv)
+        assert float(logp.grad) == pytest.approx(want, rel=1e-6)
+        if clipped:
+            bound = 1.28 if float(adv) > 0 else 0.8
+            assert float(loss.detach()) == pytest.approx(-bound * float(adv))
+
+
+def test_masked_tokens_do_not_change_loss_or_receive_gradient():
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(3, 6, generator=g)).requires_grad_()
+    old, adv = logp.detach() + 0.1, torch.ones(3, 6)
+    mask = torch.ones(3, 6)
+    mask[:, 4:] = 0
+    loss, _ = A.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss.backward()
+    assert logp.grad[:, 4:].abs().max() == 0
+    logp2 = logp.detach().clone()
+    logp2[:, 4:] = -50.0  # garbage in masked positions
+    loss2, _ = A.policy_loss(logp2, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert float(loss2) == pytest.approx(float(loss))
+
+
+def test_token_weights_sum_to_one_and_shard_consistently():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    for mode in ("token", "sequence"):
+        assert float(A.token_weights(mask, mode).sum()) == pytest.approx(1.0)
+        # two shards weighted with the global counts add up to the whole
+        whole = A.token_weights(mask, mode)
+        parts = torch.cat([A.token_weights(mask[:1], mode, 8, 3), A.token_weights(mask[1:], mode, 8, 3)])
+        assert torch.allclose(whole, parts)
+
+
+def test_tis_and_kl_basics():
+    old, roll = torch.tensor([0.0, -1.0, -3.0]), torch.tensor([-2.0, -1.0, -1.0])
+    w = A.tis_weights(old, roll, cap=2.0)
+    assert torch.allclose(w, torch.tensor([2.0, 1.0, math.exp(-2.0)]))
+    assert torch.equal(A.tis_weights(old, roll, cap=0.0), torch.ones(3))
+    assert A.kl_k3(torch.tensor([-1.0]), torch.tensor([-1.0])).item() == 0.0
+    assert (A.kl_k3(torch.randn(100), torch.randn(100)) >= 0).all()
+
+
+def test_entropy_bonus_lowers_loss():
+    logp, adv, mask = torch.zeros(1, 3), torch.zeros(1, 3), torch.ones(1, 3)
+    ent = torch.full((1, 3), 2.0)
+    loss, m = A.policy_loss(logp, logp, adv, mask, clip_low=0.2, clip_high=0.2, entropy=ent, entropy_coef=0.1)
+    assert float(loss) == pytest.approx(-0.2) and m["entropy"] == pytest.approx(2.0)
