@@ -35,7 +35,14 @@ from typing import Any
 
 from megatron_sortedrl.rollout.engine_worker import DEFAULT_EXTENSION, EngineWorker, engine_env, engine_kwargs
 from megatron_sortedrl.rollout.types import Completion, GenRequest, SyncReport, WorkerLoad
-from megatron_sortedrl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSource, replay_buckets, sync_cpu
+from megatron_sortedrl.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    GpuWeightSync,
+    WeightSource,
+    iter_buckets,
+    iter_source,
+    sync_cpu,
+)
 
 
 class WorkerUnavailable(RuntimeError):
@@ -64,6 +71,10 @@ class PoolOptions:
     restart_failed: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     keep_weights: bool = True  # keep the last synced buckets in Ray's object store for relayout/restart
+    # object_store: buckets through Ray + shared memory (any device); nccl | ipc: vLLM's GPU transfer engines
+    # (the caller must hold a CUDA device); auto: object_store on CPU, ipc when colocated, else nccl.
+    weight_transport: str = "auto"
+    colocate: bool = False
     engine_extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs keywords
 
     @classmethod
@@ -79,7 +90,7 @@ class PoolOptions:
                    seed=cfg.seed, enforce_eager=cfg.rollout.enforce_eager,
                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
                    speculative_config=speculative_config_from(cfg.speculative),
-                   request_timeout_s=cfg.rollout.request_timeout_s)
+                   request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate)
         for key, value in overrides.items():
             setattr(opts, key, value)
         return opts
@@ -137,6 +148,7 @@ class RolloutPool:
         self._owner: dict[str, int] = {}  # request id -> slot, for every request not yet returned
         self._ready: list[Completion] = []  # lost records waiting for the next poll
         self._weights: list[Any] = []  # bucket refs of the last sync (replayed into new engines)
+        self._gpu_sync: GpuWeightSync | None = None  # built lazily per layout
         if start:
             self.set_layout(opts.num_engines, opts.tp)
 
@@ -153,6 +165,7 @@ class RolloutPool:
         for slot in self.slots:
             self._stop(slot)
         t1 = time.monotonic()
+        self._gpu_sync = None
         self.slots = [self._launch(_Slot(i, tp)) for i in range(num_engines)]
         self._wait_started(self.slots)
         t2 = time.monotonic()
@@ -171,7 +184,8 @@ class RolloutPool:
                            gpu_memory_utilization=o.gpu_memory_utilization,
                            load_format="dummy" if self._weights else "auto",
                            speculative_config=o.speculative_config, worker_extension_cls=o.worker_extension_cls,
-                           weight_transfer_backend="nccl" if o.device == "gpu" else None, **o.engine_extra)
+                           weight_transfer_backend=self.transport if self.transport != "object_store" else None,
+                           **o.engine_extra)
         if o.device == "gpu":
             resources: dict[str, Any] = {"num_gpus": slot.tp, "num_cpus": 1}
             cpu_ids = None
@@ -346,16 +360,52 @@ class RolloutPool:
         return loads
 
     # ----------------------------------------------------------------------------------------- weights
+    @property
+    def transport(self) -> str:
+        t = self.opts.weight_transport
+        if t == "auto":
+            t = "object_store" if self.opts.device == "cpu" else ("ipc" if self.opts.colocate else "nccl")
+        return t
+
     def sync_weights(self, source: WeightSource, version: int) -> SyncReport:
         """Loads full HF-named weights into every engine and sets the policy version samples record."""
         self._wait_started([s for s in self.slots if s.state == "starting"])
-        actors = [s.actor for s in self.slots if s.state == "ready"]
-        report, kept = sync_cpu(actors, source, version, bucket_bytes=self.opts.bucket_bytes,
-                                keep_buckets=self.opts.keep_weights)
+        ready = [s for s in self.slots if s.state == "ready"]
+        if self.transport == "object_store":
+            report, kept = sync_cpu([s.actor for s in ready], source, version, bucket_bytes=self.opts.bucket_bytes,
+                                    keep_buckets=self.opts.keep_weights)
+        else:
+            report, kept = self._sync_gpu(ready, source, version)
         self.version = version
         self._weights = kept
         self.events.append({"event": "sync", "time": time.monotonic(), **report.to_dict()})
         return report
+
+    def _sync_gpu(self, ready: list[_Slot], source: WeightSource, version: int) -> tuple[SyncReport, list[Any]]:
+        import ray
+
+        if self._gpu_sync is None:
+            import socket
+
+            with socket.socket() as sock:  # a free port for the NCCL rendezvous, chosen now
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            self._gpu_sync = GpuWeightSync([s.actor for s in ready], [s.tp for s in ready], self.transport,
+                                           ray.util.get_node_ip_address(), port)
+        kept: list[Any] = []
+        if self.opts.keep_weights:
+            # Host copies for engines started later (relayout, restart), put into the object store as we go.
+            pending: dict[str, Any] = {}
+
+            def tee():
+                for name, t in iter_source(source):
+                    pending[name] = t.detach().to("cpu")
+                    yield name, t
+            report = self._gpu_sync.sync(tee(), version, bucket_bytes=self.opts.bucket_bytes)
+            kept = [ray.put(b) for b in iter_buckets(iter(pending.items()), self.opts.bucket_bytes)]
+        else:
+            report = self._gpu_sync.sync(source, version, bucket_bytes=self.opts.bucket_bytes)
+        return report, kept
 
     def weights_digests(self) -> list[list[str]]:
         import ray
@@ -414,6 +464,7 @@ class RolloutPool:
         if slot.actor is not None:
             ray.kill(slot.actor, no_restart=True)
         slot.actor, slot.poll_ref, slot.state = None, None, "dead"
+        self._gpu_sync = None  # the GPU transfer group included the dead engine; rebuilt at the next sync
         restart = self.opts.restart_failed if restart is None else restart
         self.events.append({"event": "worker_failed", "time": now, "worker": slot.index, "reason": reason,
                             "lost": len(lost), "restart": restart})

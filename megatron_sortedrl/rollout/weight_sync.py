@@ -14,14 +14,14 @@ layerwise reload (see `worker_extension`). At most `max_buckets_in_flight` bucke
 peak extra memory is bounded; the buckets are returned so the pool can replay them into engines started
 later (layout switch, restart) without asking the trainer again.
 
-GPU transport (`NcclWeightSync`, used when `cluster.device` resolves to gpu): one NCCL group spans
-trainer rank 0 and every rollout GPU; each bucket's metadata goes to the engines through Ray while rank 0
-broadcasts the tensors, which vLLM's built-in NCCL weight-transfer engine receives and loads layerwise.
+GPU transports (`GpuWeightSync`, used when the pool's device is gpu and the caller holds a CUDA device):
+"nccl" - one NCCL group spans trainer rank 0 and every rollout GPU; each bucket's metadata goes to the
+engines through Ray while rank 0 broadcasts the tensors; "ipc" - colocated engines open CUDA IPC handles
+of the trainer's tensors. vLLM's built-in weight-transfer engines receive and load them layerwise.
 Written against vLLM's `weight_transfer` API and marked for GPU testing (`tests/test_rollout_gpu.py`);
-nothing here runs it on CPU.
+nothing here runs them on CPU, and the object-store path remains the fallback on GPUs.
 
-Deliberately left out: delta/sparse updates, quantised transfer, and CUDA IPC for colocated trainers
-(vLLM's "ipc" backend plugs into the same `transfer_*` actor hooks).
+Deliberately left out: delta/sparse updates, quantised and packed transfer.
 """
 
 from __future__ import annotations
@@ -115,65 +115,73 @@ def _check_counts(counts: list[int]) -> None:
         raise RuntimeError(f"engines loaded different numbers of tensors from one bucket: {counts}")
 
 
-def replay_buckets(actors: list[Any], bucket_refs: list[Any], version: int) -> None:
-    """Loads previously synced buckets into (new) engines, e.g. after a layout switch or a restart."""
-    import ray
+class GpuWeightSync:
+    """GPU transports through vLLM's built-in weight-transfer engines (GPU only; tests/test_rollout_gpu.py).
 
-    ray.get([a.begin_weight_update.remote() for a in actors])
-    for ref in bucket_refs:
-        _check_counts(ray.get([a.load_weight_bucket.remote(ref) for a in actors]))
-    ray.get([a.finish_weight_update.remote(version) for a in actors])
-
-
-class NcclWeightSync:
-    """GPU transport: trainer rank 0 broadcasts each bucket over NCCL to every rollout GPU (GPU only).
-
-    Engines must be built with `engine_kwargs(..., weight_transfer_backend="nccl")` (the pool does this when
-    the device is gpu). Ranks: the trainer is 0; engine k's TP rank r is 1 + (sum of earlier engines' TP) + r.
+    `backend="nccl"`: one NCCL group spans this process (rank 0, the trainer's sender) and every rollout GPU;
+    engine k's TP rank r is 1 + (sum of earlier engines' TP) + r. For separate trainer and rollout GPUs.
+    `backend="ipc"`: CUDA IPC handles of this process's tensors; for engines colocated on the same GPUs.
+    Engines must be built with `engine_kwargs(..., weight_transfer_backend=backend)` (the pool does this).
     """
 
-    def __init__(self, actors: list[Any], tps: list[int], master_address: str, master_port: int) -> None:
-        self.actors, self.tps = actors, tps
+    def __init__(self, actors: list[Any], tps: list[int], backend: str = "nccl",
+                 master_address: str = "", master_port: int = 0) -> None:
+        if backend not in ("nccl", "ipc"):
+            raise ValueError(f"GPU weight transport {backend!r}: expected nccl or ipc")
+        self.actors, self.tps, self.backend = actors, tps, backend
         self.master_address, self.master_port = master_address, master_port
         self.group: Any = None
+        self.connected = False
 
     def connect(self) -> None:
         import ray
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        world = 1 + sum(self.tps)
-        offsets = [1 + sum(self.tps[:k]) for k in range(len(self.tps))]
-        # Both sides block in the rendezvous, so the engines' half is started before the trainer's.
-        futs = [a.transfer_init.remote({"master_address": self.master_address, "master_port": self.master_port,
-                                        "rank_offset": off, "world_size": world, "packed": False})
-                for a, off in zip(self.actors, offsets)]
-        self.group = trainer_init({"master_address": self.master_address, "master_port": self.master_port,
-                                   "world_size": world}, rank=0)
-        ray.get(futs)
+        if self.backend == "ipc":
+            ray.get([a.transfer_init.remote({"packed": False}) for a in self.actors])
+        else:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+            world = 1 + sum(self.tps)
+            offsets = [1 + sum(self.tps[:k]) for k in range(len(self.tps))]
+            # Both sides block in the rendezvous, so the engines' half is started before the trainer's.
+            futs = [a.transfer_init.remote({"master_address": self.master_address, "master_port": self.master_port,
+                                            "rank_offset": off, "world_size": world, "packed": False})
+                    for a, off in zip(self.actors, offsets)]
+            self.group = trainer_init({"master_address": self.master_address, "master_port": self.master_port,
+                                       "world_size": world}, rank=0)
+            ray.get(futs)
+        self.connected = True
 
     def sync(self, source: WeightSource, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
         import ray
 
-        if self.group is None:
+        if not self.connected:
             self.connect()
         t0 = time.monotonic()
         ray.get([a.transfer_start.remote() for a in self.actors])
         n_tensors = n_bytes = n_buckets = 0
-        stream = torch.cuda.current_stream()
         for bucket in _iter_device_buckets(source, bucket_bytes):
-            info = {"names": list(bucket), "dtype_names": [str(t.dtype).split(".")[-1] for t in bucket.values()],
-                    "shapes": [list(t.shape) for t in bucket.values()]}
-            futs = [a.transfer_update.remote(info) for a in self.actors]  # receivers enter the broadcasts
-            for t in bucket.values():
-                self.group.broadcast(t, src=0, stream=stream)
-            stream.synchronize()
-            ray.get(futs)
+            info: dict[str, Any] = {"names": list(bucket), "shapes": [list(t.shape) for t in bucket.values()],
+                                    "dtype_names": [str(t.dtype).split(".")[-1] for t in bucket.values()]}
+            if self.backend == "ipc":
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+                info["ipc_handles"] = [{uuid: reduce_tensor(t)[1]} for t in bucket.values()]
+                ray.get([a.transfer_update.remote(info) for a in self.actors])  # bucket stays alive until here
+            else:
+                futs = [a.transfer_update.remote(info) for a in self.actors]  # receivers enter the broadcasts
+                stream = torch.cuda.current_stream()
+                for t in bucket.values():
+                    self.group.broadcast(t, src=0, stream=stream)
+                stream.synchronize()
+                ray.get(futs)
             n_tensors += len(bucket)
             n_bytes += bucket_nbytes(bucket)
             n_buckets += 1
         ray.get([a.transfer_finish.remote(version) for a in self.actors])
         return SyncReport(version=version, num_tensors=n_tensors, bytes=n_bytes, num_buckets=n_buckets,
-                          num_engines=len(self.actors), seconds=time.monotonic() - t0, transport="nccl")
+                          num_engines=len(self.actors), seconds=time.monotonic() - t0, transport=self.backend)
 
 
 def _iter_device_buckets(source: WeightSource, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:

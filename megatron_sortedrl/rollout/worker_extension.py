@@ -17,7 +17,7 @@ be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted 
 `worker_extension_cls` to `EngineWorker`.
 
 Deliberately left out: GPU transports (NCCL broadcast, CUDA IPC). On GPU the engine is configured with
-vLLM's own `weight_transfer_config` and driven by `weight_sync.NcclWeightSync` instead.
+vLLM's own `weight_transfer_config` and driven by `weight_sync.GpuWeightSync` instead.
 """
 
 from __future__ import annotations
