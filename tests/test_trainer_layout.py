@@ -84,3 +84,14 @@ def test_microbatches_respect_budget_and_pad_per_batch():
 def test_microbatch_rejects_mismatched_extras():
     with pytest.raises(ValueError, match="response tokens"):
         make_microbatches([SeqItem(0, [1, 2], [3, 4], {"a": [1.0]})], 100)
+
+
+def test_group_fails_fast_on_a_missing_model_dir(tmp_path):
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.errors import UserError
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    cfg = RunConfig()
+    cfg.model.path = str(tmp_path / "nope")
+    with pytest.raises(UserError, match="config.json"):
+        TrainerGroup(cfg)  # before any Ray actor is started

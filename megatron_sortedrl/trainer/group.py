@@ -22,6 +22,7 @@ failed rank raises in the driver; restart from the last checkpoint).
 
 from __future__ import annotations
 
+import copy
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,8 +30,10 @@ from pathlib import Path
 import torch
 
 from megatron_sortedrl import algorithms as A
+from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.sample import Sample
 from megatron_sortedrl.trainer.checkpoint import find_latest_checkpoint
+from megatron_sortedrl.trainer.model import read_hf_config
 from megatron_sortedrl.trainer.worker import TrainerWorker, on_gpu
 
 
@@ -67,6 +70,11 @@ class TrainerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        cfg = copy.deepcopy(cfg)
+        # Ray workers need not share the driver's working directory: send absolute paths only.
+        cfg.model.path = str(Path(cfg.model.path).resolve())
+        arch = read_hf_config(cfg.model.path)  # fail fast, before any actor starts
+        cfg.validate_model_shape(arch.num_heads, arch.num_kv_heads, arch.num_layers)
         self.cfg = cfg
         self.world_size = cfg.parallel.world_size
         self._owns_ray = not ray.is_initialized()
@@ -85,8 +93,12 @@ class TrainerGroup:
                         ).remote(cfg, r, self.world_size)
             for r in range(self.world_size)
         ]
-        addr, port = ray.get(self.actors[0].address.remote())
-        self.info = ray.get([a.setup.remote(addr, port) for a in self.actors])
+        try:
+            addr, port = ray.get(self.actors[0].address.remote())
+            self.info = ray.get([a.setup.remote(addr, port) for a in self.actors])
+        except BaseException:
+            self._release()  # no half-started group left behind holding CPUs/GPUs
+            raise
         self.reporters = [i["rank"] for i in self.info if i["reporter"]]
         self.first_reporter = min(i["rank"] for i in self.info if i["reporter"] and i["dp_rank"] == 0)
 
@@ -181,33 +193,38 @@ class TrainerGroup:
         rollout workers reload. Without: returns {HF name: full tensor} (small models only)."""
         if out_dir is None:
             return self._all("hf_state_dict")[0]
-        return self._all("export_hf", str(out_dir), dtype)[0]
+        return self._all("export_hf", str(Path(out_dir).resolve()), dtype)[0]
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> str:
         """Atomic torch_dist checkpoint of model + optimizer + trainer state; `extra` (driver resume state,
         picklable) comes back from `load_checkpoint`."""
-        return self._all("save", str(path), extra)[0]
+        return self._all("save", str(Path(path).resolve()), extra)[0]
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict:
         """Loads a checkpoint saved at any TP/PP; raises CheckpointError for a missing or incomplete one."""
-        return self._all("load", str(path), load_optimizer)[0]
+        if path is None:
+            raise CheckpointError("no checkpoint to load (latest_checkpoint found none)")
+        return self._all("load", str(Path(path).resolve()), load_optimizer)[0]
 
     @staticmethod
     def latest_checkpoint(root: str | Path) -> Path | None:
         return find_latest_checkpoint(root)
 
     def shutdown(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         if not self.actors:
             return
         try:
             self._all("shutdown")
         finally:
-            for a in self.actors:
-                ray.kill(a)
-            self.actors = []
-            remove_placement_group(self._pg)
-            if self._owns_ray:
-                ray.shutdown()
+            self._release()
+
+    def _release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        remove_placement_group(self._pg)
+        if self._owns_ray:
+            ray.shutdown()
