@@ -10,7 +10,6 @@ Hugging Face `transformers` and against each other.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from pathlib import Path
 
