@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Ray on Slurm: bring up a Ray cluster across the job's nodes, run one megatron-sortedrl command on the head,
+# forward the pre-timeout signal so the run checkpoints, requeue, and clean up. Sourced by the sbatch recipes:
+#
+#   source "$MSRL_HOME/slurm/ray_on_slurm.sh"
+#   msrl_launch configs/qwen32b_128gpu.yaml [key=value ...]
+#
+# Environment (all optional):
+#   MSRL_HOME          repository checkout on shared storage (default: the directory above this script)
+#   MSRL_PYTHON        python with megatron-sortedrl installed (default: $MSRL_HOME/.venv/bin/python)
+#   MSRL_SUBCOMMAND    what the head runs (default: train; `ray-check` only checks the cluster)
+#   MSRL_RAY_PORT      GCS port (default: derived from the job id so two jobs on a node do not clash)
+#   MSRL_JOIN_TIMEOUT  seconds to wait for every node to join (default 300)
+#   MSRL_DRY_RUN=1     print the node list, ports and GPU layout, start nothing
+#   MSRL_RAY_START_ARGS extra `ray start` arguments for every node (e.g. "--num-cpus=32")
+# Ports: the ports Ray would otherwise take from fixed defaults (GCS, client server, dashboard agent) come
+# from a per-job block and are passed explicitly; the rest Ray picks free itself. Temp dirs are per job.
+set -euo pipefail
+
+MSRL_HOME=${MSRL_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+MSRL_PYTHON=${MSRL_PYTHON:-$MSRL_HOME/.venv/bin/python}
+MSRL_SUBCOMMAND=${MSRL_SUBCOMMAND:-train}
+MSRL_JOIN_TIMEOUT=${MSRL_JOIN_TIMEOUT:-300}
+
+msrl_die() { echo "ray_on_slurm: $*" >&2; exit 2; }
+
+msrl_ports() {
+    local job=${SLURM_JOB_ID:?SLURM_JOB_ID is not set: run this under sbatch/salloc}
+    # One block of 40 ports per job (by job id) in 20000-59999: two jobs sharing a node do not clash.
+    local base=${MSRL_RAY_PORT:-$((20000 + (job % 1000) * 40))}
+    RAY_PORT=$base
+    RAY_CLIENT_PORT=$((base + 1))
+    RAY_PORT_BASE=$base
+}
+
+msrl_ray_start_args() {
+    # Ray's fixed defaults (dashboard agent 52365) would clash between jobs, so each node of the job gets
+    # its own port from the block; node manager, object manager, metrics and worker ports are left to Ray,
+    # which picks free ones itself.
+    local node_index=$1
+    echo --dashboard-agent-listen-port="$((RAY_PORT_BASE + 2 + node_index))" --disable-usage-stats --block \
+        "${MSRL_RAY_START_ARGS:-}"
+}
+
+msrl_cleanup() {
+    local status=$?
+    trap - EXIT INT TERM
+    echo "ray_on_slurm: stopping Ray on ${#MSRL_NODES[@]} nodes"
+    local pid
+    for pid in "${MSRL_RAY_PIDS[@]:-}"; do
+        if [[ -n "$pid" ]]; then kill "$pid" 2>/dev/null || true; fi
+    done
+    wait 2>/dev/null || true
+    exit "$status"
+}
+
+msrl_forward_signal() {
+    # Slurm sends USR1 (--signal=B:USR1@<s>) before the time limit: the driver checkpoints and exits,
+    # then the job is requeued and resumes from that checkpoint (checkpoint.resume=auto).
+    echo "ray_on_slurm: pre-timeout signal: asking the driver to checkpoint and requeueing job $SLURM_JOB_ID"
+    if [[ -n "${MSRL_DRIVER_PID:-}" ]]; then kill -USR1 "$MSRL_DRIVER_PID" 2>/dev/null || true; fi
+    MSRL_REQUEUE=1
+}
+
+msrl_launch() {
+    local config=${1:?usage: msrl_launch <config.yaml> [key=value ...]}
+    shift
+    [[ -f "$config" ]] || config="$MSRL_HOME/$config"
+    [[ -f "$config" ]] || msrl_die "config file not found: $1"
+    mapfile -t MSRL_NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set: run this under sbatch}")
+    ((${#MSRL_NODES[@]} > 0)) || msrl_die "the allocation has no nodes"
+    msrl_ports
+    local head=${MSRL_NODES[0]}
+    local head_ip=${MSRL_HEAD_IP:-$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')}
+    local address="$head_ip:$RAY_PORT"
+    local tmp="${MSRL_RAY_TMP:-/tmp}/ray_msrl_${SLURM_JOB_ID}"
+    echo "ray_on_slurm: job $SLURM_JOB_ID, ${#MSRL_NODES[@]} nodes (${MSRL_NODES[*]}), head $head ($address)"
+    if [[ "${MSRL_DRY_RUN:-0}" == 1 ]]; then
+        "$MSRL_PYTHON" -m megatron_sortedrl layout "$config" "$@"
+        return 0
+    fi
+    [[ -x "$MSRL_PYTHON" ]] || msrl_die "no python at $MSRL_PYTHON: run 'bash tools/setup_env.sh' in $MSRL_HOME or set MSRL_PYTHON"
+    # Ray's token authentication stays on: one random token per job, exported to every node through
+    # srun's environment propagation and inherited by the driver.
+    export RAY_AUTH_MODE=token
+    RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$MSRL_PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}
+    export RAY_AUTH_TOKEN
+    MSRL_RAY_PIDS=()
+    trap msrl_cleanup EXIT INT TERM
+    trap msrl_forward_signal USR1
+
+    # shellcheck disable=SC2046  # the argument list is word-split on purpose
+    srun --nodes=1 --ntasks=1 -w "$head" "$MSRL_PYTHON" -m ray.scripts.scripts start --head \
+        --node-ip-address="$head_ip" --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
+        --include-dashboard=false --temp-dir="$tmp" $(msrl_ray_start_args 0) &
+    MSRL_RAY_PIDS+=($!)
+    local i
+    for ((i = 1; i < ${#MSRL_NODES[@]}; i++)); do
+        # shellcheck disable=SC2046
+        srun --nodes=1 --ntasks=1 -w "${MSRL_NODES[$i]}" "$MSRL_PYTHON" -m ray.scripts.scripts start \
+            --address="$address" $(msrl_ray_start_args "$i") &
+        MSRL_RAY_PIDS+=($!)
+    done
+    "$MSRL_PYTHON" -m megatron_sortedrl ray-check --address "$address" --expect-nodes "${#MSRL_NODES[@]}" \
+        --timeout "$MSRL_JOIN_TIMEOUT" --node-names "${MSRL_NODES[@]}" || exit 2
+
+    local status=0
+    MSRL_REQUEUE=0
+    "$MSRL_PYTHON" -m megatron_sortedrl "$MSRL_SUBCOMMAND" "$config" "cluster.ray_address=$address" \
+        "cluster.num_nodes=${#MSRL_NODES[@]}" "$@" &
+    MSRL_DRIVER_PID=$!
+    # `wait` returns early when a trapped signal arrives; keep waiting until the driver has exited.
+    while true; do
+        wait "$MSRL_DRIVER_PID" && status=0 || status=$?
+        kill -0 "$MSRL_DRIVER_PID" 2>/dev/null || break
+    done
+    if [[ "$MSRL_REQUEUE" == 1 ]]; then
+        scontrol requeue "$SLURM_JOB_ID" || echo "ray_on_slurm: requeue failed; resubmit the script to resume" >&2
+    fi
+    return "$status"
+}
