@@ -84,29 +84,20 @@ def test_engine_arguments():
 
 def test_speculative_config_mapping():
     assert speculative_config_from(SpeculativeConfig(enabled=False)) is None
-    ngram = speculative_config_from(SpeculativeConfig(method="ngram", max_draft_tokens=8, match_tokens=5))
-    assert ngram == {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 5, "prompt_lookup_min": 1}
-    try:
-        import speculative.proposer  # noqa: F401
-
-        have = hasattr(speculative.proposer, "HistoSpecProposer")
-    except ImportError:
-        have = False
-    if have:
-        spec = speculative_config_from(SpeculativeConfig(method="histospec", max_draft_tokens=4))
-        assert spec == {"method": "custom_class", "model": "speculative.proposer.HistoSpecProposer",
-                        "num_speculative_tokens": 4}
-    else:
-        with pytest.warns(UserWarning, match="not importable"):
-            assert speculative_config_from(SpeculativeConfig(method="histospec")) is None
+    spec = speculative_config_from(SpeculativeConfig(method="histospec", max_draft_tokens=4))
+    assert spec == {"method": "custom_class", "model": "speculative.proposer.HistoSpecProposer",
+                    "num_speculative_tokens": 4}
+    assert speculative_config_from(SpeculativeConfig(method="ngram", max_draft_tokens=8))["method"] == "ngram"
 
 
 def test_worker_extension_composes_optional_mixins():
     from megatron_sortedrl.rollout import worker_extension as we
 
     assert issubclass(we.RolloutWorkerExtension, we.WeightSyncExtension)
-    for mixin in we._optional_mixins():
-        assert issubclass(we.RolloutWorkerExtension, mixin)
+    from speculative.vllm_extension import HistoSpecWorkerMixin
+
+    assert we._optional_mixins() == (HistoSpecWorkerMixin,)
+    assert issubclass(we.RolloutWorkerExtension, HistoSpecWorkerMixin)
     tied = torch.nn.Module()
     tied.embed = torch.nn.Embedding(4, 2)
     tied.head = torch.nn.Linear(2, 4, bias=False)

@@ -246,6 +246,10 @@ class EngineWorker:
     async def weights_digest(self) -> list[str]:
         return await self.engine.collective_rpc("msrl_weights_digest")
 
+    async def rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Any worker-extension method on every TP rank (HistoSpec history pushes, stats)."""
+        return await self.engine.collective_rpc(method, args=tuple(args), kwargs=kwargs or {})
+
     async def set_version(self, version: int) -> None:
         self.version = int(version)
 

@@ -97,26 +97,11 @@ class PoolOptions:
 
 
 def speculative_config_from(spec) -> dict | None:
-    """vLLM `speculative_config` for a `SpeculativeConfig` section (None when disabled or unavailable)."""
-    if not spec.enabled:
-        return None
-    k = spec.max_draft_tokens
-    if spec.method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.match_tokens,
-                "prompt_lookup_min": 1}
-    if spec.method == "suffix":
-        return {"method": "suffix", "num_speculative_tokens": k}
-    proposer = "speculative.proposer.HistoSpecProposer"
-    try:
-        import importlib
+    """vLLM `speculative_config` for a `SpeculativeConfig` section (None when disabled); the mapping is
+    HistoSpec's own (`speculative.proposer.vllm_speculative_config`), so there is one definition of it."""
+    from speculative.proposer import vllm_speculative_config
 
-        getattr(importlib.import_module("speculative.proposer"), "HistoSpecProposer")
-    except (ImportError, AttributeError):
-        import warnings
-
-        warnings.warn(f"{proposer} is not importable; rollout engines run without speculative decoding", stacklevel=2)
-        return None
-    return {"method": "custom_class", "model": proposer, "num_speculative_tokens": k}
+    return vllm_speculative_config(spec)
 
 
 @dataclass
@@ -406,6 +391,12 @@ class RolloutPool:
         else:
             report = self._gpu_sync.sync(source, version, bucket_bytes=self.opts.bucket_bytes)
         return report, kept
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[list[Any]]:
+        """Calls a worker-extension method on every TP rank of every ready engine (e.g. "histospec_update")."""
+        import ray
+
+        return ray.get([s.actor.rpc.remote(method, args, kwargs) for s in self.slots if s.state == "ready"])
 
     def weights_digests(self) -> list[list[str]]:
         import ray
