@@ -1,0 +1,176 @@
+"""Asynchronous reward scoring in worker processes, with a per-sample timeout.
+
+    pool = RewardPool("megatron_sortedrl.rewards.arithmetic.reward", num_workers=1, timeout_s=10)
+    pool.submit(sample)                      # as soon as a rollout finishes (overlaps generation)
+    for sample in pool.poll():               # scored samples: sample.reward set, sample.reward_error on failure
+        ...
+    pool.drain()                             # blocks until everything submitted is scored
+    pool.stats                               # {"scored": .., "errors": .., "timeouts": ..}
+    pool.close()
+
+The reward function is `def reward(sample, ground_truth) -> float` (see `megatron_sortedrl.rewards`), given
+as a dotted path or a module-level callable. Workers are `spawn`ed, never forked: the driver process holds
+Ray and vLLM threads that a fork would copy in a broken state. A function that raises gives reward 0, the
+exception text in `sample.reward_error`, and one line in `pool.failures` (sample id, error); a function
+that runs past `timeout_s` has its worker killed and restarted, and the sample gets reward 0 with
+"timeout" as its error. The run goes on either way. Each worker scores one sample at a time, so a
+timeout only ever loses the sample that caused it.
+
+Tests: `python -m pytest tests/test_reward_pool.py -q`.
+Left out: batched reward calls (model-based rewards would want them) and rewards on remote nodes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from typing import Any, Callable
+
+from megatron_sortedrl.sample import Sample
+
+
+def _worker_main(fn_ref: Any, conn: Any) -> None:
+    if isinstance(fn_ref, str):
+        from megatron_sortedrl.rewards import load_reward_fn
+
+        fn = load_reward_fn(fn_ref)
+    else:
+        fn = fn_ref
+    conn.send("ready")  # the timeout clock starts only after the (slow, spawned) import
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        sample_id, sample = msg
+        try:
+            reward, err = float(fn(sample, sample.ground_truth)), ""
+        except Exception as exc:  # a buggy reward must not stop the run: counted by the pool
+            reward, err = 0.0, f"{type(exc).__name__}: {exc}"
+        conn.send((sample_id, reward, err))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, fn_ref: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(fn_ref, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: Sample | None = None  # the sample being scored
+        self.started = 0.0
+        self.ready = False
+
+    def check_ready(self) -> bool:
+        if not self.ready and self.conn.poll():
+            self.ready = self.conn.recv() == "ready"
+        return self.ready
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class RewardPool:
+    def __init__(self, reward_fn: str | Callable[..., float], num_workers: int = 1, timeout_s: float = 10.0) -> None:
+        if isinstance(reward_fn, str):  # fail in the driver, with a config error, not in a worker
+            from megatron_sortedrl.rewards import load_reward_fn
+
+            load_reward_fn(reward_fn)
+        self.fn_ref, self.timeout_s = reward_fn, timeout_s
+        self._ctx = mp.get_context("spawn")
+        self.workers = [_Worker(self._ctx, reward_fn) for _ in range(max(1, num_workers))]
+        self.pending: deque[Sample] = deque()
+        self.done: list[Sample] = []
+        self.failures: list[tuple[str, str]] = []  # (sample id, error) of every failed or timed-out call
+        self.stats = {"scored": 0, "errors": 0, "timeouts": 0}
+
+    def submit(self, sample: Sample) -> None:
+        self.pending.append(sample)
+        self._dispatch()
+
+    def __len__(self) -> int:
+        """Samples submitted and not yet returned by `poll`/`drain`."""
+        return len(self.pending) + sum(w.task is not None for w in self.workers) + len(self.done)
+
+    def _dispatch(self) -> None:
+        for w in self.workers:
+            if w.task is None and self.pending and w.check_ready():
+                w.task, w.started = self.pending.popleft(), time.monotonic()
+                w.conn.send((w.task.sample_id, w.task))
+
+    def _finish(self, sample: Sample, reward: float, err: str) -> None:
+        sample.reward, sample.reward_error = reward, err
+        self.stats["scored"] += 1
+        if err:
+            self.stats["timeouts" if err == "timeout" else "errors"] += 1
+            self.failures.append((sample.sample_id, err))
+        self.done.append(sample)
+
+    def _collect(self) -> None:
+        for i, w in enumerate(self.workers):
+            if w.task is None:
+                if not w.ready and not w.proc.is_alive():  # died while importing the function
+                    self._restart(i)
+                continue
+            ready = False
+            try:
+                ready = w.conn.poll()
+            except (EOFError, OSError):
+                ready = False
+            if ready:
+                try:
+                    _sid, reward, err = w.conn.recv()
+                except (EOFError, OSError):  # the worker died (e.g. the function called os._exit)
+                    reward, err = 0.0, "reward worker died"
+                    self._restart(i)
+                sample, w.task = w.task, None
+                self._finish(sample, reward, err)
+            elif not w.proc.is_alive() or time.monotonic() - w.started > self.timeout_s:
+                sample = w.task
+                err = "timeout" if w.proc.is_alive() else "reward worker died"
+                self._restart(i)
+                self._finish(sample, 0.0, err)
+        self._dispatch()
+
+    def _restart(self, i: int) -> None:
+        self.workers[i].kill()
+        self.workers[i] = _Worker(self._ctx, self.fn_ref)
+
+    def poll(self) -> list[Sample]:
+        """Samples scored since the last call (non-blocking)."""
+        self._collect()
+        out, self.done = self.done, []
+        return out
+
+    def drain(self, sleep_s: float = 0.002) -> list[Sample]:
+        """Blocks until every submitted sample is scored; returns those not yet returned."""
+        out = self.poll()
+        while self.pending or any(w.task is not None for w in self.workers):
+            time.sleep(sleep_s)
+            out.extend(self.poll())
+        return out
+
+    def score(self, samples: list[Sample]) -> list[Sample]:
+        for s in samples:
+            self.submit(s)
+        return self.drain()
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.proc.join(2)
+            if w.proc.is_alive():
+                w.kill()
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
