@@ -1,0 +1,408 @@
+"""The RL loop as named phases: the one place where trainer, rollout pool, scheduler, rewards and HistoSpec meet.
+
+    python -m megatron_sortedrl train configs/tiny_cpu.yaml [key=value ...]
+
+    driver = Driver(cfg); summary = driver.run(); driver.close()
+
+One step of `run()` reads like the algorithm::
+
+    round   = compose_round()          # the scheduling policy picks prompts, layout and placement
+    harvest = generate(round)          # stream completions; score each as it lands (reward pool);
+                                       # the policy decides when to harvest and what to abort
+    train(harvest.batch)               # advantages from rewards, one optimizer update
+    sync_weights()                     # trainer -> rollout engines, policy version + 1
+    update_history(harvest.batch)      # HistoSpec drafts come from the previous responses of a prompt
+    log(); checkpoint(); evaluate()
+
+Before RL, `warm_start()` runs a short supervised phase on the task's worked solutions, so that the tiny
+model solves some problems and RL has a signal. Policies decide, the driver executes: everything here is
+plumbing between `scheduler.protocol.SchedulingPolicy` and the engines.
+
+Outputs in `logging.run_dir`: `metrics.jsonl` (+ TensorBoard), `timeline.jsonl` (phases, requests),
+`reward_failures.jsonl` (sample id and error of every reward call that raised or timed out), `summary.json`.
+
+Left out in this version: resume from a checkpoint (checkpoints are written, with the scheduler and
+HistoSpec state in them, but `train` does not read them back yet), the HTML run report, asynchronous
+(overlapping) rollout and training, and the policy-comparison benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_sortedrl.metrics import MetricsWriter
+from megatron_sortedrl.reward_pool import RewardPool
+from megatron_sortedrl.sample import Prompt, Sample
+from megatron_sortedrl.telemetry.timeline import RunClock, TimelineWriter, worker_bubble_ratio
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, Any]
+    batch: list[Sample]
+
+
+class Driver:
+    def __init__(self, cfg, printer: Callable[[str], None] = print, reward_fn: Any = None,
+                 reward_timeout_s: float = 10.0) -> None:
+        self.cfg, self.say = cfg, printer
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.clock = RunClock()
+        self.timeline = TimelineWriter(self.run_dir / "timeline.jsonl", self.clock)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard)
+        self.events: list = []  # this run's timeline events, for per-step bubble ratios
+        self.step, self.version = 0, 0
+        self._reward_fn, self._reward_timeout = reward_fn, reward_timeout_s
+        self._setup()
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def _setup(self) -> None:
+        import ray
+        from transformers import AutoTokenizer
+
+        from megatron_sortedrl.data import load_prompts
+        from megatron_sortedrl.rewards import reward_path
+        from megatron_sortedrl.rollout import PoolOptions, RolloutPool
+        from megatron_sortedrl.tiny_model import build_tiny_model
+        from megatron_sortedrl.trainer.group import TrainerGroup
+        from scheduler.layout import make_planner
+        from scheduler.policies import make_policy
+        from speculative.history import HistoryStore
+
+        cfg = self.cfg
+        random.seed(cfg.seed)
+        if not Path(cfg.model.path).exists() and cfg.model.build_tiny_if_missing:
+            build_tiny_model(cfg.model.path, cfg.model.tiny)
+            self.say(f"built tiny model at {cfg.model.path}")
+        self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.eos = self.tok.eos_token_id
+        self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in load_prompts(cfg.data, "train")}
+        self.eval_prompts = load_prompts(cfg.data, "eval")
+        self._ptok: dict[str, list[int]] = {}
+        # One Ray instance for trainer ranks and engines; without this the trainer would size it to itself.
+        if not ray.is_initialized():
+            need = cfg.parallel.world_size + cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+            ray.init(address=cfg.cluster.ray_address or None, include_dashboard=False, log_to_driver=False,
+                     num_cpus=None if cfg.cluster.ray_address else max(need, os.cpu_count() or 1))
+            self._owns_ray = True
+        else:
+            self._owns_ray = False
+        self.say("starting trainer group ...")
+        self.trainer = TrainerGroup(cfg)
+        self.say("starting rollout pool ...")
+        self.pool = RolloutPool(PoolOptions.from_config(cfg))
+        self.rewards = RewardPool(self._reward_fn or reward_path(cfg.data), num_workers=1,
+                                  timeout_s=self._reward_timeout)
+        gpus = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+        planner = make_planner("fixed", gpus=gpus, gpus_per_node=gpus, tp_short=cfg.rollout.tensor_parallel_size,
+                               tp_long=cfg.rollout.long_round_tensor_parallel_size)
+        self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
+                                  max_response_length=cfg.rollout.max_response_length, planner=planner,
+                                  seed=cfg.seed, sample_factory=self._new_sample)
+        self.history = HistoryStore()
+        self._shipped = 0
+        self._reward_fail_log = open(self.run_dir / "reward_failures.jsonl", "a", buffering=1, encoding="utf-8")
+        self._failures_seen = 0
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        if prompt.prompt_id not in self._ptok:
+            self._ptok[prompt.prompt_id] = self.tok(prompt.text)["input_ids"]
+        return self._ptok[prompt.prompt_id]
+
+    def _new_sample(self, prompt_id: str, epoch: int, index: int) -> Sample:
+        p = self.prompts[prompt_id]
+        return Sample(prompt_id=prompt_id, index=index, epoch=epoch, prompt_tokens=list(self._tokens(p)),
+                      ground_truth=p.ground_truth, meta={"difficulty": p.difficulty})
+
+    def _phase(self, name: str, event: str) -> None:
+        self.events.append(self.timeline.record("phase", event, self.step, phase=name))
+
+    # ------------------------------------------------------------------------------------------ phases
+
+    def warm_start(self) -> dict[str, float]:
+        """Supervised steps on worked solutions, then the engines get the warmed-up weights (version 0)."""
+        steps, batch = self.cfg.trainer.warmup_sft_steps, 16
+        rng = random.Random(self.cfg.seed)
+        pool = list(self.prompts.values())
+        out: dict[str, float] = {}
+        t0 = time.monotonic()
+        for i in range(steps):
+            pairs = [(self._tokens(p), self.tok(p.solution)["input_ids"] + [self.eos])
+                     for p in rng.sample(pool, min(batch, len(pool)))]
+            out = self.trainer.sft_step(pairs)
+            if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
+                self.say(f"warm-up {i + 1}/{steps}: loss {out.get('loss', float('nan')):.3f} "
+                         f"({time.monotonic() - t0:.0f}s)")
+        if steps:
+            self.pool.sync_weights(self.trainer.export_hf_weights(), version=0)
+        return out
+
+    def compose_round(self):
+        self._phase("rollout", "start")
+        rnd = self.policy.compose_round(self.clock)
+        if rnd is not None and (rnd.layout.num_engines, rnd.layout.tp) != tuple(self.pool.layout):
+            self.pool.set_layout(rnd.layout.num_engines, rnd.layout.tp)
+        return rnd
+
+    def _sampling(self, max_tokens: int, greedy: bool = False) -> dict[str, Any]:
+        r = self.cfg.rollout
+        return {"max_tokens": max_tokens, "temperature": 0.0 if greedy else r.temperature, "top_p": r.top_p,
+                "stop_token_ids": [self.eos]}
+
+    def generate(self, rnd):
+        """Streams the round: submits up to the engine batch per worker, scores completions as they land, and
+        lets the policy harvest; returns the `Harvest`."""
+        from megatron_sortedrl.rollout import GenRequest
+        from scheduler.placement import WorkerQueues
+
+        queues = WorkerQueues(rnd.layout.num_engines)
+        queues.add(rnd.requests)
+        live: dict[str, Sample] = {}  # submitted to the pool or the reward pool, not yet handed back
+        inflight = [0] * rnd.layout.num_engines
+        cap = self.cfg.rollout.max_num_seqs
+
+        def fill() -> None:
+            items = []
+            for w in range(len(inflight)):
+                while inflight[w] < cap and (req := queues.pop(w)) is not None:
+                    s = req.sample
+                    if req.max_tokens <= 0:  # a resumed partial already at the length limit
+                        s.finish_reason = "length"
+                        self._score(s)
+                        live[s.sample_id] = s
+                        continue
+                    s.submit_time = s.submit_time or self.clock.now()
+                    items.append((GenRequest(s.sample_id, s.prompt_tokens + s.response_tokens,
+                                             self._sampling(req.max_tokens)), w))
+                    live[s.sample_id], inflight[w] = s, inflight[w] + 1
+                    self.events.append(self.timeline.record("request", "submit", self.step, worker=w,
+                                                            sample_id=s.sample_id, tokens=s.response_length))
+            if items:
+                self.pool.submit_many(items)
+
+        def on_completion(c) -> None:
+            s = live[c.request_id]
+            inflight[c.worker_id] = max(0, inflight[c.worker_id] - 1) if c.worker_id >= 0 else 0
+            if c.finish_reason == "lost":  # the engine died: run it again (the pool restarted the slot)
+                del live[c.request_id]
+                s.reset_response() if not s.response_length else None
+                queues.add([_request_of(s, self.cfg.rollout.max_response_length)])
+                return
+            c.to_sample(s)
+            self.events.append(self.timeline.record("request", "finish" if c.finished else "abort", self.step,
+                                                    worker=c.worker_id, sample_id=s.sample_id,
+                                                    tokens=s.response_length))
+            if c.finished:
+                self._score(s)
+            else:
+                del live[s.sample_id]
+                self.policy.on_sample_aborted(s, self.clock)
+
+        def abort(ids: list[str]) -> None:
+            for sid in ids:
+                req = queues.remove(sid)
+                if req is not None:
+                    live.pop(sid, None)
+                    self.policy.on_sample_aborted(req.sample, self.clock)
+            for c in self.pool.abort([sid for sid in ids if sid in live]):
+                on_completion(c)
+
+        def scored() -> None:
+            for s in self.rewards.poll():
+                live.pop(s.sample_id, None)
+                abort(self.policy.on_sample_finished(s, self.clock))
+
+        fill()
+        while (harvest := self.policy.harvest(self.clock)) is None:
+            for c in self.pool.poll(0.02):
+                on_completion(c)
+            scored()
+            fill()
+            if not live and not len(queues):
+                raise RuntimeError("scheduler asked to keep generating with nothing in flight")
+        abort(harvest.abort)
+        # Whatever finished while the abort was on its way still comes back once: hand it over too.
+        while self.pool.in_flight:
+            for c in self.pool.poll(0.02):
+                on_completion(c)
+        for s in self.rewards.drain():
+            live.pop(s.sample_id, None)
+            self.policy.on_sample_finished(s, self.clock)
+        for req in queues.drain():
+            self.policy.on_sample_aborted(req.sample, self.clock)
+        self._phase("rollout", "end")
+        return harvest
+
+    def _score(self, s: Sample) -> None:
+        s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
+        self.rewards.submit(s)
+
+    def train(self, batch: list[Sample]) -> dict[str, float]:
+        self._phase("train", "start")
+        adv = self.trainer.advantages(batch)
+        out = self.trainer.train_step(batch, advantages=adv)
+        self._phase("train", "end")
+        return out
+
+    def sync_weights(self) -> dict[str, float]:
+        self._phase("sync", "start")
+        self.version += 1
+        report = self.pool.sync_weights(self.trainer.export_hf_weights(), version=self.version)
+        self.policy.on_update(self.version, self.clock)
+        self._phase("sync", "end")
+        return {"sync/seconds": report.seconds, "sync/bytes": report.bytes}
+
+    def update_history(self, batch: list[Sample]) -> dict[str, float]:
+        """Records this step's responses per prompt and ships the change to every engine's drafter."""
+        for s in batch:
+            self.history.record(s.prompt_tokens, [s.response_tokens], epoch=s.epoch)
+        if not self.cfg.speculative.enabled:
+            return {}
+        delta = self.history.updates_since(self._shipped)
+        self.pool.collective_rpc("histospec_update", delta.to_bytes())
+        self._shipped = delta.version
+        out: dict[str, float] = {"spec/history_prompts": float(len(self.history.keys()))}
+        stats = [r for per in self.pool.collective_rpc("histospec_stats") for r in per if r.get("active")]
+        if stats:
+            out.update({k: float(v) for k, v in stats[0]["summary"].items()})
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out prompts (mean reward)."""
+        from megatron_sortedrl.rollout import GenRequest
+
+        self._phase("eval", "start")
+        samples = {f"eval/{p.prompt_id}/s{self.step}": p for p in self.eval_prompts}
+        items = [(GenRequest(rid, self._tokens(p), self._sampling(self.cfg.rollout.max_response_length, True)),
+                  i % self.pool.layout[0]) for i, (rid, p) in enumerate(samples.items())]
+        self.pool.submit_many(items)
+        out: list[Sample] = []
+        while self.pool.in_flight:
+            for c in self.pool.poll(0.05):
+                p = samples[c.request_id]
+                s = Sample(prompt_id=p.prompt_id, index=0, epoch=-1, prompt_tokens=self._tokens(p),
+                           ground_truth=p.ground_truth)
+                c.to_sample(s)
+                s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
+                out.append(s)
+        scored = self.rewards.score(out)
+        self._phase("eval", "end")
+        acc = sum(s.reward for s in scored) / max(1, len(scored))
+        return {"eval/accuracy": acc, "eval/response_len": sum(s.response_length for s in scored) / max(1, len(scored))}
+
+    def checkpoint(self) -> str:
+        self._phase("checkpoint", "start")
+        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        path = self.trainer.save_checkpoint(root / f"iter_{self.step:07d}", extra={
+            "step": self.step, "version": self.version, "scheduler": self.policy.state_dict(),
+            "histospec": self.history.state_dict(), "rng": random.getstate()})
+        self._phase("checkpoint", "end")
+        return path
+
+    def log(self, step_s: float, batch: list[Sample], harvest_stats: dict, *parts: dict) -> dict[str, Any]:
+        rewards = [s.reward or 0.0 for s in batch]
+        tokens = sum(s.response_length for s in batch)
+        failures = self.rewards.failures[self._failures_seen:]
+        for sid, err in failures:
+            self._reward_fail_log.write(json.dumps({"step": self.step, "sample_id": sid, "error": err}) + "\n")
+        self._failures_seen = len(self.rewards.failures)
+        stale = harvest_stats.get("staleness", [])
+        row = {"reward/mean": sum(rewards) / max(1, len(rewards)),
+               "reward/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+               "reward/errors_total": self.rewards.stats["errors"], "reward/timeouts_total": self.rewards.stats["timeouts"],
+               "reward/per_sample": {s.sample_id: s.reward for s in batch},
+               "rollout/samples": len(batch), "rollout/response_len": tokens / max(1, len(batch)),
+               "rollout/tokens_per_s": tokens / max(step_s, 1e-9), "rollout/bubble_ratio": self._bubble(),
+               "rollout/staleness_mean": sum(stale) / max(1, len(stale)), "policy/version": self.version,
+               "time/step_s": step_s}
+        for part in parts:
+            row.update(part)
+        row = self.metrics.log(self.step, row)
+        if self.step % max(1, self.cfg.logging.log_interval) == 0:
+            spec = row.get("spec/mean_accepted_length")
+            self.say(f"step {self.step}: reward {row['reward/mean']:.3f} acc {row['reward/accuracy']:.2f} "
+                     f"len {row['rollout/response_len']:.0f} tok/s {row['rollout/tokens_per_s']:.0f} "
+                     f"bubble {row['rollout/bubble_ratio']:.2f}"
+                     + (f" draft-accept {spec:.2f}" if spec is not None else "")
+                     + f" ({step_s:.1f}s, v{self.version})")
+        return row
+
+    def _bubble(self) -> float:
+        try:
+            return float(worker_bubble_ratio(self.events, self.step))
+        except Exception:  # a step without request events has no bubble to speak of
+            return 0.0
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def rl_step(self) -> StepResult | None:
+        t0 = time.monotonic()
+        rnd = self.compose_round()
+        if rnd is None:
+            return None
+        harvest = self.generate(rnd)
+        train = self.train(harvest.batch)
+        sync = self.sync_weights()
+        spec = self.update_history(harvest.batch)
+        step_s = time.monotonic() - t0
+        row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec)
+        return StepResult(self.step, row, harvest.batch)
+
+    def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.monotonic()
+        self.warm_start()
+        before = self.evaluate()["eval/accuracy"]
+        self.say(f"accuracy after warm-up (before RL): {before:.3f}")
+        self.metrics.log(0, {"eval/accuracy": before})
+        while self.step < cfg.trainer.total_steps:
+            self.step += 1
+            result = self.rl_step()
+            if result is None:
+                self.say("data exhausted")
+                break
+            if on_step:
+                on_step(result)
+            if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 and self.step < cfg.trainer.total_steps:
+                ev = self.evaluate()
+                self.metrics.log(self.step, ev)
+                self.say(f"step {self.step}: eval accuracy {ev['eval/accuracy']:.3f}")
+            if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
+                self.checkpoint()
+        after = self.evaluate()["eval/accuracy"]
+        self.metrics.log(self.step, {"eval/accuracy": after})
+        summary = {"steps": self.step, "policy_version": self.version, "accuracy_before_rl": before,
+                   "accuracy_after_rl": after, "wall_s": time.monotonic() - t_start,
+                   "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"]}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.say(f"done: {self.step} RL steps in {summary['wall_s']:.0f}s; eval accuracy "
+                 f"{before:.3f} -> {after:.3f}; run dir {self.run_dir}")
+        return summary
+
+    def close(self) -> None:
+        import ray
+
+        for closer in (self.rewards.close, self.pool.shutdown, self.trainer.shutdown, self.timeline.close,
+                       self.metrics.close, self._reward_fail_log.close):
+            try:
+                closer()
+            except Exception as exc:  # keep closing the rest; a half-closed run must not leak processes
+                self.say(f"warning: {closer.__qualname__} failed: {exc}")
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def _request_of(s: Sample, max_len: int):
+    from scheduler.protocol import Request
+
+    return Request(sample=s, worker=max(0, s.worker_id), predicted_length=s.predicted_length,
+                   max_tokens=max_len - s.response_length)

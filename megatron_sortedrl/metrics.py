@@ -1,0 +1,69 @@
+"""Run metrics: one JSON line per step in `<run_dir>/metrics.jsonl`, mirrored to TensorBoard when available.
+
+    m = MetricsWriter(run_dir, tensorboard=True)
+    m.log(step, {"reward/mean": 0.4, "time/step_s": 12.1})
+    m.close()
+    rows = read_metrics(run_dir)
+
+Each line is `{"step": int, "t": seconds since the writer started, <name>: number, ...}`; names use `/`
+groups as TensorBoard does. The file is appended and line-buffered, so a killed run keeps every step it
+logged, and a resumed run continues the same file. TensorBoard is optional: without the `tensorboard`
+package the events are skipped with one note. Left out: wandb (a later addition behind
+`logging.wandb_project`) and aggregation across ranks (the driver logs once).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.dir / METRICS_FILE, "a", buffering=1, encoding="utf-8")
+        self._t0 = time.monotonic()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except Exception as exc:  # optional sink: the jsonl file is the record
+                print(f"note: TensorBoard events not written ({type(exc).__name__}: {exc})")
+
+    def log(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
+        row: dict[str, Any] = {"step": int(step), "t": round(time.monotonic() - self._t0, 3)}
+        for k, v in values.items():
+            if isinstance(v, bool):
+                v = int(v)
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                row[k] = v
+            elif isinstance(v, (str, list, dict)):
+                row[k] = v
+        self._file.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "t") and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        return row
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
