@@ -143,8 +143,12 @@ class Driver:
                 self.say(f"warm-up {i + 1}/{steps}: loss {out.get('loss', float('nan')):.3f} "
                          f"({time.monotonic() - t0:.0f}s)")
         if steps:
-            self.pool.sync_weights(self.trainer.export_hf_weights(), version=0)
+            self.pool.sync_weights(self._weights(), version=0)
         return out
+
+    def _weights(self):
+        # The pool iterates (name, tensor) pairs; the trainer's in-memory export is a dict.
+        return iter(self.trainer.export_hf_weights().items())
 
     def compose_round(self):
         self._phase("rollout", "start")
@@ -256,7 +260,7 @@ class Driver:
     def sync_weights(self) -> dict[str, float]:
         self._phase("sync", "start")
         self.version += 1
-        report = self.pool.sync_weights(self.trainer.export_hf_weights(), version=self.version)
+        report = self.pool.sync_weights(self._weights(), version=self.version)
         self.policy.on_update(self.version, self.clock)
         self._phase("sync", "end")
         return {"sync/seconds": report.seconds, "sync/bytes": report.bytes}
