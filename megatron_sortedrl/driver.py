@@ -232,7 +232,7 @@ class Driver:
             scored()
             fill()
             if not live and not len(queues):
-                raise RuntimeError("scheduler asked to keep generating with nothing in flight")
+                self._resubmit_stuck(rnd, queues)
         abort(harvest.abort)
         # Whatever finished while the abort was on its way still comes back once: hand it over too.
         while self.pool.in_flight:
@@ -245,6 +245,22 @@ class Driver:
             self.policy.on_sample_aborted(req.sample, self.clock)
         self._phase("rollout", "end")
         return harvest
+
+    def _resubmit_stuck(self, rnd, queues) -> None:
+        """The policy waits on samples nobody holds (seen with `twotier`'s final round after aborts): put its
+        unfinished samples of this round back on the queues, and say so, rather than hang."""
+        stuck = []
+        for key in rnd.prompts:
+            st = self.policy.live.get(key)
+            for s in st.samples if st else []:
+                if st.status[s.sample_id] != "finished":
+                    st.status[s.sample_id] = "running"
+                    stuck.append(s)
+        if not stuck:
+            raise RuntimeError("scheduler asked to keep generating with nothing in flight")
+        self.say(f"warning: step {self.step}: {len(stuck)} unfinished samples held by no engine; resubmitting "
+                 f"{[s.sample_id for s in stuck[:4]]}")
+        queues.add([_request_of(s, self.cfg.rollout.max_response_length) for s in stuck])
 
     def _score(self, s: Sample) -> None:
         s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
@@ -408,5 +424,5 @@ class Driver:
 def _request_of(s: Sample, max_len: int):
     from scheduler.protocol import Request
 
-    return Request(sample=s, worker=max(0, s.worker_id), predicted_length=s.predicted_length,
+    return Request(sample=s, worker=0, predicted_length=s.predicted_length,
                    max_tokens=max_len - s.response_length)
