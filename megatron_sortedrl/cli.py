@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "layout": ("megatron_sortedrl.commands.layout_cmd", "print where trainer ranks and rollout engines go (dry run)"),
     "ray-check": ("megatron_sortedrl.commands.ray_check", "wait until a Ray cluster has all its nodes and list them"),
     "smoke": ("megatron_sortedrl.commands.smoke", "build the tiny model, generate and score a few prompts"),
+    "simulate": ("megatron_sortedrl.commands.simulate", "simulate the scheduling policies on a modelled cluster (bubble ratios, throughput)"),
     "train": ("megatron_sortedrl.commands.train", "run RL: warm start, then rollout, reward, train, weight sync per step"),
     "convert": ("megatron_sortedrl.commands.convert", "convert checkpoints: hf-to-mcore / mcore-to-hf at any TP/PP, with --verify"),
 }

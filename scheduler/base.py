@@ -78,13 +78,20 @@ class PromptState:
     aborted_rounds: int = 0  # rounds in which some of its samples were aborted unfinished
     group: int = 0  # group index (sorted/twotier)
     long: bool = False  # routed to the long-tail queue
+    n_finished: int = 0  # samples with status "finished" (kept by `mark`)
 
     @property
     def key(self) -> str:
         return prompt_key(self.prompt_id, self.epoch)
 
+    def mark(self, sample_id: str, status: str) -> None:
+        """Sets a sample's status, keeping the finished count that harvest checks after every event."""
+        old = self.status.get(sample_id)
+        self.status[sample_id] = status
+        self.n_finished += (status == "finished") - (old == "finished")
+
     def ids(self, status: str) -> list[str]:
-        return [s.sample_id for s in self.samples if self.status[s.sample_id] == status]
+        return [sid for sid, st in self.status.items() if st == status]
 
     def finished_samples(self) -> list[Sample]:
         return sorted((s for s in self.samples if self.status[s.sample_id] == "finished"),
@@ -97,9 +104,11 @@ class PromptState:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PromptState:
-        return cls(prompt_id=d["prompt_id"], epoch=d["epoch"], samples=[Sample.from_dict(s) for s in d["samples"]],
-                   status=dict(d["status"]), done_at=dict(d["done_at"]), aborted_rounds=d["aborted_rounds"],
-                   group=d["group"], long=d["long"])
+        st = cls(prompt_id=d["prompt_id"], epoch=d["epoch"], samples=[Sample.from_dict(s) for s in d["samples"]],
+                 done_at=dict(d["done_at"]), aborted_rounds=d["aborted_rounds"], group=d["group"], long=d["long"])
+        for sid, status in d["status"].items():
+            st.mark(sid, status)
+        return st
 
 
 class PolicyBase:
@@ -126,7 +135,7 @@ class PolicyBase:
         st = PromptState(prompt_id, epoch, group=group)
         st.samples = [self.factory(prompt_id, epoch, i) for i in range(responses)]
         for s in st.samples:
-            st.status[s.sample_id] = "queued"
+            st.mark(s.sample_id, "queued")
             self.by_sample[s.sample_id] = st.key
         self.live[st.key] = st
         return st
@@ -141,7 +150,7 @@ class PolicyBase:
     def reset_sample(self, st: PromptState, s: Sample) -> None:
         self.stats["wasted_tokens"] += s.response_length
         s.reset_response()
-        st.status[s.sample_id] = "queued"
+        st.mark(s.sample_id, "queued")
         st.done_at.pop(s.sample_id, None)
 
     def refresh(self, st: PromptState) -> None:
@@ -164,7 +173,7 @@ class PolicyBase:
                 if s.response_length:
                     s.num_resumes += 1
                     self.stats["resumed"] += 1
-                st.status[s.sample_id] = "running"
+                st.mark(s.sample_id, "running")
                 s.finish_reason, s.predicted_length = "", guess
                 requests.append(Request(sample=s, worker=0, predicted_length=max(guess, s.response_length),
                                         max_tokens=self.max_len - s.response_length))
@@ -178,7 +187,7 @@ class PolicyBase:
 
     def complete(self, st: PromptState, need: int | None = None) -> bool:
         need = len(st.samples) if need is None else need
-        return len(st.ids("finished")) >= need
+        return st.n_finished >= need
 
     def completed_at(self, st: PromptState, need: int | None = None) -> float:
         """Clock time at which `need` (default: all) of the prompt's samples had finished."""
@@ -220,7 +229,7 @@ class PolicyBase:
         if st is None or sample.sample_id not in st.status:  # already dropped (e.g. a surplus response)
             return []
         self._adopt(st, sample)
-        st.status[sample.sample_id] = "finished"
+        st.mark(sample.sample_id, "finished")
         st.done_at[sample.sample_id] = clock.now()
         self.history.record(st.prompt_id, st.epoch, sample.response_length)
         return []
@@ -232,7 +241,7 @@ class PolicyBase:
         s = self._adopt(st, sample)
         self.history.record_lower_bound(st.prompt_id, s.response_length)
         s.finish_reason = "abort"
-        st.status[s.sample_id] = "queued"
+        st.mark(s.sample_id, "queued")
         if self.cfg.mode == "on_policy" or self.restart_aborted:
             self.reset_sample(st, s)
 

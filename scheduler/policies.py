@@ -16,8 +16,8 @@
   the first P0 queued prompts x n at full length (no over-provisioning) when the queue holds P0 of them, or
   whatever is queued once the data is exhausted.
 - `twotier` (ours): `sorted`'s groups, harvest and staleness control, plus routing: prompts predicted
-  (from their history) longer than `long_round_threshold * max_response_length`, or aborted in more
-  than max(1, max_staleness) short rounds, go to the group's long round, which runs once the group's short
+  (from their history, or from a partial aborted in a short round) longer than `long_round_threshold *
+  max_response_length` go to the group's long round, which runs once the group's short
   prompts are consumed, in the long-round engine layout, and is harvested whole. Leftover short prompts too
   few for an update batch join the long round (or, if it is empty, form a final round that waits for all).
 
@@ -81,7 +81,7 @@ class SortedPolicy(PolicyBase):
         short = [st for st in self.live.values() if not st.long]
         if self.route_long:
             for st in short:
-                if self.predicted_long(st) or st.aborted_rounds > max(1, self.cfg.max_staleness):
+                if self.predicted_long(st):  # history, or an aborted partial that already ran past the threshold
                     deferred.append(self._defer(st))
             short = [st for st in short if not st.long]
             if short and len(short) < self.need and self.queue:

@@ -281,8 +281,21 @@ class Simulator:
         self.heap = []
         for sample in pending:  # finished, reward still in flight: it did finish
             self.policy.on_sample_finished(sample, self.clock)
-        for sid in h.abort:
-            self.abort(sid, mid_round=False)
+        # Bulk abort (thousands of requests in an oversubscribed round): engines first, then the queues.
+        wanted = set(h.abort)
+        for e in self.engines:
+            for seq in e.running + list(e.preempted):
+                sid = seq.req.sample.sample_id
+                if sid in wanted:
+                    wanted.discard(sid)
+                    self.where.pop(sid, None)
+                    s = self._commit(seq, self.policy.version)
+                    self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
+                    self.policy.on_sample_aborted(s, self.clock)
+            e.running, e.preempted, e.ctx = [], deque(), 0
+        for req in self.queues.drain():
+            if req.sample.sample_id in wanted:
+                self.policy.on_sample_aborted(req.sample, self.clock)
         for e in self.engines:
             if self.busy[e.wid]:
                 self.emit("worker", "idle", t_end, worker=e.wid)
@@ -295,8 +308,8 @@ class Simulator:
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
                 "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
-                "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred)
-                + list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
+                "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
+                "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch]}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:

@@ -1,0 +1,65 @@
+"""`python -m megatron_sortedrl simulate <sim.yaml> [key=value ...] --policies sync,sorted,tail,twotier`
+
+Runs the real scheduling policies on the discrete-event cluster simulator (`scheduler/simulator.py`),
+prints a table (bubble ratios, rollout and step time, throughput and its ratio to sync, samples per
+update, staleness) and writes a plot and a JSON of the figures. Overrides starting with `run.` change
+the run config the scenario points to (e.g. `run.scheduler.max_staleness=2`), others the scenario
+(e.g. `workload.persistence=0.5`). Timelines per policy are written with `--timelines DIR`.
+
+Left out: sweeps (call it in a loop, or see benchmarks/simulate_policies.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from megatron_sortedrl.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="simulator scenario YAML, e.g. configs/sim_tiny_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (run.* for the run config)")
+    parser.add_argument("--policies", default="sync,sorted,tail,twotier", help="comma-separated tier-1 policies")
+    parser.add_argument("--out", default="runs/simulate", help="directory for simulation.json and simulation.png")
+    parser.add_argument("--timelines", default="", help="also write each policy's timeline JSONL into this directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler.policies import POLICIES
+    from scheduler.report import add_ratios, format_table, plot, summarize
+    from scheduler.sim_config import load_sim_config
+    from scheduler.simulator import simulate
+
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise UserError(f"--policies: unknown {bad or 'empty list'}; choose from {', '.join(POLICIES)}")
+    sim, run_cfg = load_sim_config(args.config, args.overrides)
+    rows, results = [], []
+    for name in names:
+        t0 = time.time()
+        result = simulate(sim, run_cfg, name)
+        row = summarize(result)
+        row["sim_wall_s"] = time.time() - t0
+        rows.append(row)
+        results.append(result)
+        if args.timelines:
+            from megatron_sortedrl.telemetry.timeline import TimelineWriter
+
+            Path(args.timelines).mkdir(parents=True, exist_ok=True)
+            with TimelineWriter(Path(args.timelines) / f"timeline.{name}.jsonl") as w:
+                for e in result.events:
+                    w.write(e)
+    add_ratios(rows)
+    print(f"{sim.name}: {sim.workload.num_prompts} prompts x {run_cfg.rollout.n_samples_per_prompt} x "
+          f"{sim.workload.num_epochs} epochs on {sim.cluster.gpus} GPUs")
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulation.json").write_text(json.dumps({"scenario": sim.name, "rows": rows}, indent=1))
+    plot(rows, results, str(out / "simulation.png"), title=sim.name)
+    print(f"wrote {out / 'simulation.json'} and {out / 'simulation.png'}")
+    return 0

@@ -1,0 +1,129 @@
+"""Invariants of every tier-1 policy, driven by the simulator over random length workloads (hypothesis).
+
+Hardware: CPU only. Run: .venv/bin/python -m pytest tests/test_scheduler_policies.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_sortedrl.config import load_config
+from scheduler.cost_model import EngineCostModel
+from scheduler.sim_config import ClusterCosts, SimConfig, WorkloadConfig
+from scheduler.simulator import build_policy, simulate, Simulator
+
+BASE_RUN = load_config(None, ["model.path=/nonexistent/tiny", "rollout.long_round_tensor_parallel_size=2"])
+
+
+def scenario(n=2, rollout_batch=4, update=4, group=6, mode="on_policy", staleness=1, prompts=10, epochs=2,
+             sigma=1.0, share=0.6, persistence=0.8, seed=0, threshold=0.5, max_len=64, eta=1.25):
+    sched = replace(BASE_RUN.scheduler, rollout_batch_size=rollout_batch, update_batch_size=update, group_size=group,
+                    mode=mode, max_staleness=staleness, long_round_threshold=threshold, oversubscription=eta)
+    rollout = replace(BASE_RUN.rollout, n_samples_per_prompt=n, max_response_length=max_len, num_workers=2)
+    run = replace(BASE_RUN, scheduler=sched, rollout=rollout)
+    engine = EngineCostModel(hbm_gbs=10.0, gpu_mem_gib=1.0, mem_utilization=0.5, weight_gib=0.001, kv_bytes_per_token=4096.0,
+                             step_overhead_s=0.01, tp_comm_s=0.001, per_seq_s=0.0001, prefill_tokens_per_s=1e5, max_num_seqs=4)
+    sim = SimConfig(cluster=ClusterCosts(gpus=2, gpus_per_node=2, train_tokens_per_s=1e4, relayout_s=0.5),
+                    engine=engine, workload=WorkloadConfig(num_prompts=prompts, num_epochs=epochs, prompt_tokens=8,
+                                                           median_response=max_len / 6, sigma=sigma, prompt_share=share,
+                                                           persistence=persistence, seed=seed))
+    return sim, run
+
+
+workloads = st.fixed_dictionaries({
+    "sigma": st.floats(0.0, 1.8), "share": st.floats(0.0, 1.0), "persistence": st.floats(0.0, 1.0),
+    "seed": st.integers(0, 10_000), "n": st.sampled_from([2, 4]), "prompts": st.integers(3, 12),
+})
+FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def check_common(result, sim, run):
+    n, epochs = run.rollout.n_samples_per_prompt, sim.workload.num_epochs
+    expected = {f"p{i}/e{e}": n for i in range(sim.workload.num_prompts) for e in range(epochs)}
+    assert result.trained == expected  # every prompt of every epoch trained exactly n times
+    limit = 0 if run.scheduler.mode == "on_policy" or result.policy in ("sync", "tail") else run.scheduler.max_staleness
+    assert all(0 <= s <= limit for row in result.rounds for s in row["staleness"])
+    for row in result.rounds:  # update batches are sorted short-first
+        assert row["response_lengths"] == sorted(row["response_lengths"])
+
+
+@pytest.mark.parametrize("policy", ["sync", "sorted", "tail", "twotier"])
+@pytest.mark.parametrize("mode", ["on_policy", "partial"])
+@FAST
+@given(w=workloads)
+def test_every_prompt_trained_n_times_and_staleness_bounded(policy, mode, w):
+    n = w["n"]
+    sim, run = scenario(n=n, update=2 * n, rollout_batch=3, group=5, mode=mode, prompts=w["prompts"], sigma=w["sigma"],
+                        share=w["share"], persistence=w["persistence"], seed=w["seed"])
+    check_common(simulate(sim, run, policy), sim, run)
+
+
+@pytest.mark.parametrize("policy", ["sorted", "twotier"])
+@FAST
+@given(w=workloads, group=st.integers(2, 7))
+def test_grouped_policies_load_no_prompt_before_group_consumed(policy, w, group):
+    n = w["n"]
+    sim, run = scenario(n=n, update=n, group=group, mode="partial", prompts=w["prompts"], sigma=w["sigma"], seed=w["seed"])
+    result = simulate(sim, run, policy)
+    seen, trained = set(), {}
+    for row in result.rounds:
+        new = set(row["round_prompts"]) - seen
+        if new and seen:  # a new group: everything loaded before must have been fully trained
+            assert all(trained.get(k, 0) == n for k in seen)
+        assert len(new) <= group
+        seen |= new
+        for k in row["trained"]:
+            trained[k] = trained.get(k, 0) + 1
+    check_common(result, sim, run)
+
+
+@FAST
+@given(w=workloads, p0=st.integers(1, 4))
+def test_tail_long_rounds_hold_exactly_the_deferred_prompts(w, p0):
+    sim, run = scenario(n=w["n"], rollout_batch=p0, update=w["n"], prompts=w["prompts"], sigma=w["sigma"] + 0.5,
+                        seed=w["seed"], threshold=0.3)
+    result = simulate(sim, run, "tail")
+    queue: list[str] = []
+    for row in result.rounds:
+        queue.extend(row["deferred"])  # deferred while composing (history said long)
+        if row["kind"] == "long":
+            assert row["round_prompts"] == queue[: len(row["round_prompts"])]  # FIFO, nothing else
+            assert len(row["round_prompts"]) <= p0
+            queue = queue[len(row["round_prompts"]):]
+            assert sorted(row["trained"]) == sorted(k for k in row["round_prompts"] for _ in range(w["n"]))
+        else:
+            assert not set(row["round_prompts"]) & set(queue)  # a deferred prompt never runs in a short round
+        queue.extend(row["deferred_at_harvest"])  # aborted: first P0 prompts had completed
+    assert not queue  # every deferred prompt ran in a long round
+    check_common(result, sim, run)
+
+
+def test_twotier_routes_predicted_tails_to_long_rounds_in_larger_tp():
+    sim, run = scenario(n=2, update=2, group=8, prompts=8, epochs=3, sigma=1.6, share=1.0, persistence=1.0, threshold=0.3)
+    result = simulate(sim, run, "twotier")
+    long_rounds = [r for r in result.rounds if r["kind"] == "long"]
+    assert long_rounds and all(r["tp"] == 2 for r in long_rounds)
+    assert all(r["tp"] == 1 for r in result.rounds if r["kind"] == "short")
+
+
+@pytest.mark.parametrize("policy", ["sync", "sorted", "tail", "twotier"])
+def test_state_dict_is_json_and_resumes(policy):
+    sim, run = scenario(prompts=10, mode="partial")
+    pol, workload = build_policy(sim, run, policy)
+    first = Simulator(sim, run, pol, workload)
+    done = 0
+    for _ in range(3):
+        done += first.run_round(pol.compose_round(first.clock))["samples"]
+    state = json.loads(json.dumps(pol.state_dict()))
+    fresh, _ = build_policy(sim, run, policy, workload)
+    fresh.load_state_dict(state)
+    assert json.loads(json.dumps(fresh.state_dict())) == state
+    second = Simulator(sim, run, fresh, workload)
+    second.clock.t = first.clock.t
+    result = second.run_all()
+    assert done + sum(r["samples"] for r in result.rounds) == 10 * 2 * 2  # prompts x epochs x n, none lost
