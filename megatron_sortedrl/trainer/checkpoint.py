@@ -45,6 +45,8 @@ def is_complete(path: str | Path) -> bool:
 
 def _sharded_state(model, opt, is_loading: bool) -> dict:
     model_sd = model.sharded_state_dict()
+    if opt is None:  # model-only checkpoint (written by the HF -> Megatron converter)
+        return {"model": model_sd}
     if not is_loading and not opt.state_dict().get("state"):
         opt.init_state_fn(opt.optimizer, opt.config)  # fresh Adam state is all zeros; saves a uniform layout
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
@@ -79,7 +81,8 @@ def save_checkpoint(path: str | Path, model, opt, sched, trainer_state: dict, me
     _barrier()
     if rank0:
         state = dict(trainer_state)
-        state["lr_scheduler"] = sched.state_dict()
+        if sched is not None:
+            state["lr_scheduler"] = sched.state_dict()
         torch.save(state, tmp / STATE_FILE)
         _fsync_write(tmp / MARKER, json.dumps({**meta, "saved_at": time.time()}, indent=1))
         old = final.parent / f".{final.name}.old"

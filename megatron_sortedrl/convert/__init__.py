@@ -1,0 +1,1 @@
+"""Hugging Face <-> Megatron torch_dist checkpoint conversion (see `core.py`, docs/conversion.md)."""
