@@ -40,6 +40,11 @@ def llama_dir(tmp_path_factory, qwen_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory, llama_dir) -> Path:
+    return hf_to_mcore(llama_dir, tmp_path_factory.mktemp("conv") / "llama_mc", tp=2, pp=2)
+
+
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
@@ -57,9 +62,9 @@ def _logits(d: Path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["qwen", "llama"])
-def test_round_trip_tp2_pp2_bit_identical(family, qwen_dir, llama_dir, tmp_path):
+def test_round_trip_tp2_pp2_bit_identical(family, qwen_dir, llama_dir, tmp_path, request):
     src = qwen_dir if family == "qwen" else llama_dir
-    ckpt = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2)
+    ckpt = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2) if family == "qwen" else request.getfixturevalue("llama_ckpt")
     meta = json.loads((ckpt / "COMPLETE.json").read_text())
     assert (meta["tp"], meta["pp"], meta["model_only"]) == (2, 2, True)
     # Read back at TP=1, PP=1: torch_dist reshards, so this also checks the TP=2/PP=2 layout is global.
@@ -75,8 +80,8 @@ def test_round_trip_tp2_pp2_bit_identical(family, qwen_dir, llama_dir, tmp_path)
     assert (out / "tokenizer.json").is_file()
 
 
-def test_verify_compares_logits_and_catches_a_wrong_model(llama_dir, qwen_dir, tmp_path):
-    ckpt = hf_to_mcore(llama_dir, tmp_path / "mc", tp=2, pp=1)
+def test_verify_compares_logits_and_catches_a_wrong_model(llama_dir, llama_ckpt, tmp_path):
+    ckpt = llama_ckpt  # written at TP=2, PP=2; verify reads it at TP=2, PP=1
     assert verify(ckpt, llama_dir) < 1e-4
     # A different model on the HF side (same shapes, other weights) must fail the check.
     other = tmp_path / "other"

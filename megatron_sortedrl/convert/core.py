@@ -80,6 +80,10 @@ def _rank_main(job: str, rank: int, world: int, port: int, kw: dict, err_dir: st
     try:
         _init_rank(rank, world, port, kw["tp"], kw["pp"])
         globals()[f"_job_{job}"](rank, **kw)
+        import resource
+
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        _log(f"rank {rank}: peak RSS {peak_mb:.0f} MiB")
         import torch.distributed as dist
 
         dist.barrier()
