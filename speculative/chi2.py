@@ -26,7 +26,8 @@ def chi2_sf(stat: float, dof: int) -> float:
                                          torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
-def chi2_two_sample(a: Iterable[Hashable], b: Iterable[Hashable], min_expected: float = 5.0) -> tuple[float, int, float]:
+def chi2_two_sample(a: Iterable[Hashable], b: Iterable[Hashable],
+                    min_expected: float = 5.0) -> tuple[float, int, float]:
     """Returns (statistic, degrees of freedom, p-value) of the 2 x K contingency test."""
     ca, cb = Counter(a), Counter(b)
     na, nb = sum(ca.values()), sum(cb.values())

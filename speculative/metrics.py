@@ -109,7 +109,8 @@ def summarize(t: dict[str, float]) -> dict[str, float]:
         "spec/tokens": float(t["tokens"]),
         "spec/target_forwards": float(forwards),
         "spec/tokens_per_forward": t["tokens"] / forwards if forwards else 0.0,
-        "spec/acceptance_rate": t["accepted_tokens"] / t["verified_draft_tokens"] if t["verified_draft_tokens"] else 0.0,
+        "spec/acceptance_rate": (t["accepted_tokens"] / t["verified_draft_tokens"]
+                                 if t["verified_draft_tokens"] else 0.0),
         "spec/mean_accepted_length": t["accepted_tokens"] / t["drafts"] if t.get("drafts") else 0.0,
         "spec/draft_tokens": float(t["verified_draft_tokens"]),
         "spec/accepted_tokens": float(t["accepted_tokens"]),
