@@ -71,13 +71,13 @@ def test_two_node_bringup_runs_head_command(tmp_path):
 
 
 def test_missing_node_is_named(tmp_path):
-    # nodeC's srun fails at once (no such command), so only two of three nodes ever join.
+    # nodeC is down: its srun fails at once, so only two of three nodes ever join.
     env = _env(tmp_path, 2345 + os.getpid() % 500, SLURM_JOB_NODELIST="nodeA,nodeB,nodeC",
-               MSRL_SUBCOMMAND="ray-check", MSRL_JOIN_TIMEOUT="20")
+               MSRL_SUBCOMMAND="ray-check", MSRL_JOIN_TIMEOUT="90", FAKE_SLURM_DEAD_NODES="nodeC")
     out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode != 0
-    assert "only 2 of 3 nodes joined" in out.stderr and "nodeA, nodeB, nodeC" in out.stderr
+    assert "only 2 of 3 nodes joined" in out.stderr and "nodeC" in out.stderr.split("not joined:")[1]
 
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Slurm emulation needs bash and Linux")
