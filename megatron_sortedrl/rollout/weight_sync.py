@@ -55,11 +55,12 @@ def iter_source(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
         yield from source
 
 
-def iter_buckets(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+def iter_buckets(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
     """Groups (name, tensor) pairs into dicts of about `bucket_bytes` (a larger tensor gets its own bucket).
 
-    Tensors are detached, moved to host memory and made contiguous: the trainer may reuse its buffers once
-    the next pair is requested. A repeated name is an error (it would load twice, the last one winning).
+    Tensors are detached, moved to `device` (host memory by default; "cuda" for NCCL, which sends from
+    device memory) and made contiguous: the trainer may reuse its buffers once the next pair is requested. A repeated name is an error (it would load twice, the last one winning).
     """
     bucket: dict[str, torch.Tensor] = {}
     size, seen = 0, set()
@@ -67,7 +68,7 @@ def iter_buckets(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES)
         if name in seen:
             raise ValueError(f"weight {name!r} appears twice in the sync source")
         seen.add(name)
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to(device).contiguous()
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -160,7 +161,7 @@ class GpuWeightSync:
         t0 = time.monotonic()
         ray.get([a.transfer_start.remote() for a in self.actors])
         n_tensors = n_bytes = n_buckets = 0
-        for bucket in _iter_device_buckets(source, bucket_bytes):
+        for bucket in iter_buckets(source, bucket_bytes, device="cuda"):
             info: dict[str, Any] = {"names": list(bucket), "shapes": [list(t.shape) for t in bucket.values()],
                                     "dtype_names": [str(t.dtype).split(".")[-1] for t in bucket.values()]}
             if self.backend == "ipc":
@@ -182,19 +183,3 @@ class GpuWeightSync:
         ray.get([a.transfer_finish.remote(version) for a in self.actors])
         return SyncReport(version=version, num_tensors=n_tensors, bytes=n_bytes, num_buckets=n_buckets,
                           num_engines=len(self.actors), seconds=time.monotonic() - t0, transport=self.backend)
-
-
-def _iter_device_buckets(source: WeightSource, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Like `iter_buckets` but keeps tensors on the GPU (NCCL sends from device memory)."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in iter_source(source):
-        t = tensor.detach().to("cuda").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = t
-        size += nbytes
-    if bucket:
-        yield bucket
