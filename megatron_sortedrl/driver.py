@@ -227,12 +227,13 @@ class Driver:
 
         fill()
         while (harvest := self.policy.harvest(self.clock)) is None:
+            if not live and not len(queues):  # checked against the harvest decision just taken, not a stale one
+                raise RuntimeError(f"step {self.step}: the {self.policy.name} policy waits for samples that no "
+                                   f"engine or queue holds (round {rnd.index}, {rnd.kind}); this is a policy bug")
             for c in self.pool.poll(0.02):
                 on_completion(c)
             scored()
             fill()
-            if not live and not len(queues):
-                self._resubmit_stuck(rnd, queues)
         abort(harvest.abort)
         # Whatever finished while the abort was on its way still comes back once: hand it over too.
         while self.pool.in_flight:
@@ -245,22 +246,6 @@ class Driver:
             self.policy.on_sample_aborted(req.sample, self.clock)
         self._phase("rollout", "end")
         return harvest
-
-    def _resubmit_stuck(self, rnd, queues) -> None:
-        """The policy waits on samples nobody holds (seen with `twotier`'s final round after aborts): put its
-        unfinished samples of this round back on the queues, and say so, rather than hang."""
-        stuck = []
-        for key in rnd.prompts:
-            st = self.policy.live.get(key)
-            for s in st.samples if st else []:
-                if st.status[s.sample_id] != "finished":
-                    st.status[s.sample_id] = "running"
-                    stuck.append(s)
-        if not stuck:
-            raise RuntimeError("scheduler asked to keep generating with nothing in flight")
-        self.say(f"warning: step {self.step}: {len(stuck)} unfinished samples held by no engine; resubmitting "
-                 f"{[s.sample_id for s in stuck[:4]]}")
-        queues.add([_request_of(s, self.cfg.rollout.max_response_length) for s in stuck])
 
     def _score(self, s: Sample) -> None:
         s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
