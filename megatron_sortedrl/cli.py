@@ -16,6 +16,7 @@ from megatron_sortedrl.errors import UserError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_sortedrl.commands.config_cmd", "print the resolved config (or every key's help with --explain)"),
+    "report": ("megatron_sortedrl.commands.report", "render the RL run report (HTML, PNG): rewards, accuracy, step time, rollout bubbles"),
     "nvml-report": ("megatron_sortedrl.commands.nvml_report", "render the NVML utilization report (HTML, PNG, CSV) of a run dir or sample file"),
     "build-tiny-model": ("megatron_sortedrl.commands.build_tiny", "write the built-in tiny Qwen2 model as a Hugging Face directory"),
     "data": ("megatron_sortedrl.commands.data_cmd", "generate, load and summarise the prompts of a config"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import math
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -56,14 +57,14 @@ class Report:
     headline: dict[str, float] = field(default_factory=dict)  # whole-run figures shown first
 
 
-def _color(phase: str) -> str:
+def phase_color(phase: str) -> str:
     if phase in PHASE_COLORS:
         return PHASE_COLORS[phase]
     # crc32, not hash(): str hashes are salted per process and colours must match between reports.
     return plt.get_cmap("tab10")(zlib.crc32(phase.encode()) % 10)
 
 
-def _phase_order(names: Sequence[str]) -> list[str]:
+def phase_order(names: Sequence[str]) -> list[str]:
     known = [p for p in PHASES if p in names]
     return known + sorted(n for n in names if n not in PHASES and n not in ("none", "all")) + \
         [n for n in ("none", "all") if n in names]
@@ -72,7 +73,7 @@ def _phase_order(names: Sequence[str]) -> list[str]:
 def plot_heatmap(samples: Samples, events: Sequence[Event], path: Path) -> Path:
     keys, grid, t0, t1 = heatmap_grid(samples)
     spans = phase_intervals(events)
-    names = _phase_order(sorted({p for _, p, _, _ in spans}))
+    names = phase_order(sorted({p for _, p, _, _ in spans}))
     single = len({k[0] for k in keys}) <= 1
     band_rows = max(1, len(names))
     height = 1.2 + 0.28 * band_rows + max(1.6, 0.32 * len(keys))
@@ -82,7 +83,7 @@ def plot_heatmap(samples: Samples, events: Sequence[Event], path: Path) -> Path:
     for row, name in enumerate(names):
         for _, p, a, b in spans:
             if p == name:
-                ax_p.broken_barh([(a, b - a)], (row + 0.1, 0.8), color=_color(name))
+                ax_p.broken_barh([(a, b - a)], (row + 0.1, 0.8), color=phase_color(name))
     ax_p.set_yticks([i + 0.5 for i in range(len(names))], names, fontsize=8)
     ax_p.set_ylim(len(names) or 1, 0)
     ax_p.set_title("GPU utilization (NVML, % of time a kernel ran) with training phases", fontsize=10)
@@ -106,7 +107,7 @@ def plot_heatmap(samples: Samples, events: Sequence[Event], path: Path) -> Path:
 def plot_idle_by_phase(summary: Sequence[PhaseUtil], path: Path) -> Path:
     keys = sorted({(r.host, r.gpu) for r in summary})
     single = len({k[0] for k in keys}) <= 1
-    phases = _phase_order(sorted({r.phase for r in summary}))
+    phases = phase_order(sorted({r.phase for r in summary}))
     matrix = np.full((len(keys), len(phases)), np.nan)
     for r in summary:
         matrix[keys.index((r.host, r.gpu)), phases.index(r.phase)] = r.idle_fraction
@@ -128,18 +129,30 @@ def plot_idle_by_phase(summary: Sequence[PhaseUtil], path: Path) -> Path:
     return path
 
 
-def plot_bubbles(bubbles: dict[int, dict[str, float]], path: Path) -> Path:
+def step_figure(n_steps: int, max_width: float | None = None):
+    """A figure for one bar per step: 0.35 in per step (at least 5 in), at most `max_width` inches."""
+    width = max(5, 0.35 * n_steps + 2)
+    return plt.subplots(figsize=(min(width, max_width) if max_width else width, 3))
+
+
+def set_step_ticks(ax, steps: Sequence[int]) -> None:
+    """One x tick per bar, labelled with the step; thinned to about 3 labels per inch on a capped figure."""
+    every = max(1, math.ceil(len(steps) / (3 * ax.figure.get_figwidth())))
+    ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=8)
+
+
+def plot_bubbles(bubbles: dict[int, dict[str, float]], path: Path, max_width: float | None = None) -> Path:
     steps = sorted(bubbles)
     x = np.arange(len(steps))
     has_slot = any("slot_bubble" in bubbles[s] for s in steps)
     width = 0.4 if has_slot else 0.7
-    fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(steps) + 2), 3))
+    fig, ax = step_figure(len(steps), max_width)
     ax.bar(x - (width / 2 if has_slot else 0), [bubbles[s]["worker_bubble"] for s in steps], width,
            label="worker bubble", color="#4C72B0")
     if has_slot:
         ax.bar(x + width / 2, [bubbles[s].get("slot_bubble", np.nan) for s in steps], width,
                label="slot bubble", color="#DD8452")
-    ax.set_xticks(x, [str(s) for s in steps], fontsize=8)
+    set_step_ticks(ax, steps)
     ax.set_xlabel("training step")
     ax.set_ylabel("bubble ratio")
     # A slot bubble below zero means queued requests exceeded the slots (oversubscribed), so allow it.
@@ -160,20 +173,20 @@ def step_columns(steps: dict[int, dict[str, float]], ratios: bool = True) -> lis
     """Columns of the steps table in reading order: phases, idle, then (if `ratios`) bubble ratios.
     The breakdown figure stacks only seconds, so it asks for `ratios=False`."""
     keys = {k for row in steps.values() for k in row}
-    cols = _phase_order(sorted(keys - {"idle", *RATIOS})) + ["idle"]
+    cols = phase_order(sorted(keys - {"idle", *RATIOS})) + ["idle"]
     return cols + [c for c in RATIOS if c in keys] if ratios else cols
 
 
-def plot_breakdown(breakdown: dict[int, dict[str, float]], path: Path) -> Path:
+def plot_breakdown(breakdown: dict[int, dict[str, float]], path: Path, max_width: float | None = None) -> Path:
     steps = sorted(breakdown)
     phases = step_columns(breakdown, ratios=False)
-    fig, ax = plt.subplots(figsize=(max(5, 0.35 * len(steps) + 2), 3))
+    fig, ax = step_figure(len(steps), max_width)
     bottom = np.zeros(len(steps))
     for p in phases:
         vals = np.array([breakdown[s].get(p, 0.0) for s in steps])
-        ax.bar(range(len(steps)), vals, bottom=bottom, label=p, color=_color(p))
+        ax.bar(range(len(steps)), vals, bottom=bottom, label=p, color=phase_color(p))
         bottom += vals
-    ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=8)
+    set_step_ticks(ax, steps)
     ax.set_xlabel("training step")
     ax.set_ylabel("seconds")
     ax.set_title("Step time breakdown", fontsize=10)
@@ -274,20 +287,26 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(out)
 
 
-def _img(path: Path) -> str:
+def img_tag(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
     return f'<img alt="{path.stem}" src="data:image/png;base64,{data}">'
 
 
+def page_start(title: str) -> str:
+    """Doctype, the shared style sheet and the title heading of a report page."""
+    e = html.escape
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>"
+            "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
+            "table{border-collapse:collapse;font-size:12px;margin:0.5em 0}"
+            "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+            "th{background:#f3f3f3}img{max-width:100%}figcaption{font-size:13px;color:#555}"
+            ".note{background:#fff7e0;padding:0.5em}</style></head><body>\n"
+            f"<h1>{e(title)}</h1>")
+
+
 def _html(report: Report, samples: Samples, title: str, source: str) -> str:
     e = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>"
-             "body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}"
-             "table{border-collapse:collapse;font-size:12px;margin:0.5em 0}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-             "th{background:#f3f3f3}img{max-width:100%}figcaption{font-size:13px;color:#555}"
-             ".note{background:#fff7e0;padding:0.5em}</style></head><body>",
-             f"<h1>{e(title)}</h1>"]
+    parts = [page_start(title)]
     if source:
         parts.append(f"<p>Source: <code>{e(source)}</code></p>")
     for note in report.notes:
@@ -306,7 +325,7 @@ def _html(report: Report, samples: Samples, title: str, source: str) -> str:
         parts.append("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
     for name in ("utilization", "idle", "bubbles", "breakdown"):
         if name in report.figures:
-            parts.append(f"<figure>{_img(report.figures[name])}<figcaption>{e(_CAPTIONS[name])}</figcaption></figure>")
+            parts.append(f"<figure>{img_tag(report.figures[name])}<figcaption>{e(_CAPTIONS[name])}</figcaption></figure>")
     if report.summary:
         single = len({r.host for r in report.summary}) <= 1
         rows = "".join(f"<tr><td>{e(gpu_label((r.host, r.gpu), single))}</td><td>{e(r.phase)}</td><td>{r.seconds:.1f}</td>"
