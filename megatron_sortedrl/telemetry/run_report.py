@@ -98,9 +98,9 @@ def _read_metrics_tolerant(run: RunData) -> list[dict[str, Any]]:
         return read_metrics(run.run_dir)
     except ValueError:  # a run killed mid-write can leave a cut-off last line; keep every whole one
         rows, bad = [], 0
-        for line in path.read_text().splitlines():
+        for line in filter(str.strip, path.read_text().splitlines()):
             try:
-                rows.append(json.loads(line)) if line.strip() else None
+                rows.append(json.loads(line))
             except ValueError:
                 bad += 1
         run.notes.append(f"{METRICS_FILE}: skipped {bad} malformed line(s).")
