@@ -97,6 +97,10 @@ class DataConfig:
     reward_fn: str = _help(
         "Dotted path of `def reward(sample, ground_truth) -> float`; empty picks the task's default.", ""
     )
+    reward_timeout_s: float = _help(
+        "Seconds one reward call may take; a call that takes longer scores 0, is counted and logged.", 10.0)
+    reward_workers: int = _help("Processes scoring samples while rollout goes on.", 1)
+    num_epochs: int = _help("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
 
     def __post_init__(self) -> None:
         if self.task not in ("arithmetic", "knights_knaves", "file"):
@@ -113,6 +117,12 @@ class DataConfig:
             raise ConfigError(
                 "data.min_difficulty", (self.min_difficulty, self.max_difficulty), "2..7 people for knights_knaves"
             )
+        if self.reward_timeout_s <= 0:
+            raise ConfigError("data.reward_timeout_s", self.reward_timeout_s, "a positive number of seconds")
+        if self.reward_workers < 1:
+            raise ConfigError("data.reward_workers", self.reward_workers, "an integer >= 1")
+        if self.num_epochs < 0:
+            raise ConfigError("data.num_epochs", self.num_epochs, "an integer >= 0 (0: no limit)")
         if self.reward_fn and not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self.reward_fn):
             raise ConfigError("data.reward_fn", self.reward_fn, "a dotted path such as my_pkg.rewards.score")
 
@@ -221,13 +231,17 @@ class CheckpointConfig:
     dir: str = _help("Checkpoint directory; empty means <logging.run_dir>/checkpoints.", "")
     save_interval: int = _help("Save every this many steps (0: only at the end).", 10)
     keep_last: int = _help("Checkpoints kept; older ones are deleted after a newer one is complete.", 2)
-    resume: str = _help("auto: newest complete checkpoint if any; never; or a checkpoint path.", "auto")
+    resume: str = _help(
+        "auto: continue from the newest complete checkpoint of this run if there is one; required: the same, "
+        "but fail when there is none; never: start over; or a checkpoint or run directory to continue from.", "auto")
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:
             raise ConfigError("checkpoint.save_interval", self.save_interval, "an integer >= 0")
         if self.keep_last < 1:
             raise ConfigError("checkpoint.keep_last", self.keep_last, "an integer >= 1")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume", self.resume, "auto, required, never, or a checkpoint/run directory")
 
 
 @dataclass

@@ -18,12 +18,19 @@ Before RL, `warm_start()` runs a short supervised phase on the task's worked sol
 model solves some problems and RL has a signal. Policies decide, the driver executes: everything here is
 plumbing between `scheduler.protocol.SchedulingPolicy` and the engines.
 
-Outputs in `logging.run_dir`: `metrics.jsonl` (+ TensorBoard), `timeline.jsonl` (phases, requests),
-`reward_failures.jsonl` (sample id and error of every reward call that raised or timed out), `summary.json`.
+Outputs in `logging.run_dir`: `config.yaml` (the resolved config), `metrics.jsonl` (+ TensorBoard),
+`timeline.jsonl` (phases, requests), `reward_failures.jsonl` (sample id and error of every reward call that
+raised or timed out), `checkpoints/iter_<step>/`, `summary.json` and `report/report.html`.
 
-Left out in this version: resume from a checkpoint (checkpoints are written, with the scheduler and
-HistoSpec state in them, but `train` does not read them back yet), the HTML run report, asynchronous
-(overlapping) rollout and training, and the policy-comparison benchmark.
+Checkpoint and resume: every `checkpoint.save_interval` steps, at the end, and when SIGTERM or SIGUSR1
+arrives (Slurm's pre-timeout signal; the step in progress finishes first), the trainer writes an atomic
+checkpoint whose `extra` holds everything else a run needs to continue exactly: step and policy version,
+the scheduler's state (length history, long-tail queue, cached partial rollouts, data cursor), the HistoSpec
+history, Python's RNG, the run clock and the reward failure counts. A new `train` with the same run
+directory resumes from the newest complete one (`checkpoint.resume=auto`): the metrics, timeline and
+TensorBoard records of steps after it are dropped (they will be run again), so every step appears once.
+
+Left out: asynchronous (overlapping) rollout and training.
 """
 
 from __future__ import annotations
@@ -31,12 +38,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import signal
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from megatron_sortedrl.metrics import MetricsWriter
+from megatron_sortedrl.errors import CheckpointError
+from megatron_sortedrl.metrics import METRICS_FILE, MetricsWriter
 from megatron_sortedrl.reward_pool import RewardPool
 from megatron_sortedrl.sample import Prompt, Sample
 from megatron_sortedrl.telemetry.timeline import RunClock, TimelineWriter, worker_bubble_ratio
@@ -50,20 +62,45 @@ class StepResult:
 
 
 class Driver:
-    def __init__(self, cfg, printer: Callable[[str], None] = print, reward_fn: Any = None,
-                 reward_timeout_s: float = 10.0) -> None:
+    def __init__(self, cfg, printer: Callable[[str], None] = print, reward_fn: Any = None) -> None:
         self.cfg, self.say = cfg, printer
         self.run_dir = Path(cfg.logging.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.clock = RunClock()
-        self.timeline = TimelineWriter(self.run_dir / "timeline.jsonl", self.clock)
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard)
-        self.events: list = []  # this run's timeline events, for per-step bubble ratios
+        self.ckpt_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.step, self.version = 0, 0
-        self._reward_fn, self._reward_timeout = reward_fn, reward_timeout_s
+        self.events: list = []  # the current step's timeline events, for its bubble ratio
+        self.stop_signal: str | None = None  # set by SIGTERM/SIGUSR1: checkpoint after this step and stop
+        self.accuracy_before: float | None = None
+        self._reward_fn = reward_fn
+        self._saved_step = -1
+        self.resume_from = self._resume_point()
         self._setup()
+        self._resumed = self._load_resume_state() if self.resume_from else {}
+        self._open_records()
 
     # ------------------------------------------------------------------------------------------ set-up
+
+    def _resume_point(self) -> Path | None:
+        """The checkpoint to continue from, per `checkpoint.resume` (see its help)."""
+        from megatron_sortedrl.trainer.checkpoint import find_latest_checkpoint, is_complete
+
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            return None
+        if mode in ("auto", "required"):
+            latest = find_latest_checkpoint(self.ckpt_root)
+            if latest is None and mode == "required":
+                raise CheckpointError(f"checkpoint.resume=required but {self.ckpt_root} holds no complete checkpoint; "
+                                      "use checkpoint.resume=auto to start a new run there")
+            return latest
+        given = Path(mode)
+        if is_complete(given):
+            return given
+        latest = find_latest_checkpoint(given) or find_latest_checkpoint(given / "checkpoints")
+        if latest is None:
+            raise CheckpointError(f"checkpoint.resume={mode}: no complete checkpoint there (a checkpoint directory "
+                                  "holds COMPLETE.json; a run directory holds checkpoints/iter_*)")
+        return latest
 
     def _setup(self) -> None:
         import ray
@@ -100,18 +137,62 @@ class Driver:
         self.trainer = TrainerGroup(cfg)
         self.say("starting rollout pool ...")
         self.pool = RolloutPool(PoolOptions.from_config(cfg))
-        self.rewards = RewardPool(self._reward_fn or reward_path(cfg.data), num_workers=1,
-                                  timeout_s=self._reward_timeout)
+        self.rewards = RewardPool(self._reward_fn or reward_path(cfg.data), num_workers=cfg.data.reward_workers,
+                                  timeout_s=cfg.data.reward_timeout_s)
         gpus = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
         planner = make_planner("fixed", gpus=gpus, gpus_per_node=gpus, tp_short=cfg.rollout.tensor_parallel_size,
                                tp_long=cfg.rollout.long_round_tensor_parallel_size)
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
-                                  seed=cfg.seed, sample_factory=self._new_sample)
+                                  seed=cfg.seed, sample_factory=self._new_sample,
+                                  num_epochs=cfg.data.num_epochs or None)
         self.history = HistoryStore()
         self._shipped = 0
-        self._reward_fail_log = open(self.run_dir / "reward_failures.jsonl", "a", buffering=1, encoding="utf-8")
         self._failures_seen = 0
+
+    def _load_resume_state(self) -> dict[str, Any]:
+        """Loads model and optimizer into the trainer and restores the driver's state from `extra`."""
+        assert self.resume_from is not None
+        extra = self.trainer.load_checkpoint(self.resume_from)
+        if "scheduler" not in extra:
+            raise CheckpointError(f"{self.resume_from} is a model checkpoint without RL run state (no scheduler "
+                                  "state in it); start from it with model.path, or use checkpoint.resume=never")
+        self.step, self.version = int(extra["step"]), int(extra["version"])
+        self._saved_step = self.step
+        self.policy.load_state_dict(extra["scheduler"])
+        self.history.load_state_dict(extra["histospec"])
+        random.setstate(extra["rng"])
+        self.rewards.stats.update(extra.get("reward_stats", {}))
+        self.accuracy_before = extra.get("accuracy_before_rl")
+        self.say(f"resuming from {self.resume_from}: step {self.step}, policy version {self.version}")
+        return extra
+
+    def _open_records(self) -> None:
+        """Opens metrics, timeline and failure logs. A resumed run drops the records of steps after its checkpoint
+        (they run again); a new run starts them empty."""
+        resumed = bool(self._resumed)
+        for name in (METRICS_FILE, "timeline.jsonl", "reward_failures.jsonl"):
+            path = self.run_dir / name
+            if not resumed:
+                path.unlink(missing_ok=True)
+            elif path.exists():
+                _keep_rows(path, lambda row: int(row.get("step", 0)) <= self.step)
+        if not resumed:
+            shutil.rmtree(self.run_dir / "tensorboard", ignore_errors=True)
+            (self.run_dir / "summary.json").unlink(missing_ok=True)
+        self.clock = RunClock(self._resumed.get("clock_epoch"))
+        self.timeline = TimelineWriter(self.run_dir / "timeline.jsonl", self.clock)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.logging.tensorboard,
+                                     purge_step=self.step + 1 if resumed else None)
+        self._reward_fail_log = open(self.run_dir / "reward_failures.jsonl", "a", buffering=1, encoding="utf-8")
+        from megatron_sortedrl.config import to_yaml
+
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        self.nvml = None
+        if self.cfg.logging.nvml_sample_hz > 0 and _cluster_gpus() > 0:
+            from megatron_sortedrl.telemetry.nodes import NodeSamplers
+
+            self.nvml = NodeSamplers.start(self.run_dir, self.clock.epoch, 1.0 / self.cfg.logging.nvml_sample_hz)
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         if prompt.prompt_id not in self._ptok:
@@ -145,6 +226,12 @@ class Driver:
         if steps:
             self.pool.sync_weights(self._weights(), version=0)
         return out
+
+    def restore_engines(self) -> None:
+        """After a resume: the engines get the checkpoint's weights and version, the drafters its whole history."""
+        self.pool.sync_weights(self._weights(), version=self.version)
+        self._shipped = 0
+        self._ship_history()
 
     def _weights(self):
         # The pool iterates (name, tensor) pairs; the trainer's in-memory export is a dict.
@@ -272,14 +359,18 @@ class Driver:
             self.history.record(s.prompt_tokens, [s.response_tokens], epoch=s.epoch)
         if not self.cfg.speculative.enabled:
             return {}
-        delta = self.history.updates_since(self._shipped)
-        self.pool.collective_rpc("histospec_update", delta.to_bytes())
-        self._shipped = delta.version
+        self._ship_history()
         out: dict[str, float] = {"spec/history_prompts": float(len(self.history.keys()))}
         stats = [r for per in self.pool.collective_rpc("histospec_stats") for r in per if r.get("active")]
         if stats:
             out.update({k: float(v) for k, v in stats[0]["summary"].items()})
         return out
+
+    def _ship_history(self) -> None:
+        if self.cfg.speculative.enabled:
+            delta = self.history.updates_since(self._shipped)
+            self.pool.collective_rpc("histospec_update", delta.to_bytes())
+            self._shipped = delta.version
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (mean reward)."""
@@ -305,11 +396,18 @@ class Driver:
         return {"eval/accuracy": acc, "eval/response_len": sum(s.response_length for s in scored) / max(1, len(scored))}
 
     def checkpoint(self) -> str:
+        """Atomic checkpoint of everything `_load_resume_state` restores; keeps the newest `keep_last`."""
+        from megatron_sortedrl.trainer.checkpoint import is_complete
+
         self._phase("checkpoint", "start")
-        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
-        path = self.trainer.save_checkpoint(root / f"iter_{self.step:07d}", extra={
+        path = self.trainer.save_checkpoint(self.ckpt_root / f"iter_{self.step:07d}", extra={
             "step": self.step, "version": self.version, "scheduler": self.policy.state_dict(),
-            "histospec": self.history.state_dict(), "rng": random.getstate()})
+            "histospec": self.history.state_dict(), "rng": random.getstate(), "clock_epoch": self.clock.epoch,
+            "reward_stats": dict(self.rewards.stats), "accuracy_before_rl": self.accuracy_before})
+        self._saved_step = self.step
+        done = sorted((d for d in self.ckpt_root.glob("iter_*") if is_complete(d)), key=lambda d: d.name)
+        for old in done[: -self.cfg.checkpoint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
         self._phase("checkpoint", "end")
         return path
 
@@ -321,13 +419,15 @@ class Driver:
             self._reward_fail_log.write(json.dumps({"step": self.step, "sample_id": sid, "error": err}) + "\n")
         self._failures_seen = len(self.rewards.failures)
         stale = harvest_stats.get("staleness", [])
+        hist = {str(k): v for k, v in sorted(Counter(stale).items())}
         row = {"reward/mean": sum(rewards) / max(1, len(rewards)),
                "reward/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
                "reward/errors_total": self.rewards.stats["errors"], "reward/timeouts_total": self.rewards.stats["timeouts"],
                "reward/per_sample": {s.sample_id: s.reward for s in batch},
                "rollout/samples": len(batch), "rollout/response_len": tokens / max(1, len(batch)),
                "rollout/tokens_per_s": tokens / max(step_s, 1e-9), "rollout/bubble_ratio": self._bubble(),
-               "rollout/staleness_mean": sum(stale) / max(1, len(stale)), "policy/version": self.version,
+               "rollout/staleness_mean": sum(stale) / max(1, len(stale)), "rollout/staleness_hist": hist,
+               "policy/version": self.version,
                "time/step_s": step_s}
         for part in parts:
             row.update(part)
@@ -351,6 +451,7 @@ class Driver:
 
     def rl_step(self) -> StepResult | None:
         t0 = time.monotonic()
+        self.events = []  # the bubble ratio of a step needs only that step's events
         rnd = self.compose_round()
         if rnd is None:
             return None
@@ -365,39 +466,104 @@ class Driver:
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:
         cfg = self.cfg
         t_start = time.monotonic()
-        self.warm_start()
-        before = self.evaluate()["eval/accuracy"]
-        self.say(f"accuracy after warm-up (before RL): {before:.3f}")
-        self.metrics.log(0, {"eval/accuracy": before})
-        while self.step < cfg.trainer.total_steps:
-            self.step += 1
-            result = self.rl_step()
-            if result is None:
-                self.say("data exhausted")
-                break
-            if on_step:
-                on_step(result)
-            if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 and self.step < cfg.trainer.total_steps:
-                ev = self.evaluate()
-                self.metrics.log(self.step, ev)
-                self.say(f"step {self.step}: eval accuracy {ev['eval/accuracy']:.3f}")
-            if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
-                self.checkpoint()
-        after = self.evaluate()["eval/accuracy"]
-        self.metrics.log(self.step, {"eval/accuracy": after})
-        summary = {"steps": self.step, "policy_version": self.version, "accuracy_before_rl": before,
-                   "accuracy_after_rl": after, "wall_s": time.monotonic() - t_start,
-                   "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"]}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.say(f"done: {self.step} RL steps in {summary['wall_s']:.0f}s; eval accuracy "
-                 f"{before:.3f} -> {after:.3f}; run dir {self.run_dir}")
+        start_step = self.step
+        restore = self._catch_stop_signals()
+        try:
+            if self._resumed:
+                self.restore_engines()
+            else:
+                self.warm_start()
+                self.accuracy_before = self.evaluate()["eval/accuracy"]
+                self.say(f"accuracy after warm-up (before RL): {self.accuracy_before:.3f}")
+                self.metrics.log(0, {"eval/accuracy": self.accuracy_before})
+            exhausted = False
+            while self.step < cfg.trainer.total_steps and not self.stop_signal:
+                self.step += 1
+                result = self.rl_step()
+                if result is None:
+                    self.step -= 1
+                    exhausted = True
+                    self.say("data exhausted: every prompt of data.num_epochs has been trained")
+                    break
+                if on_step:
+                    on_step(result)
+                last = self.step == cfg.trainer.total_steps
+                if cfg.trainer.eval_interval and self.step % cfg.trainer.eval_interval == 0 and not last:
+                    ev = self.evaluate()
+                    self.metrics.log(self.step, ev)
+                    self.say(f"step {self.step}: eval accuracy {ev['eval/accuracy']:.3f}")
+                if cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
+                    self.checkpoint()
+            if self.stop_signal:
+                if self._saved_step != self.step:
+                    self.checkpoint()
+                self.say(f"{self.stop_signal}: stopped after step {self.step} with a checkpoint in {self.ckpt_root}; "
+                         "run the same command again to resume")
+                summary = self._summary(t_start, start_step, None, interrupted=self.stop_signal)
+            else:
+                after = self.evaluate()["eval/accuracy"]
+                self.metrics.log(self.step, {"eval/accuracy": after})
+                if self._saved_step != self.step:
+                    self.checkpoint()
+                summary = self._summary(t_start, start_step, after, data_exhausted=exhausted)
+                before = self.accuracy_before if self.accuracy_before is not None else float("nan")
+                self.say(f"done: {self.step} RL steps ({self.step - start_step} in this run, "
+                         f"{summary['wall_s']:.0f}s); eval accuracy {before:.3f} -> {after:.3f}; run dir {self.run_dir}")
+        finally:
+            restore()
+        self.write_report()
         return summary
+
+    def _summary(self, t_start: float, start_step: int, after: float | None, **extra: Any) -> dict[str, Any]:
+        summary = {"steps": self.step, "steps_this_run": self.step - start_step, "policy_version": self.version,
+                   "accuracy_before_rl": self.accuracy_before, "accuracy_after_rl": after,
+                   "wall_s": time.monotonic() - t_start, "resumed_from": str(self.resume_from or ""),
+                   "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"],
+                   **extra}
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, self.run_dir / "summary.json")
+        return summary
+
+    def write_report(self) -> Path | None:
+        """The HTML run report; a failure to render it is reported and never fails the run."""
+        try:
+            from megatron_sortedrl.telemetry.run_report import write_run_report
+
+            self.timeline.flush()
+            path = write_run_report(self.run_dir)
+            self.say(f"run report: {path}")
+            return path
+        except Exception as exc:
+            self.say(f"warning: the run report was not written ({type(exc).__name__}: {exc}); "
+                     f"retry with: python -m megatron_sortedrl report {self.run_dir}")
+            return None
+
+    def _catch_stop_signals(self) -> Callable[[], None]:
+        """SIGTERM and SIGUSR1 ask for a checkpoint after the current step; returns the undo."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, _frame: Any) -> None:
+            self.stop_signal = signal.Signals(signum).name
+            self.say(f"{self.stop_signal} received: finishing step {self.step}, then checkpointing")
+
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+        def restore() -> None:
+            for sig, previous in old.items():
+                signal.signal(sig, previous)
+
+        return restore
 
     def close(self) -> None:
         import ray
 
-        for closer in (self.rewards.close, self.pool.shutdown, self.trainer.shutdown, self.timeline.close,
-                       self.metrics.close, self._reward_fail_log.close):
+        closers = [self.rewards.close, self.pool.shutdown, self.trainer.shutdown, self.timeline.close,
+                   self.metrics.close, self._reward_fail_log.close]
+        if self.nvml is not None:
+            closers.insert(0, self.nvml.stop)
+        for closer in closers:
             try:
                 closer()
             except Exception as exc:  # keep closing the rest; a half-closed run must not leak processes
@@ -411,3 +577,24 @@ def _request_of(s: Sample, max_len: int):
 
     return Request(sample=s, worker=0, predicted_length=s.predicted_length,
                    max_tokens=max_len - s.response_length)
+
+
+def _keep_rows(path: Path, keep: Callable[[dict], bool]) -> None:
+    """Rewrites a JSON-lines file with the rows `keep` accepts (atomically; a torn last line is dropped)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the line a killed process was writing
+            continue
+        if keep(row):
+            rows.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _cluster_gpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0

@@ -24,7 +24,9 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
+        """`purge_step`: a resumed run's first step; TensorBoard hides the events at and after it that the
+        interrupted run wrote (the jsonl file is trimmed by the caller)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.dir / METRICS_FILE, "a", buffering=1, encoding="utf-8")
@@ -34,7 +36,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=purge_step)
             except Exception as exc:  # optional sink: the jsonl file is the record
                 print(f"note: TensorBoard events not written ({type(exc).__name__}: {exc})")
 

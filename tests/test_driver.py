@@ -3,20 +3,15 @@
 trained sample has a recorded reward, a reward function that raises on some samples does not stop the run
 and is counted, the HistoSpec history fills, and the policy version increases by one per step.
 
-    python -m pytest tests/test_driver.py -q -m slow        # a few minutes on 2 cores
+    python -m pytest tests/test_driver.py -q        # about a minute on 2 cores
 """
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.metrics import read_metrics
-
-pytestmark = pytest.mark.slow
-
 
 def sometimes_raises(sample, ground_truth):
     """The arithmetic reward, except that response index 1 of every prompt raises."""

@@ -1,0 +1,143 @@
+"""Checkpoint and resume of the RL run, through the `train` command as a user (or Slurm) runs it.
+
+One run over a single epoch of prompts is stopped twice: first by SIGUSR1 (Slurm's pre-timeout signal: the
+run must checkpoint and exit 0), then by SIGKILL of its whole process group mid-step (a node failure: only
+the periodic checkpoints survive). Resumed to the end, the run must have trained every prompt of the epoch
+exactly once with all its responses (which is what an uninterrupted run over one epoch trains, whatever the
+completion order), every step must appear once in the metrics, and policy versions must continue.
+
+    python -m pytest tests/test_driver_resume.py -q        # about 3 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from megatron_sortedrl.config import load_config
+from megatron_sortedrl.data import load_prompts
+
+N_PROMPTS, N_SAMPLES = 16, 4
+
+
+def _overrides(model_dir: Path, run_dir: Path) -> list[str]:
+    return [f"model.path={model_dir}", f"logging.run_dir={run_dir}", "trainer.total_steps=1000",
+            f"data.num_train_prompts={N_PROMPTS}", "data.num_epochs=1", "data.num_eval_prompts=4",
+            "trainer.warmup_sft_steps=5", "trainer.eval_interval=0", "checkpoint.save_interval=1",
+            "rollout.max_response_length=48", "logging.tensorboard=false", "scheduler.rollout_batch_size=4",
+            "scheduler.update_batch_size=8", "scheduler.group_size=8", f"rollout.n_samples_per_prompt={N_SAMPLES}"]
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    # A session of its own, so that SIGKILL can take the driver with its Ray processes, as a node failure does.
+    return subprocess.Popen([sys.executable, "-m", "megatron_sortedrl", "train", "configs/tiny_cpu.yaml", *args],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _step_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "reward/mean" in row:
+            rows.append(row)
+    return rows
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        rows = _step_rows(run_dir)
+        if rows and rows[-1]["step"] >= step:
+            return
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step} within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(60)
+
+
+def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = _overrides(tiny_model_dir, run_dir)
+    train_ids = {p.prompt_id for p in load_prompts(load_config("configs/tiny_cpu.yaml", args).data, "train")}
+    assert len(train_ids) == N_PROMPTS
+
+    # 1. SIGUSR1: finish the step, checkpoint, exit 0.
+    proc = _start(args, tmp_path / "log1.txt")
+    try:
+        _wait_for_step(proc, run_dir, 1, tmp_path / "log1.txt")
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert proc.wait(180) == 0, (tmp_path / "log1.txt").read_text()[-3000:]
+    finally:
+        _kill_group(proc)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped_at = summary["steps"]
+    assert summary["interrupted"] == "SIGUSR1" and stopped_at >= 1
+    assert (run_dir / "checkpoints" / f"iter_{stopped_at:07d}" / "COMPLETE.json").is_file()
+
+    # 2. Resume, then SIGKILL the whole process group at least one step later.
+    proc = _start(args, tmp_path / "log2.txt")
+    try:
+        _wait_for_step(proc, run_dir, stopped_at + 1, tmp_path / "log2.txt")
+        time.sleep(0.5)  # land somewhere inside the next step
+    finally:
+        _kill_group(proc)
+    log2 = (tmp_path / "log2.txt").read_text()
+    assert f"resuming from {run_dir / 'checkpoints'}" in log2 and f"step {stopped_at}," in log2
+    killed_after = _step_rows(run_dir)[-1]["step"]
+
+    # 3. Resume to the end of the epoch.
+    proc = _start(args, tmp_path / "log3.txt")
+    try:
+        assert proc.wait(600) == 0, (tmp_path / "log3.txt").read_text()[-3000:]
+    finally:
+        _kill_group(proc)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["data_exhausted"] and summary["resumed_from"]
+
+    rows = _step_rows(run_dir)
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, len(steps) + 1)), f"steps missing or repeated: {steps}"
+    assert [r["policy/version"] for r in rows] == steps
+    assert len(steps) > killed_after >= stopped_at + 1
+    sample_ids = [sid for r in rows for sid in r["reward/per_sample"]]
+    assert len(sample_ids) == len(set(sample_ids)), "a sample was trained twice"
+    per_prompt = Counter(sid.split("/e")[0] for sid in sample_ids)
+    assert set(per_prompt) == train_ids, f"lost prompts: {sorted(train_ids - set(per_prompt))}"
+    assert set(per_prompt.values()) == {N_SAMPLES}
+    assert summary["steps"] == len(steps) and (run_dir / "report" / "report.html").is_file()
+
+
+def test_resume_required_without_checkpoint_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_sortedrl", "train", "configs/tiny_cpu.yaml", "resume=true",
+                           f"logging.run_dir={tmp_path / 'empty'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "no complete checkpoint" in lines[0] and "checkpoint.resume=auto" in lines[0]
+
+
+@pytest.mark.parametrize("value", ["maybe"])
+def test_resume_flag_rejects_other_values(tmp_path, value):
+    proc = subprocess.run([sys.executable, "-m", "megatron_sortedrl", "train", "configs/tiny_cpu.yaml", f"resume={value}",
+                           f"logging.run_dir={tmp_path / 'x'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "true or false" in proc.stderr and "Traceback" not in proc.stderr
