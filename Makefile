@@ -6,8 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny_cpu.yaml
 PYTEST_ARGS ?= -m "not gpu and not slow"
-# The main job; `train` (the RL driver) replaces `smoke` once it exists.
-RUN_COMMAND ?= smoke
+# The main job: the RL run of the built-in default (`smoke` only generates and scores a few prompts).
+RUN_COMMAND ?= train
 
 .PHONY: setup run test test-all clean
 
