@@ -7,6 +7,8 @@
 - `nodes`: one sampler per GPU node of a Ray cluster, started by the driver.
 - `utilization`: samples joined with phases (idle fraction per GPU and phase).
 - `report`: the HTML utilization report (`python -m megatron_sortedrl nvml-report <run_dir>`).
+- `run_report`: the RL run report: rewards, accuracy, step time, rollout Gantt with the bubble, draft
+  acceptance, staleness (`python -m megatron_sortedrl report <run_dir>`; the driver writes it at the end).
 - `record`: standalone sampling around any command (`python tools/nvml_record.py -- <command>`).
 - `demo`: a synthetic run directory for trying the report without a GPU.
 
