@@ -86,6 +86,7 @@ msrl_launch() {
     RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$MSRL_PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}
     export RAY_AUTH_TOKEN
     MSRL_RAY_PIDS=()
+    MSRL_REQUEUE=0  # before the traps: a USR1 that arrives during bring-up must not be forgotten
     trap msrl_cleanup EXIT INT TERM
     trap msrl_forward_signal USR1
 
@@ -105,7 +106,10 @@ msrl_launch() {
         --timeout "$MSRL_JOIN_TIMEOUT" --node-names "${MSRL_NODES[@]}" || exit 2
 
     local status=0
-    MSRL_REQUEUE=0
+    if [[ "$MSRL_REQUEUE" == 1 ]]; then  # the time limit is near before the run even started
+        scontrol requeue "$SLURM_JOB_ID" || echo "ray_on_slurm: requeue failed; resubmit the script to resume" >&2
+        return 0
+    fi
     "$MSRL_PYTHON" -m megatron_sortedrl "$MSRL_SUBCOMMAND" "$config" "cluster.ray_address=$address" \
         "cluster.num_nodes=${#MSRL_NODES[@]}" "$@" &
     MSRL_DRIVER_PID=$!

@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import step_rows
 
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.data import load_prompts
@@ -42,25 +43,10 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _step_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if "reward/mean" in row:
-            rows.append(row)
-    return rows
-
-
 def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 300) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        rows = _step_rows(run_dir)
+        rows = step_rows(run_dir)
         if rows and rows[-1]["step"] >= step:
             return
         assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
@@ -104,7 +90,7 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
         _kill_group(proc)
     log2 = (tmp_path / "log2.txt").read_text()
     assert f"resuming from {run_dir / 'checkpoints'}" in log2 and f"step {stopped_at}," in log2
-    killed_after = _step_rows(run_dir)[-1]["step"]
+    killed_after = step_rows(run_dir)[-1]["step"]
 
     # 3. Resume to the end of the epoch.
     proc = _start(args, tmp_path / "log3.txt")
@@ -115,7 +101,7 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["data_exhausted"] and summary["resumed_from"]
 
-    rows = _step_rows(run_dir)
+    rows = step_rows(run_dir)
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, len(steps) + 1)), f"steps missing or repeated: {steps}"
     assert [r["policy/version"] for r in rows] == steps

@@ -10,30 +10,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import slurm_env
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((REPO / "slurm").glob("*.sh"))
 
 
 def _env(tmp_path, job_id: int, **extra) -> dict:
-    # Ray's unix socket paths must stay under ~107 characters: pytest's tmp_path is too deep for them.
-    ray_tmp = tempfile.mkdtemp(prefix="msrl", dir="/tmp")
-    env = dict(os.environ)
-    env.update({
-        "PATH": f"{REPO / 'tests' / 'slurm_emulation'}:{Path(sys.executable).parent}:{env['PATH']}",
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_JOB_NODELIST": "nodeA,nodeB",
-        "SLURM_SUBMIT_DIR": str(REPO),
-        "MSRL_HOME": str(REPO),
-        "MSRL_PYTHON": sys.executable,
-        "MSRL_HEAD_IP": "127.0.0.1",
-        "MSRL_RAY_TMP": ray_tmp,
-        "MSRL_RAY_START_ARGS": "--num-cpus=1 --object-store-memory=200000000",
-        "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
-        "MSRL_CONFIG": "configs/tiny_cpu.yaml",
-    })
-    env.update(extra)
-    return env
+    return slurm_env(tmp_path, job_id, tempfile.mkdtemp(prefix="msrl", dir="/tmp"), **extra)
 
 
 def test_scripts_parse():

@@ -23,34 +23,17 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import slurm_env, step_rows
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "slurm" / "qwen7b_16gpu.sh"
 TOTAL_STEPS = 4
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(sys.platform != "linux", reason="the Slurm emulation needs bash and Linux")]
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Slurm emulation needs bash and Linux")
 
 
 def _env(tmp_path: Path, ray_tmp: str, job_id: int, **extra: str) -> dict:
-    env = dict(os.environ)
-    env.update({
-        "PATH": f"{REPO / 'tests' / 'slurm_emulation'}:{Path(sys.executable).parent}:{env['PATH']}",
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_JOB_NODELIST": "nodeA,nodeB",
-        "SLURM_SUBMIT_DIR": str(REPO),
-        "MSRL_HOME": str(REPO),
-        "MSRL_PYTHON": sys.executable,
-        "MSRL_HEAD_IP": "127.0.0.1",
-        "MSRL_RAY_TMP": ray_tmp,
-        "MSRL_RAY_START_ARGS": "--num-cpus=1 --object-store-memory=200000000",
-        "MSRL_JOIN_TIMEOUT": "120",
-        "MSRL_SUBCOMMAND": "train",
-        "MSRL_CONFIG": "configs/tiny_cpu.yaml",
-        "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
-    })
-    env.update(extra)
-    return env
+    return slurm_env(tmp_path, job_id, ray_tmp, MSRL_JOIN_TIMEOUT="120", MSRL_SUBCOMMAND="train", **extra)
 
 
 def _overrides(model_dir: Path, run_dir: Path) -> list[str]:
@@ -64,21 +47,6 @@ def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
     # A session of its own: the test can find (and, if it fails, kill) everything the job started.
     return subprocess.Popen(["bash", str(SCRIPT), *args], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def _step_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if "reward/mean" in row:
-            rows.append(row)
-    return rows
 
 
 def _job_processes(marker: str) -> list[int]:
@@ -125,7 +93,7 @@ def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
         proc = _start(_env(tmp_path, ray_tmp, job_id), args, log1)
         try:
             end = time.monotonic() + 240
-            while not (_step_rows(run_dir) and _step_rows(run_dir)[-1]["step"] >= 1):
+            while not (step_rows(run_dir) and step_rows(run_dir)[-1]["step"] >= 1):
                 assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before step 1:\n{log1.read_text()[-4000:]}"
                 assert time.monotonic() < end, f"no step 1 within 240 s:\n{log1.read_text()[-4000:]}"
                 time.sleep(0.1)
@@ -159,7 +127,7 @@ def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
         summary = json.loads((run_dir / "summary.json").read_text())
         assert "interrupted" not in summary and summary["steps"] == TOTAL_STEPS, summary
         assert summary["resumed_from"]
-        rows = _step_rows(run_dir)
+        rows = step_rows(run_dir)
         assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))
         assert [r["policy/version"] for r in rows] == [r["step"] for r in rows]
         assert _wait_gone(ray_tmp) == [], "Ray processes of the requeued job are left after it exited"
