@@ -1,8 +1,8 @@
 """Policy comparison on real RL runs (CPU): the same workload, seed and sample budget through the `train` command
 with every scheduling policy, with and without HistoSpec, from identical warm-started weights.
 
-    .venv/bin/python benchmarks/policy_comparison.py                 # ~18 minutes on 2 cores
-    .venv/bin/python benchmarks/policy_comparison.py --quick         # ~5 minutes (6 driver start-ups dominate)
+    .venv/bin/python benchmarks/policy_comparison.py                 # ~11 minutes on 2 idle cores
+    .venv/bin/python benchmarks/policy_comparison.py --quick         # ~6 minutes (7 driver start-ups dominate)
     .venv/bin/python benchmarks/policy_comparison.py --model-dir /tmp/pc_warm   # warm-starts once, then reuses it
 
 What it does: runs the supervised warm-up once (the driver's own `warm_start`, `--warmup-steps` steps) and
@@ -290,7 +290,7 @@ that a faster schedule does not train a worse model at equal samples."""
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small workload for development (~5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="small workload for development (~6 minutes)")
     ap.add_argument("--prompts", type=int, default=128, help="training prompts (data.num_train_prompts)")
     ap.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts of the final eval")
     ap.add_argument("--epochs", type=int, default=2, help="data.num_epochs (>= 2 gives HistoSpec a history)")
