@@ -397,7 +397,7 @@ class Driver:
 
     def checkpoint(self) -> str:
         """Atomic checkpoint of everything `_load_resume_state` restores; keeps the newest `keep_last`."""
-        from megatron_sortedrl.trainer.checkpoint import is_complete
+        from megatron_sortedrl.trainer.checkpoint import complete_checkpoints
 
         self._phase("checkpoint", "start")
         path = self.trainer.save_checkpoint(self.ckpt_root / f"iter_{self.step:07d}", extra={
@@ -405,8 +405,7 @@ class Driver:
             "histospec": self.history.state_dict(), "rng": random.getstate(), "clock_epoch": self.clock.epoch,
             "reward_stats": dict(self.rewards.stats), "accuracy_before_rl": self.accuracy_before})
         self._saved_step = self.step
-        done = sorted((d for d in self.ckpt_root.glob("iter_*") if is_complete(d)), key=lambda d: d.name)
-        for old in done[: -self.cfg.checkpoint.keep_last]:
+        for old in complete_checkpoints(self.ckpt_root)[: -self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         self._phase("checkpoint", "end")
         return path

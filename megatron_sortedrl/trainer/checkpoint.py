@@ -3,6 +3,7 @@
     save_checkpoint(path, model, opt, sched, trainer_state)      # every rank (a collective)
     trainer_state = load_checkpoint(path, model, opt, sched)     # every rank; any TP/PP
     latest = find_latest_checkpoint(root)                        # newest complete checkpoint under root
+    complete_checkpoints(root)                                   # all of them, oldest first (for pruning)
 
 Layout of one checkpoint directory:
 
@@ -134,19 +135,21 @@ def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool
     return state
 
 
-def find_latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint under `root` with the highest saved step (incomplete ones are skipped)."""
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first by (saved step, save time); incomplete ones are
+    skipped."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    best, best_key = None, None
+        return []
+    found = []
     for d in root.iterdir():
-        if not d.is_dir() or d.name.startswith("."):
-            continue
-        if not is_complete(d):
-            continue
-        meta = json.loads((d / MARKER).read_text())
-        key = (meta.get("step", -1), meta.get("saved_at", 0.0))
-        if best_key is None or key > best_key:
-            best, best_key = d, key
-    return best
+        if d.is_dir() and not d.name.startswith(".") and is_complete(d):
+            meta = json.loads((d / MARKER).read_text())
+            found.append(((meta.get("step", -1), meta.get("saved_at", 0.0)), d))
+    return [d for _, d in sorted(found)]
+
+
+def find_latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint under `root` with the highest saved step (incomplete ones are skipped)."""
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
