@@ -69,3 +69,19 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_jsonl(path: str | Path) -> tuple[list[Any], int]:
+    """The rows of every whole line of a JSON-lines file, and how many lines did not parse (a process killed
+    mid-write leaves a cut-off last line). A missing file has no rows."""
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    rows, bad = [], 0
+    for line in filter(str.strip, path.read_text().splitlines()):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            bad += 1
+    return rows, bad
+

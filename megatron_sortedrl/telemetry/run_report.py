@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from matplotlib.ticker import MaxNLocator
 
 from megatron_sortedrl.errors import UserError
-from megatron_sortedrl.metrics import METRICS_FILE, read_metrics
+from megatron_sortedrl.metrics import METRICS_FILE, read_jsonl
 from megatron_sortedrl.telemetry.report import (
     DPI, img_tag, page_start, phase_color, phase_order, plot_breakdown, plot_bubbles, plt)
 from megatron_sortedrl.telemetry.timeline import (
@@ -94,17 +94,12 @@ def _read_metrics_tolerant(run: RunData) -> list[dict[str, Any]]:
     if not path.exists():
         run.notes.append(f"No {METRICS_FILE} in {run.run_dir}: no rewards, accuracies or per-step metrics.")
         return []
-    try:
-        return read_metrics(run.run_dir)
-    except ValueError:  # a run killed mid-write can leave a cut-off last line; keep every whole one
-        rows, bad = [], 0
-        for line in filter(str.strip, path.read_text().splitlines()):
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                bad += 1
-        run.notes.append(f"{METRICS_FILE}: skipped {bad} malformed line(s).")
-        return [r for r in rows if isinstance(r, dict) and "step" in r]
+    rows, bad = read_jsonl(path)
+    if not bad:
+        return rows
+    # a run killed mid-write can leave a cut-off last line; keep every whole one
+    run.notes.append(f"{METRICS_FILE}: skipped {bad} malformed line(s).")
+    return [r for r in rows if isinstance(r, dict) and "step" in r]
 
 
 # ----------------------------------------------------------------------------------------------------
