@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
-import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+from megatron_sortedrl.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def step_rows(run_dir: Path) -> list[dict]:
     """The per-step rows of `<run_dir>/metrics.jsonl` (a line still being written is skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "reward/mean" in row:
-            rows.append(row)
-    return rows
+    return [row for row in read_jsonl(Path(run_dir) / "metrics.jsonl")[0] if "reward/mean" in row]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 300) -> None:
+    """Waits until the run of `proc` has logged `step`; fails with the log's tail if it ends or times out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        rows = step_rows(run_dir)
+        if rows and rows[-1]["step"] >= step:
+            return
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step {step}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step} within {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group `proc` leads (started with start_new_session=True), then reaps it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(60)
 
 
 def slurm_env(tmp_path: Path, job_id: int, ray_tmp: str, **extra: str) -> dict:

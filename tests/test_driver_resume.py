@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import step_rows
+from helpers import kill_group, step_rows, wait_for_step
 
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.data import load_prompts
@@ -43,25 +43,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        rows = step_rows(run_dir)
-        if rows and rows[-1]["step"] >= step:
-            return
-        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"no step {step} within {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(60)
-
-
 def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = _overrides(tiny_model_dir, run_dir)
@@ -71,11 +52,11 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
     # 1. SIGUSR1: finish the step, checkpoint, exit 0.
     proc = _start(args, tmp_path / "log1.txt")
     try:
-        _wait_for_step(proc, run_dir, 1, tmp_path / "log1.txt")
+        wait_for_step(proc, run_dir, 1, tmp_path / "log1.txt")
         os.kill(proc.pid, signal.SIGUSR1)
         assert proc.wait(180) == 0, (tmp_path / "log1.txt").read_text()[-3000:]
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped_at = summary["steps"]
     assert summary["interrupted"] == "SIGUSR1" and stopped_at >= 1
@@ -84,10 +65,10 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
     # 2. Resume, then SIGKILL the whole process group at least one step later.
     proc = _start(args, tmp_path / "log2.txt")
     try:
-        _wait_for_step(proc, run_dir, stopped_at + 1, tmp_path / "log2.txt")
+        wait_for_step(proc, run_dir, stopped_at + 1, tmp_path / "log2.txt")
         time.sleep(0.5)  # land somewhere inside the next step
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     log2 = (tmp_path / "log2.txt").read_text()
     assert f"resuming from {run_dir / 'checkpoints'}" in log2 and f"step {stopped_at}," in log2
     killed_after = step_rows(run_dir)[-1]["step"]
@@ -97,7 +78,7 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
     try:
         assert proc.wait(600) == 0, (tmp_path / "log3.txt").read_text()[-3000:]
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["data_exhausted"] and summary["resumed_from"]
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import slurm_env, step_rows
+from helpers import kill_group, slurm_env, step_rows, wait_for_step
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "slurm" / "qwen7b_16gpu.sh"
@@ -73,14 +73,6 @@ def _wait_gone(marker: str, timeout: float = 30) -> list[int]:
     return left
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(60)
-
-
 def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
     # Ray's unix socket paths must stay under ~107 characters: pytest's tmp_path is too deep for them.
     ray_tmp = tempfile.mkdtemp(prefix="msrl", dir="/tmp")
@@ -92,17 +84,13 @@ def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
         # 1. The first run: USR1 to the batch script once step 1 is logged.
         proc = _start(_env(tmp_path, ray_tmp, job_id), args, log1)
         try:
-            end = time.monotonic() + 240
-            while not (step_rows(run_dir) and step_rows(run_dir)[-1]["step"] >= 1):
-                assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before step 1:\n{log1.read_text()[-4000:]}"
-                assert time.monotonic() < end, f"no step 1 within 240 s:\n{log1.read_text()[-4000:]}"
-                time.sleep(0.1)
+            wait_for_step(proc, run_dir, 1, log1, timeout=240)
             # The process check below can see this job's Ray processes (two nodes: at least two raylets).
             assert len(_job_processes(ray_tmp)) >= 4
             os.kill(proc.pid, signal.SIGUSR1)
             rc = proc.wait(180)
         finally:
-            _kill_group(proc)
+            kill_group(proc)
         out1 = log1.read_text()
         assert rc == 0, out1[-4000:]
         assert f"requeueing job {job_id}" in out1
@@ -119,7 +107,7 @@ def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
         try:
             rc = proc.wait(300)
         finally:
-            _kill_group(proc)
+            kill_group(proc)
         out2 = log2.read_text()
         assert rc == 0, out2[-4000:]
         assert f"resuming from {run_dir / 'checkpoints' / f'iter_{stopped_at:07d}'}: step {stopped_at}" in out2
