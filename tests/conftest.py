@@ -40,3 +40,17 @@ def tiny_model_dir(tmp_path_factory):
     from megatron_sortedrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A 2-CPU local Ray for one test module, unless one is already running (then it is left alone)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+

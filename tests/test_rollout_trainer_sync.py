@@ -16,30 +16,19 @@ pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 ray = pytest.importorskip("ray")
 
-from megatron_sortedrl.config import RunConfig, TinyModelConfig  # noqa: E402
+from megatron_sortedrl.config import TinyModelConfig  # noqa: E402
 from megatron_sortedrl.rollout import GenRequest, PoolOptions, RolloutPool  # noqa: E402
 from megatron_sortedrl.sample import Sample  # noqa: E402
 from megatron_sortedrl.tiny_model import build_tiny_model  # noqa: E402
+from helpers import tp2_trainer_after_sft  # noqa: E402
 
 
 def test_trainer_to_vllm_logprob_parity(tmp_path):
-    from megatron_sortedrl.trainer.group import TrainerGroup
-
     model_dir = build_tiny_model(tmp_path / "tiny", TinyModelConfig(seed=5))
-    cfg = RunConfig()
-    cfg.model.path = str(model_dir)
-    cfg.cluster.device = "cpu"
-    cfg.parallel.tensor_model_parallel_size = 2
-    cfg.trainer.warmup_sft_lr = 3e-3
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     group = pool = None
     try:
-        group = TrainerGroup(cfg)
-        g = torch.Generator().manual_seed(0)
-        pairs = [(torch.randint(4, 100, (6,), generator=g).tolist(), torch.randint(4, 100, (12,), generator=g).tolist())
-                 for _ in range(8)]
-        for _ in range(3):
-            group.sft_step(pairs)
+        group, pairs = tp2_trainer_after_sft(model_dir)
         state = group.export_hf_weights()
         pool = RolloutPool(PoolOptions(model_path=str(model_dir), device="cpu", max_model_len=256, poll_wait_s=0.2))
         report = pool.sync_weights(iter(state.items()), version=1)

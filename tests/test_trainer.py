@@ -20,7 +20,7 @@ from megatron_sortedrl.config import RunConfig
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.sample import Sample
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
 
 def _cfg(model_dir: Path, tp: int = 1, pp: int = 1) -> RunConfig:
@@ -61,16 +61,6 @@ def model_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("trainer") / "tiny"
     build_tiny_model(d, TinyModelConfig(seed=3))
     return d
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

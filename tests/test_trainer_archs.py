@@ -19,17 +19,7 @@ import torch
 from megatron_sortedrl.config import RunConfig
 from megatron_sortedrl.sample import Sample
 
-ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+pytest.importorskip("ray")
 
 
 def _cfg(path: Path, **parallel) -> RunConfig:
