@@ -29,7 +29,9 @@ from speculative.config import SpeculativeConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
 
-def _help(text: str, default: Any = None, factory: Any = None) -> Any:
+def help_field(text: str, default: Any = None, factory: Any = None) -> Any:
+    """A dataclass field with its one line of help (what `config --explain` prints); every config schema
+    of the project declares its fields with it."""
     if factory is not None:
         return field(default_factory=factory, metadata={"help": text})
     return field(default=default, metadata={"help": text})
@@ -39,15 +41,15 @@ def _help(text: str, default: Any = None, factory: Any = None) -> Any:
 class TinyModelConfig:
     """Shape of the built-in tiny Qwen2-architecture model (used when model.path does not exist yet)."""
 
-    hidden_size: int = _help("Hidden width.", 128)
-    num_layers: int = _help("Transformer layers.", 2)
-    num_attention_heads: int = _help("Query heads; hidden_size / heads must be a vLLM CPU head_dim (32, 64, ...).", 4)
-    num_key_value_heads: int = _help("Key/value heads (grouped-query attention).", 2)
-    intermediate_size: int = _help("SwiGLU inner width.", 256)
-    max_position_embeddings: int = _help("Longest sequence (prompt + response) in tokens.", 1024)
-    rope_theta: float = _help("RoPE base.", 10000.0)
-    tie_word_embeddings: bool = _help("Share input embedding and output projection.", True)
-    seed: int = _help("Seed of the random initialisation.", 0)
+    hidden_size: int = help_field("Hidden width.", 128)
+    num_layers: int = help_field("Transformer layers.", 2)
+    num_attention_heads: int = help_field("Query heads; hidden_size / heads must be a vLLM CPU head_dim (32, 64, ...).", 4)
+    num_key_value_heads: int = help_field("Key/value heads (grouped-query attention).", 2)
+    intermediate_size: int = help_field("SwiGLU inner width.", 256)
+    max_position_embeddings: int = help_field("Longest sequence (prompt + response) in tokens.", 1024)
+    rope_theta: float = help_field("RoPE base.", 10000.0)
+    tie_word_embeddings: bool = help_field("Share input embedding and output projection.", True)
+    seed: int = help_field("Seed of the random initialisation.", 0)
 
     def __post_init__(self) -> None:
         for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -67,10 +69,10 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = _help("Hugging Face model directory (config.json, safetensors, tokenizer).", "runs/tiny_model")
-    build_tiny_if_missing: bool = _help("Build the tiny CPU model at `path` when the directory does not exist.", True)
-    tiny: TinyModelConfig = _help("Shape of the built-in tiny model.", factory=TinyModelConfig)
-    dtype: str = _help("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32")
+    path: str = help_field("Hugging Face model directory (config.json, safetensors, tokenizer).", "runs/tiny_model")
+    build_tiny_if_missing: bool = help_field("Build the tiny CPU model at `path` when the directory does not exist.", True)
+    tiny: TinyModelConfig = help_field("Shape of the built-in tiny model.", factory=TinyModelConfig)
+    dtype: str = help_field("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -79,28 +81,28 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _help("arithmetic | knights_knaves (procedural) | file (train_files/eval_files).", "arithmetic")
-    train_files: list[str] = _help("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
-    eval_files: list[str] = _help("Held-out jsonl or parquet files when task=file.", factory=list)
-    prompt_key: str = _help("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
-    answer_key: str = _help(
+    task: str = help_field("arithmetic | knights_knaves (procedural) | file (train_files/eval_files).", "arithmetic")
+    train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
+    eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
+    prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
+    answer_key: str = help_field(
         "Dotted key of the ground truth; tried in order: this, reward_model.ground_truth, answer.", "ground_truth"
     )
-    on_bad_row: str = _help("error: stop at the first malformed row; skip: skip and report the count.", "error")
-    num_train_prompts: int = _help("Procedural tasks: prompts in the training set.", 256)
-    num_eval_prompts: int = _help("Procedural tasks: prompts in the held-out set.", 64)
-    min_difficulty: int = _help("Procedural tasks: smallest difficulty (digits, or K&K people).", 1)
-    max_difficulty: int = _help("Procedural tasks: largest difficulty.", 4)
-    seed: int = _help("Seed of the procedural generator (train and eval sets use different streams).", 1234)
-    apply_chat_template: bool = _help("Wrap prompts with the tokenizer's chat template (real chat models).", False)
-    max_prompt_length: int = _help("Prompts longer than this many tokens are reported and skipped.", 256)
-    reward_fn: str = _help(
+    on_bad_row: str = help_field("error: stop at the first malformed row; skip: skip and report the count.", "error")
+    num_train_prompts: int = help_field("Procedural tasks: prompts in the training set.", 256)
+    num_eval_prompts: int = help_field("Procedural tasks: prompts in the held-out set.", 64)
+    min_difficulty: int = help_field("Procedural tasks: smallest difficulty (digits, or K&K people).", 1)
+    max_difficulty: int = help_field("Procedural tasks: largest difficulty.", 4)
+    seed: int = help_field("Seed of the procedural generator (train and eval sets use different streams).", 1234)
+    apply_chat_template: bool = help_field("Wrap prompts with the tokenizer's chat template (real chat models).", False)
+    max_prompt_length: int = help_field("Prompts longer than this many tokens are reported and skipped.", 256)
+    reward_fn: str = help_field(
         "Dotted path of `def reward(sample, ground_truth) -> float`; empty picks the task's default.", ""
     )
-    reward_timeout_s: float = _help(
+    reward_timeout_s: float = help_field(
         "Seconds one reward call may take; a call that takes longer scores 0, is counted and logged.", 10.0)
-    reward_workers: int = _help("Processes scoring samples while rollout goes on.", 1)
-    num_epochs: int = _help("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
+    reward_workers: int = help_field("Processes scoring samples while rollout goes on.", 1)
+    num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
 
     def __post_init__(self) -> None:
         if self.task not in ("arithmetic", "knights_knaves", "file"):
@@ -129,18 +131,18 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = _help("vLLM engines at TP=1 (short-round layout); each is one Ray actor.", 1)
-    tensor_parallel_size: int = _help("Rollout TP of the short-round layout.", 1)
-    long_round_tensor_parallel_size: int = _help("Rollout TP of the long-round layout (elastic parallelism).", 1)
-    n_samples_per_prompt: int = _help("Responses per prompt (the GRPO group).", 4)
-    temperature: float = _help("Sampling temperature.", 1.0)
-    top_p: float = _help("Nucleus sampling threshold.", 1.0)
-    max_response_length: int = _help("Longest response in tokens.", 256)
-    max_num_seqs: int = _help("Concurrent sequences per engine (continuous batching).", 64)
-    kv_cache_gib: float = _help("CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).", 1.0)
-    gpu_memory_utilization: float = _help("GPU engines: fraction of GPU memory vLLM may use.", 0.5)
-    enforce_eager: bool = _help("Disable CUDA graphs / compilation (faster start, needed on CPU).", True)
-    request_timeout_s: float = _help("A worker that produces nothing for this long is declared hung.", 600.0)
+    num_workers: int = help_field("vLLM engines at TP=1 (short-round layout); each is one Ray actor.", 1)
+    tensor_parallel_size: int = help_field("Rollout TP of the short-round layout.", 1)
+    long_round_tensor_parallel_size: int = help_field("Rollout TP of the long-round layout (elastic parallelism).", 1)
+    n_samples_per_prompt: int = help_field("Responses per prompt (the GRPO group).", 4)
+    temperature: float = help_field("Sampling temperature.", 1.0)
+    top_p: float = help_field("Nucleus sampling threshold.", 1.0)
+    max_response_length: int = help_field("Longest response in tokens.", 256)
+    max_num_seqs: int = help_field("Concurrent sequences per engine (continuous batching).", 64)
+    kv_cache_gib: float = help_field("CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).", 1.0)
+    gpu_memory_utilization: float = help_field("GPU engines: fraction of GPU memory vLLM may use.", 0.5)
+    enforce_eager: bool = help_field("Disable CUDA graphs / compilation (faster start, needed on CPU).", True)
+    request_timeout_s: float = help_field("A worker that produces nothing for this long is declared hung.", 600.0)
 
     def __post_init__(self) -> None:
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
@@ -159,11 +161,11 @@ class RolloutConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = _help("Trainer TP; must divide attention heads and key/value heads.", 1)
-    pipeline_model_parallel_size: int = _help("Trainer PP; must divide the number of layers.", 1)
-    data_parallel_size: int = _help("Trainer DP; world size is TP x PP x DP.", 1)
-    sequence_parallel: bool = _help("Megatron sequence parallelism (GPU, TP > 1).", False)
-    use_distributed_optimizer: bool = _help("Megatron distributed optimizer (GPU only; CPU uses the plain optimizer).", False)
+    tensor_model_parallel_size: int = help_field("Trainer TP; must divide attention heads and key/value heads.", 1)
+    pipeline_model_parallel_size: int = help_field("Trainer PP; must divide the number of layers.", 1)
+    data_parallel_size: int = help_field("Trainer DP; world size is TP x PP x DP.", 1)
+    sequence_parallel: bool = help_field("Megatron sequence parallelism (GPU, TP > 1).", False)
+    use_distributed_optimizer: bool = help_field("Megatron distributed optimizer (GPU only; CPU uses the plain optimizer).", False)
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
@@ -177,14 +179,14 @@ class ParallelConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = _help("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo")
-    clip_low: float = _help("PPO clip: ratio lower bound is 1 - clip_low.", 0.2)
-    clip_high: float = _help("PPO clip-higher: ratio upper bound is 1 + clip_high.", 0.28)
-    loss_aggregation: str = _help("token: mean over all tokens; sequence: mean of per-sequence means.", "token")
-    kl_coef: float = _help("KL penalty to the frozen reference model (0 disables the reference).", 0.0)
-    entropy_coef: float = _help("Entropy bonus coefficient (entropy is always logged).", 0.0)
-    tis_cap: float = _help("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0)
-    normalize_advantage_std: bool = _help("GRPO: divide by the group's reward std.", True)
+    advantage: str = help_field("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo")
+    clip_low: float = help_field("PPO clip: ratio lower bound is 1 - clip_low.", 0.2)
+    clip_high: float = help_field("PPO clip-higher: ratio upper bound is 1 + clip_high.", 0.28)
+    loss_aggregation: str = help_field("token: mean over all tokens; sequence: mean of per-sequence means.", "token")
+    kl_coef: float = help_field("KL penalty to the frozen reference model (0 disables the reference).", 0.0)
+    entropy_coef: float = help_field("Entropy bonus coefficient (entropy is always logged).", 0.0)
+    tis_cap: float = help_field("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0)
+    normalize_advantage_std: bool = help_field("GRPO: divide by the group's reward std.", True)
 
     def __post_init__(self) -> None:
         if self.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"):
@@ -200,16 +202,16 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = _help("Optimizer updates of the RL phase.", 40)
-    lr: float = _help("Adam learning rate.", 1e-4)
-    lr_warmup_steps: int = _help("RL steps of linear learning-rate warm-up from 0.", 0)
-    lr_decay_style: str = _help("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant")
-    weight_decay: float = _help("AdamW weight decay.", 0.0)
-    grad_clip: float = _help("Gradient norm clip (0 disables).", 1.0)
-    micro_batch_tokens: int = _help("Token budget of one packed micro-batch.", 4096)
-    warmup_sft_steps: int = _help("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
-    warmup_sft_lr: float = _help("Learning rate of the supervised warm-start.", 3e-3)
-    eval_interval: int = _help("Evaluate on the held-out set every this many steps (0 disables).", 10)
+    total_steps: int = help_field("Optimizer updates of the RL phase.", 40)
+    lr: float = help_field("Adam learning rate.", 1e-4)
+    lr_warmup_steps: int = help_field("RL steps of linear learning-rate warm-up from 0.", 0)
+    lr_decay_style: str = help_field("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant")
+    weight_decay: float = help_field("AdamW weight decay.", 0.0)
+    grad_clip: float = help_field("Gradient norm clip (0 disables).", 1.0)
+    micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096)
+    warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
+    warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3)
+    eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10)
 
     def __post_init__(self) -> None:
         for key in ("total_steps", "micro_batch_tokens"):
@@ -228,10 +230,10 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = _help("Checkpoint directory; empty means <logging.run_dir>/checkpoints.", "")
-    save_interval: int = _help("Save every this many steps (0: only at the end).", 10)
-    keep_last: int = _help("Checkpoints kept; older ones are deleted after a newer one is complete.", 2)
-    resume: str = _help(
+    dir: str = help_field("Checkpoint directory; empty means <logging.run_dir>/checkpoints.", "")
+    save_interval: int = help_field("Save every this many steps (0: only at the end).", 10)
+    keep_last: int = help_field("Checkpoints kept; older ones are deleted after a newer one is complete.", 2)
+    resume: str = help_field(
         "auto: continue from the newest complete checkpoint of this run if there is one; required: the same, "
         "but fail when there is none; never: start over; or a checkpoint or run directory to continue from.", "auto")
 
@@ -246,11 +248,11 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = _help("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
-    tensorboard: bool = _help("Write TensorBoard event files to <run_dir>/tensorboard.", True)
-    wandb_project: str = _help("Weights & Biases project (empty disables; offline mode works).", "")
-    log_interval: int = _help("Print progress every this many steps.", 1)
-    nvml_sample_hz: float = _help("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0)
+    run_dir: str = help_field("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
+    tensorboard: bool = help_field("Write TensorBoard event files to <run_dir>/tensorboard.", True)
+    wandb_project: str = help_field("Weights & Biases project (empty disables; offline mode works).", "")
+    log_interval: int = help_field("Print progress every this many steps.", 1)
+    nvml_sample_hz: float = help_field("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0)
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
@@ -261,12 +263,12 @@ class LoggingConfig:
 
 @dataclass
 class ClusterConfig:
-    device: str = _help("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto")
-    ray_address: str = _help("Ray cluster address; empty starts a local Ray instance.", "")
-    num_nodes: int = _help("Nodes in the allocation.", 1)
-    gpus_per_node: int = _help("GPUs per node (0 on CPU machines).", 0)
-    cpus_per_node: int = _help("CPUs Ray may use per node (0: all).", 0)
-    colocate: bool = _help("Trainer and rollout share the same GPUs (time-sliced) instead of separate pools.", False)
+    device: str = help_field("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto")
+    ray_address: str = help_field("Ray cluster address; empty starts a local Ray instance.", "")
+    num_nodes: int = help_field("Nodes in the allocation.", 1)
+    gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0)
+    cpus_per_node: int = help_field("CPUs Ray may use per node (0: all).", 0)
+    colocate: bool = help_field("Trainer and rollout share the same GPUs (time-sliced) instead of separate pools.", False)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "gpu"):
@@ -279,19 +281,19 @@ class ClusterConfig:
 
 @dataclass
 class RunConfig:
-    name: str = _help("Run name shown in logs and reports.", "tiny_cpu")
-    seed: int = _help("Global seed (data order, sampling, initialisation).", 0)
-    model: ModelConfig = _help("Policy model.", factory=ModelConfig)
-    data: DataConfig = _help("Prompts, ground truth, reward function.", factory=DataConfig)
-    rollout: RolloutConfig = _help("vLLM rollout workers.", factory=RolloutConfig)
-    scheduler: SchedulerConfig = _help("Two-tier length-aware scheduler.", factory=SchedulerConfig)
-    speculative: SpeculativeConfig = _help("HistoSpec speculative decoding.", factory=SpeculativeConfig)
-    algorithm: AlgorithmConfig = _help("Advantages and policy loss.", factory=AlgorithmConfig)
-    trainer: TrainerConfig = _help("Optimisation schedule.", factory=TrainerConfig)
-    parallel: ParallelConfig = _help("Trainer parallel layout.", factory=ParallelConfig)
-    checkpoint: CheckpointConfig = _help("Saving and resuming.", factory=CheckpointConfig)
-    logging: LoggingConfig = _help("Run directory and metrics sinks.", factory=LoggingConfig)
-    cluster: ClusterConfig = _help("Machines and devices.", factory=ClusterConfig)
+    name: str = help_field("Run name shown in logs and reports.", "tiny_cpu")
+    seed: int = help_field("Global seed (data order, sampling, initialisation).", 0)
+    model: ModelConfig = help_field("Policy model.", factory=ModelConfig)
+    data: DataConfig = help_field("Prompts, ground truth, reward function.", factory=DataConfig)
+    rollout: RolloutConfig = help_field("vLLM rollout workers.", factory=RolloutConfig)
+    scheduler: SchedulerConfig = help_field("Two-tier length-aware scheduler.", factory=SchedulerConfig)
+    speculative: SpeculativeConfig = help_field("HistoSpec speculative decoding.", factory=SpeculativeConfig)
+    algorithm: AlgorithmConfig = help_field("Advantages and policy loss.", factory=AlgorithmConfig)
+    trainer: TrainerConfig = help_field("Optimisation schedule.", factory=TrainerConfig)
+    parallel: ParallelConfig = help_field("Trainer parallel layout.", factory=ParallelConfig)
+    checkpoint: CheckpointConfig = help_field("Saving and resuming.", factory=CheckpointConfig)
+    logging: LoggingConfig = help_field("Run directory and metrics sinks.", factory=LoggingConfig)
+    cluster: ClusterConfig = help_field("Machines and devices.", factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         hf_config = Path(self.model.path) / "config.json"

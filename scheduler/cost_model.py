@@ -20,29 +20,26 @@ interleaving details, and pipeline parallelism inside an engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from megatron_sortedrl.config import help_field
 from megatron_sortedrl.errors import ConfigError
 
 GIB = 1024**3
 
 
-def _h(text: str, default: float) -> float:
-    return field(default=default, metadata={"help": text})  # type: ignore[return-value]
-
-
 @dataclass
 class EngineCostModel:
-    hbm_gbs: float = _h("Memory bandwidth of one GPU (or CPU socket share) in GB/s.", 3350.0)
-    gpu_mem_gib: float = _h("Memory of one GPU in GiB.", 80.0)
-    mem_utilization: float = _h("Fraction of memory the engine may use (vLLM gpu_memory_utilization).", 0.9)
-    weight_gib: float = _h("Model weights in GiB (whole model, all TP shards together).", 61.0)
-    kv_bytes_per_token: float = _h("KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype bytes).", 262144.0)
-    step_overhead_s: float = _h("Fixed cost of one decode step (scheduling, sampling, launches) in seconds.", 0.006)
-    tp_comm_s: float = _h("All-reduce cost per decode step per doubling of TP, in seconds.", 0.002)
-    per_seq_s: float = _h("Compute per running sequence per decode step at TP=1, in seconds.", 0.00004)
-    prefill_tokens_per_s: float = _h("Prefill throughput of one GPU in tokens/s.", 12000.0)
-    max_num_seqs: int = _h("Running sequences per engine (vLLM max_num_seqs).", 256)  # type: ignore[assignment]
+    hbm_gbs: float = help_field("Memory bandwidth of one GPU (or CPU socket share) in GB/s.", 3350.0)
+    gpu_mem_gib: float = help_field("Memory of one GPU in GiB.", 80.0)
+    mem_utilization: float = help_field("Fraction of memory the engine may use (vLLM gpu_memory_utilization).", 0.9)
+    weight_gib: float = help_field("Model weights in GiB (whole model, all TP shards together).", 61.0)
+    kv_bytes_per_token: float = help_field("KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype bytes).", 262144.0)
+    step_overhead_s: float = help_field("Fixed cost of one decode step (scheduling, sampling, launches) in seconds.", 0.006)
+    tp_comm_s: float = help_field("All-reduce cost per decode step per doubling of TP, in seconds.", 0.002)
+    per_seq_s: float = help_field("Compute per running sequence per decode step at TP=1, in seconds.", 0.00004)
+    prefill_tokens_per_s: float = help_field("Prefill throughput of one GPU in tokens/s.", 12000.0)
+    max_num_seqs: int = help_field("Running sequences per engine (vLLM max_num_seqs).", 256)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for key in ("hbm_gbs", "gpu_mem_gib", "kv_bytes_per_token", "prefill_tokens_per_s"):

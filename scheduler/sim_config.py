@@ -14,35 +14,28 @@ Left out: network topology (weight-sync time is one number) and failures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_sortedrl.config import RunConfig, load_config
+from megatron_sortedrl.config import RunConfig, help_field, load_config
 from megatron_sortedrl.errors import ConfigError
 from scheduler.cost_model import EngineCostModel
 
 WORKLOADS = ("synthetic", "replay")
 
 
-def _h(text: str, default: Any = None, factory: Any = None) -> Any:
-    if factory is not None:
-        return field(default_factory=factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
-
-
 @dataclass
 class ClusterCosts:
-    gpus: int = _h("Rollout GPUs (colocated: the trainer uses the same GPUs between rounds).", 2)
-    gpus_per_node: int = _h("GPUs per node; a rollout TP group never spans nodes.", 2)
-    train_tokens_per_s: float = _h("Trainer throughput over prompt+response tokens (log-probs + update), whole cluster.", 2000.0)
-    train_fixed_s: float = _h("Fixed seconds per training step (optimizer, offload/onload).", 1.0)
-    weight_sync_s: float = _h("Seconds to push new weights to the rollout engines after a step.", 0.5)
-    relayout_s: float = _h("Seconds to rebuild the engines when the rollout TP changes.", 5.0)
-    reward_latency_s: float = _h("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
+    gpus: int = help_field("Rollout GPUs (colocated: the trainer uses the same GPUs between rounds).", 2)
+    gpus_per_node: int = help_field("GPUs per node; a rollout TP group never spans nodes.", 2)
+    train_tokens_per_s: float = help_field("Trainer throughput over prompt+response tokens (log-probs + update), whole cluster.", 2000.0)
+    train_fixed_s: float = help_field("Fixed seconds per training step (optimizer, offload/onload).", 1.0)
+    weight_sync_s: float = help_field("Seconds to push new weights to the rollout engines after a step.", 0.5)
+    relayout_s: float = help_field("Seconds to rebuild the engines when the rollout TP changes.", 5.0)
+    reward_latency_s: float = help_field("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -56,17 +49,17 @@ class ClusterCosts:
 
 @dataclass
 class WorkloadConfig:
-    kind: str = _h("synthetic (heavy-tailed lengths below) | replay (lengths recorded in `replay_path`).", "synthetic")
-    replay_path: str = _h("replay: a run timeline (.jsonl) or a {prompt_id: {epoch: [lengths]}} JSON file.", "")
-    num_prompts: int = _h("Prompts in the dataset.", 64)
-    num_epochs: int = _h("Passes over the dataset (all policies train the same samples).", 3)
-    prompt_tokens: int = _h("Mean prompt length in tokens.", 64)
-    median_response: float = _h("Median response length in tokens.", 24.0)
-    sigma: float = _h("Log-normal sigma of response lengths (heavier tail when larger).", 1.0)
-    prompt_share: float = _h("Fraction of the log-length variance that belongs to the prompt (vs the sample).", 0.6)
-    persistence: float = _h("Correlation of a prompt's length level between consecutive epochs (0..1).", 0.8)
-    min_response: int = _h("Shortest response in tokens.", 1)
-    seed: int = _h("Seed of the synthetic lengths.", 0)
+    kind: str = help_field("synthetic (heavy-tailed lengths below) | replay (lengths recorded in `replay_path`).", "synthetic")
+    replay_path: str = help_field("replay: a run timeline (.jsonl) or a {prompt_id: {epoch: [lengths]}} JSON file.", "")
+    num_prompts: int = help_field("Prompts in the dataset.", 64)
+    num_epochs: int = help_field("Passes over the dataset (all policies train the same samples).", 3)
+    prompt_tokens: int = help_field("Mean prompt length in tokens.", 64)
+    median_response: float = help_field("Median response length in tokens.", 24.0)
+    sigma: float = help_field("Log-normal sigma of response lengths (heavier tail when larger).", 1.0)
+    prompt_share: float = help_field("Fraction of the log-length variance that belongs to the prompt (vs the sample).", 0.6)
+    persistence: float = help_field("Correlation of a prompt's length level between consecutive epochs (0..1).", 0.8)
+    min_response: int = help_field("Shortest response in tokens.", 1)
+    seed: int = help_field("Seed of the synthetic lengths.", 0)
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -85,12 +78,12 @@ class WorkloadConfig:
 
 @dataclass
 class SimConfig:
-    name: str = _h("Scenario name shown in tables and plots.", "sim")
-    run_config: str = _h("Run config whose rollout.* and scheduler.* settings the simulation uses.", "")
-    run_overrides: list[str] = _h("key=value overrides applied to the run config.", factory=list)
-    cluster: ClusterCosts = _h("GPUs and the costs outside rollout.", factory=ClusterCosts)
-    engine: EngineCostModel = _h("Cost model of one rollout engine.", factory=EngineCostModel)
-    workload: WorkloadConfig = _h("Response-length workload.", factory=WorkloadConfig)
+    name: str = help_field("Scenario name shown in tables and plots.", "sim")
+    run_config: str = help_field("Run config whose rollout.* and scheduler.* settings the simulation uses.", "")
+    run_overrides: list[str] = help_field("key=value overrides applied to the run config.", factory=list)
+    cluster: ClusterCosts = help_field("GPUs and the costs outside rollout.", factory=ClusterCosts)
+    engine: EngineCostModel = help_field("Cost model of one rollout engine.", factory=EngineCostModel)
+    workload: WorkloadConfig = help_field("Response-length workload.", factory=WorkloadConfig)
 
 
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:
