@@ -160,12 +160,35 @@ class RolloutConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recompute (Megatron's `recompute_granularity`, `recompute_method`, `recompute_num_layers`)."""
+
+    granularity: str = help_field(
+        "auto: the launch planner picks the least recompute that fits the device | none | selective (recompute "
+        "the attention core only) | full (keep one input per checkpointed layer group, recompute the rest).", "auto")
+    method: str = help_field(
+        "Full recompute only: uniform (checkpoint every group of num_layers layers) | block (checkpoint the "
+        "first num_layers layers of each pipeline stage, keep the rest).", "uniform")
+    num_layers: int = help_field("Full recompute only: layers per group (uniform) or checkpointed layers per stage (block).", 1)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("auto", "none", "selective", "full"):
+            raise ConfigError("parallel.recompute.granularity", self.granularity, "one of auto, none, selective, full")
+        if self.method not in ("uniform", "block"):
+            raise ConfigError("parallel.recompute.method", self.method, "one of uniform, block")
+        if self.num_layers < 1:
+            raise ConfigError("parallel.recompute.num_layers", self.num_layers, "an integer >= 1")
+
+
+@dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = help_field("Trainer TP; must divide attention heads and key/value heads.", 1)
     pipeline_model_parallel_size: int = help_field("Trainer PP; must divide the number of layers.", 1)
     data_parallel_size: int = help_field("Trainer DP; world size is TP x PP x DP.", 1)
     sequence_parallel: bool = help_field("Megatron sequence parallelism (GPU, TP > 1).", False)
     use_distributed_optimizer: bool = help_field("Megatron distributed optimizer (GPU only; CPU uses the plain optimizer).", False)
+    recompute: RecomputeConfig = help_field("Activation recompute (trades compute for activation memory).",
+                                            factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
