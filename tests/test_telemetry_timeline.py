@@ -13,6 +13,8 @@ from megatron_sortedrl.telemetry.timeline import (
     Event,
     TimelineError,
     TimelineWriter,
+    driver_idle,
+    driver_idle_from_intervals,
     read_run_timeline,
     read_timeline,
     request_intervals,
@@ -21,6 +23,7 @@ from megatron_sortedrl.telemetry.timeline import (
     slot_bubble_ratio_from_intervals,
     step_breakdown,
     step_windows,
+    union_length,
     worker_bubble_ratio,
     worker_bubble_ratio_from_times,
 )
@@ -172,5 +175,59 @@ def test_step_breakdown_with_overlapping_steps_and_an_unterminated_phase():
 def test_rollout_bubble_by_step_table():
     ev = rollout_step(0) + rollout_step(1, t0=20.0, finishes=((0, 25.0), (1, 30.0)), t1=30.0)
     table = rollout_bubble_by_step(ev, max_batch=1)
-    assert table[0] == pytest.approx({"rollout_s": 10, "worker_bubble": 0.3, "slot_bubble": 0.3})
-    assert table[1] == pytest.approx({"rollout_s": 10, "worker_bubble": 0.25, "slot_bubble": 0.25})
+    assert table[0] == pytest.approx({"rollout_s": 10, "worker_bubble": 0.3, "slot_bubble": 0.3, "driver_idle": 0.0})
+    assert table[1] == pytest.approx({"rollout_s": 10, "worker_bubble": 0.25, "slot_bubble": 0.25,
+                                       "driver_idle": 0.0})
+
+
+# ------------------------------------------------------------------------------------------ driver idle
+
+
+def test_driver_idle_counts_gaps_before_a_later_submission_and_after_everything_ended():
+    """Hand-built phase [0, 10] with two workers:
+    w0: busy 0-2, empty 2-3 (then fed again: 1 s driver idle), busy 3-6, then empty while w1 still runs
+        (6-8: tail bubble, not the driver's) and after everything ended (8-10: harvest pending, 2 s).
+    w1: first submission only at 0.5 (0.5 s driver idle), busy 0.5-8, then 8-10 pending (2 s).
+    """
+    ev = [phase(0.0, "start", 1, "rollout"),
+          req(0.0, "submit", 1, 0, "a"), req(2.0, "finish", 1, 0, "a"),
+          req(3.0, "submit", 1, 0, "b"), req(6.0, "finish", 1, 0, "b"),
+          req(0.5, "submit", 1, 1, "c"), req(8.0, "abort", 1, 1, "c"),
+          phase(10.0, "end", 1, "rollout")]
+    idle, total = driver_idle(ev, 1)
+    assert idle == pytest.approx(1.0 + 2.0 + 0.5 + 2.0)
+    assert total == pytest.approx(2 * 10.0)
+    assert rollout_bubble_by_step(ev)[1]["driver_idle"] == pytest.approx(5.5 / 20.0)
+    # The worker bubble counts w0's 6-10 and w1's 8-10: the tail and the pending harvest are both in it,
+    # but only the pending part is the driver's.
+    assert worker_bubble_ratio(ev, 1) == pytest.approx((4.0 + 2.0) / 20.0)
+
+
+def test_driver_idle_is_zero_when_every_engine_is_fed_until_the_phase_ends():
+    ev = rollout_step(finishes=((0, 10.0), (1, 10.0)), t1=10.0)
+    assert driver_idle(ev, 0) == (0.0, 20.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_driver_idle_never_exceeds_empty_engine_time(seed):
+    """Property: per worker, driver idle <= the time it had nothing in flight inside the phase, and a request
+    left open (no finish) keeps its worker busy until the phase ends."""
+    import random
+
+    rng = random.Random(seed)
+    per_worker = {}
+    for w in range(3):
+        t, iv = rng.uniform(0, 2), []
+        for _ in range(rng.randint(1, 4)):
+            a = t + rng.uniform(0, 2)
+            b = a + rng.uniform(0.1, 3)
+            iv.append((a, b))
+            t = b if rng.random() < 0.7 else a + 0.05  # sometimes overlapping requests
+        per_worker[w] = iv
+    per_worker[3] = [(1.0, float("inf"))]
+    t0, t1 = 0.0, 12.0
+    idle = driver_idle_from_intervals(per_worker, t0, t1)
+    for w, iv in per_worker.items():
+        empty = (t1 - t0) - union_length(iv, t0, t1)
+        assert -1e-9 <= idle[w] <= empty + 1e-9
+    assert idle[3] == pytest.approx(1.0)  # only its start was late

@@ -25,6 +25,8 @@ from megatron_sortedrl.telemetry.timeline import (
     TimelineError,
     TimelineWriter,
     active_integral,
+    driver_idle,
+    driver_idle_from_intervals,
     phase_intervals,
     read_run_timeline,
     read_timeline,
@@ -40,6 +42,7 @@ from megatron_sortedrl.telemetry.timeline import (
 
 __all__ = [
     "KINDS", "PHASES", "Event", "RunClock", "TimelineError", "TimelineWriter", "active_integral",
+    "driver_idle", "driver_idle_from_intervals",
     "phase_intervals", "read_run_timeline", "read_timeline", "request_intervals", "rollout_bubble_by_step",
     "slot_bubble_ratio", "slot_bubble_ratio_from_intervals", "step_breakdown", "step_windows",
     "worker_bubble_ratio", "worker_bubble_ratio_from_times",

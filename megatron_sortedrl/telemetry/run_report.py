@@ -12,8 +12,9 @@ rows), `timeline*.jsonl` (phases and requests) and `summary.json` (only once the
 or unreadable input leaves out the figures that need it and the page says so; nothing here raises for a
 killed run. The page: a summary table; reward and accuracy per step with the evaluations; the step-time
 breakdown; a Gantt of requests per rollout worker with the bubble shaded (last `GANTT_STEPS` steps); the
-worker bubble ratio per step; draft acceptance (speculative decoding); the staleness histogram; and a
-per-step table (also `steps.csv`). Plot helpers, colours and the page style come from `report.py`.
+worker bubble ratio per step and the engine time lost waiting on the driver (driver idle, in the summary and
+the per-step table); draft acceptance (speculative decoding); the staleness histogram; and a per-step table
+(also `steps.csv`). Plot helpers, colours and the page style come from `report.py`.
 
 Left out: the slot bubble ratio (it needs one engine's `max_num_seqs`, which the run directory does not
 record: use `nvml-report --max-batch`), GPU utilization (`nvml-report`), and comparing two runs.
@@ -37,8 +38,8 @@ from megatron_sortedrl.metrics import METRICS_FILE, read_jsonl
 from megatron_sortedrl.telemetry.report import (
     DPI, img_tag, page_start, phase_color, phase_order, plot_breakdown, plot_bubbles, plt)
 from megatron_sortedrl.telemetry.timeline import (
-    Event, phase_intervals, phase_window, read_run_timeline, request_intervals, rollout_bubble_by_step, step_breakdown,
-    step_windows, worker_bubble_ratio)
+    Event, driver_idle, phase_intervals, phase_window, read_run_timeline, request_intervals, rollout_bubble_by_step,
+    step_breakdown, step_windows, worker_bubble_ratio)
 
 GANTT_STEPS = 3  # the Gantt draws the last this-many steps with a rollout phase: one bar per request
 MAX_WIDTH_IN = 16.0  # per-step bar charts stop growing here and thin their tick labels
@@ -331,7 +332,8 @@ _STEP_COLUMNS = (
     ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "accuracy", "{:.3f}"),
     ("eval", "eval accuracy", "{:.3f}"), ("rollout/response_len", "response len", "{:.0f}"),
     ("rollout/tokens_per_s", "tokens/s", "{:.0f}"), ("time/step_s", "step s", "{:.2f}"),
-    ("worker_bubble", "worker bubble", "{:.3f}"), ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
+    ("worker_bubble", "worker bubble", "{:.3f}"), ("rollout/driver_idle_share", "driver idle", "{:.3f}"),
+    ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
 )
 
@@ -384,6 +386,9 @@ def summary_items(run: RunData, bubbles: dict[int, float]) -> list[tuple[str, st
         items.append(("mean step time", f"{sum(step_s) / len(step_s):.2f} s"))
     if run.events and bubbles:
         items.append(("worker bubble ratio, all steps", f"{worker_bubble_ratio(run.events):.1%}"))
+        idle, total = driver_idle(run.events)
+        if total > 0:
+            items.append(("engine time idle on the driver, all steps", f"{idle / total:.1%} ({idle:.1f} engine-s)"))
     elif bubbles:
         items.append(("worker bubble ratio, mean of steps", f"{sum(bubbles.values()) / len(bubbles):.1%}"))
     spec = [r["spec/mean_accepted_length"] for r in run.steps.values() if "spec/mean_accepted_length" in r]

@@ -1,5 +1,5 @@
 """The run timeline: one append-only JSON-lines event format, its writer, its reader, and the metrics of
-DESIGN section 4 computed from it (worker bubble ratio, slot bubble ratio, step-time breakdown).
+DESIGN section 4 computed from it (worker bubble ratio, slot bubble ratio, driver idle, step-time breakdown).
 
 One line is one event, for example::
 
@@ -41,7 +41,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "worker": ("busy", "idle"),
 }
 # Phase names the driver uses; readers accept others too (a user's custom phase is still time spent).
-PHASES: tuple[str, ...] = ("rollout", "reward", "logprob", "train", "sync", "checkpoint", "eval")
+PHASES: tuple[str, ...] = ("rollout", "reward", "logprob", "train", "sync", "history", "checkpoint", "eval")
 TIMELINE_GLOB = "timeline*.jsonl"
 
 
@@ -283,6 +283,47 @@ def worker_bubble_ratio(events: Sequence[Event], step: int | None = None) -> flo
     return idle / total if total > 0 else 0.0
 
 
+def driver_idle_from_intervals(per_worker: dict[int, list[tuple[float, float]]], t_start: float,
+                               t_end: float) -> dict[int, float]:
+    """Seconds each worker spends with no request in flight for reasons on the driver's side.
+
+    A worker's empty stretch inside [t_start, t_end] counts when the driver still owed it something:
+    - it ends with a new submission to that worker (work remained: the driver fed it late), including
+      the stretch from t_start to its first submission;
+    - or it lies after the last request of the phase ended on every worker (the round is done and only the
+      harvest, scoring and phase end are pending).
+    An empty stretch while other workers still generate and nothing more comes to this one is the tail
+    bubble (`worker_bubble_ratio`), not driver idle. Pure function of the intervals, for the simulator too.
+    """
+    ends = [b for iv in per_worker.values() for _, b in iv]
+    all_done = min(max(ends), t_end) if ends else t_start
+    out: dict[int, float] = {}
+    for w, iv in per_worker.items():
+        idle, covered = 0.0, t_start  # `covered`: the end of the busy span seen so far
+        for a, b in sorted(iv):
+            a, b = max(a, t_start), min(b, t_end)
+            if a > covered:
+                idle += a - covered  # an empty stretch that a later submission ended
+            covered = max(covered, b)
+        if covered < t_end:
+            idle += t_end - max(covered, all_done)  # after everything ended: the harvest is pending
+        out[w] = idle
+    return out
+
+
+def driver_idle(events: Sequence[Event], step: int | None = None) -> tuple[float, float]:
+    """(driver-idle worker-seconds, worker-seconds) of the rollout phase of `step` (or every step), with the
+    workers and window of `worker_bubble_ratio`; their quotient is the share of rollout capacity lost
+    waiting on the driver (`driver_idle_from_intervals` says what counts)."""
+    idle = total = 0.0
+    for t0, t1, per_worker in _rollout_figures(events, step).values():
+        if not per_worker or t1 <= t0:
+            continue
+        idle += sum(driver_idle_from_intervals(per_worker, t0, t1).values())
+        total += len(per_worker) * (t1 - t0)
+    return idle, total
+
+
 def slot_bubble_ratio(events: Sequence[Event], max_batch: int, step: int | None = None,
                       num_workers: int | None = None) -> float:
     """Slot bubble ratio of the rollout phase of `step` (DESIGN section 4).
@@ -367,14 +408,16 @@ def step_breakdown(events: Sequence[Event]) -> dict[int, dict[str, float]]:
 
 
 def rollout_bubble_by_step(events: Sequence[Event], max_batch: int | None = None) -> dict[int, dict[str, float]]:
-    """Per step with a rollout phase: its duration, worker bubble ratio and (given `max_batch`) slot
-    bubble ratio. This is the table the report plots."""
+    """Per step with a rollout phase: its duration, worker bubble ratio, driver-idle share (`driver_idle`) and
+    (given `max_batch`) slot bubble ratio. This is the table the report plots."""
     out = {}
     for s, (t0, t1, per_worker) in _rollout_figures(events, None).items():
-        row = {"rollout_s": t1 - t0, "worker_bubble": 0.0}
+        row = {"rollout_s": t1 - t0, "worker_bubble": 0.0, "driver_idle": 0.0}
         if per_worker and t1 > t0:
             last = [max(b for _, b in iv) for iv in per_worker.values()]
             row["worker_bubble"] = worker_bubble_ratio_from_times(last, t0, t1)
+            idle = driver_idle_from_intervals(per_worker, t0, t1)
+            row["driver_idle"] = sum(idle.values()) / (len(per_worker) * (t1 - t0))
         if max_batch:
             intervals = [iv for ivs in per_worker.values() for iv in ivs]
             row["slot_bubble"] = slot_bubble_ratio_from_intervals(intervals, max_batch * len(per_worker), t0, t1) \
