@@ -13,11 +13,17 @@ as a dotted path or a module-level callable. Workers are `spawn`ed, never forked
 Ray and vLLM threads that a fork would copy in a broken state. A function that raises gives reward 0, the
 exception text in `sample.reward_error`, and one line in `pool.failures` (sample id, error); a function
 that runs past `timeout_s` has its worker killed and restarted, and the sample gets reward 0 with
-"timeout" as its error. The run goes on either way. Each worker scores one sample at a time, so a
-timeout only ever loses the sample that caused it.
+"timeout" as its error. The run goes on either way.
+
+Samples go to a free worker in batches (everything pending, up to `max_batch`) and come back one by one as
+each is scored, so a burst of completions at the end of a round costs one round trip, not one per sample:
+scoring one sample per message left the engines idle while the driver waited on the pipe. The timeout
+clock restarts at each returned result, so it still bounds one call; when it fires, only the sample being
+scored is lost (reward 0, "timeout") and the rest of its batch goes back to the front of the queue.
 
 Tests: `python -m pytest tests/test_reward_pool.py -q`.
-Left out: batched reward calls (model-based rewards would want them) and rewards on remote nodes.
+Left out: reward functions that take a whole batch in one call (model-based rewards would want them) and
+rewards on remote nodes.
 """
 
 from __future__ import annotations
@@ -45,12 +51,12 @@ def _worker_main(fn_ref: Any, conn: Any) -> None:
             return
         if msg is None:
             return
-        sample_id, sample = msg
-        try:
-            reward, err = float(fn(sample, sample.ground_truth)), ""
-        except Exception as exc:  # a buggy reward must not stop the run: counted by the pool
-            reward, err = 0.0, f"{type(exc).__name__}: {exc}"
-        conn.send((sample_id, reward, err))
+        for sample_id, sample in msg:  # a batch; each result goes back as soon as it is known
+            try:
+                reward, err = float(fn(sample, sample.ground_truth)), ""
+            except Exception as exc:  # a buggy reward must not stop the run: counted by the pool
+                reward, err = 0.0, f"{type(exc).__name__}: {exc}"
+            conn.send((sample_id, reward, err))
 
 
 class _Worker:
@@ -59,8 +65,8 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(fn_ref, child), daemon=True)
         self.proc.start()
         child.close()
-        self.task: Sample | None = None  # the sample being scored
-        self.started = 0.0
+        self.tasks: deque[Sample] = deque()  # the batch sent, in order; tasks[0] is being scored
+        self.started = 0.0  # when tasks[0] started (the batch was sent, or the previous result came back)
         self.ready = False
 
     def check_ready(self) -> bool:
@@ -75,12 +81,13 @@ class _Worker:
 
 
 class RewardPool:
-    def __init__(self, reward_fn: str | Callable[..., float], num_workers: int = 1, timeout_s: float = 10.0) -> None:
+    def __init__(self, reward_fn: str | Callable[..., float], num_workers: int = 1, timeout_s: float = 10.0,
+                 max_batch: int = 64) -> None:
         if isinstance(reward_fn, str):  # fail in the driver, with a config error, not in a worker
             from megatron_sortedrl.rewards import load_reward_fn
 
             load_reward_fn(reward_fn)
-        self.fn_ref, self.timeout_s = reward_fn, timeout_s
+        self.fn_ref, self.timeout_s, self.max_batch = reward_fn, timeout_s, max(1, max_batch)
         self._ctx = mp.get_context("spawn")
         self.workers = [_Worker(self._ctx, reward_fn) for _ in range(max(1, num_workers))]
         self.pending: deque[Sample] = deque()
@@ -94,13 +101,18 @@ class RewardPool:
 
     def __len__(self) -> int:
         """Samples submitted and not yet returned by `poll`/`drain`."""
-        return len(self.pending) + sum(w.task is not None for w in self.workers) + len(self.done)
+        return len(self.pending) + sum(len(w.tasks) for w in self.workers) + len(self.done)
 
     def _dispatch(self) -> None:
-        for w in self.workers:
-            if w.task is None and self.pending and w.check_ready():
-                w.task, w.started = self.pending.popleft(), time.monotonic()
-                w.conn.send((w.task.sample_id, w.task))
+        idle = [w for w in self.workers if not w.tasks and w.check_ready()]
+        for k, w in enumerate(idle):
+            if not self.pending:
+                break
+            # Share what is pending among the idle workers; one message per worker.
+            n = min(self.max_batch, -(-len(self.pending) // (len(idle) - k)))
+            w.tasks.extend(self.pending.popleft() for _ in range(n))
+            w.started = time.monotonic()
+            w.conn.send([(t.sample_id, t) for t in w.tasks])
 
     def _finish(self, sample: Sample, reward: float, err: str) -> None:
         sample.reward, sample.reward_error = reward, err
@@ -112,29 +124,30 @@ class RewardPool:
 
     def _collect(self) -> None:
         for i, w in enumerate(self.workers):
-            if w.task is None:
+            if not w.tasks:
                 if not w.ready and not w.proc.is_alive():  # died while importing the function
                     self._restart(i)
                 continue
-            ready = False
             try:
-                ready = w.conn.poll()
-            except (EOFError, OSError):
-                ready = False
-            if ready:
-                try:
+                while w.tasks and w.conn.poll():
                     _sid, reward, err = w.conn.recv()
-                except (EOFError, OSError):  # the worker died (e.g. the function called os._exit)
-                    reward, err = 0.0, "reward worker died"
-                    self._restart(i)
-                sample, w.task = w.task, None
-                self._finish(sample, reward, err)
-            elif not w.proc.is_alive() or time.monotonic() - w.started > self.timeout_s:
-                sample = w.task
-                err = "timeout" if w.proc.is_alive() else "reward worker died"
-                self._restart(i)
-                self._finish(sample, 0.0, err)
+                    self._finish(w.tasks.popleft(), reward, err)
+                    w.started = time.monotonic()
+            except (EOFError, OSError):  # the worker died (e.g. the function called os._exit)
+                self._lose_first(i, "reward worker died")
+                continue
+            if w.tasks and (not w.proc.is_alive() or time.monotonic() - w.started > self.timeout_s):
+                self._lose_first(i, "timeout" if w.proc.is_alive() else "reward worker died")
         self._dispatch()
+
+    def _lose_first(self, i: int, err: str) -> None:
+        """The sample being scored by worker i scores 0 with `err`; the rest of its batch is queued again first."""
+        tasks = self.workers[i].tasks
+        lost = tasks.popleft()
+        self.pending.extendleft(reversed(tasks))
+        tasks.clear()
+        self._restart(i)
+        self._finish(lost, 0.0, err)
 
     def _restart(self, i: int) -> None:
         self.workers[i].kill()
@@ -149,7 +162,7 @@ class RewardPool:
     def drain(self, sleep_s: float = 0.002) -> list[Sample]:
         """Blocks until every submitted sample is scored; returns those not yet returned."""
         out = self.poll()
-        while self.pending or any(w.task is not None for w in self.workers):
+        while self.pending or any(w.tasks for w in self.workers):
             time.sleep(sleep_s)
             out.extend(self.poll())
         return out

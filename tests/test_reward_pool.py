@@ -72,3 +72,46 @@ def test_builtin_reward_by_dotted_path():
     with RewardPool("megatron_sortedrl.rewards.arithmetic.reward", num_workers=1) as p:
         out = {s.index: s.reward for s in p.score([good, bad])}
     assert out == {0: 1.0, 1: 0.0}
+
+
+def exit_on_seven(sample, ground_truth):
+    """Kills its own process on "exit", hangs on "hang", else exact match."""
+    import os
+
+    if sample.response_text == "exit":
+        os._exit(3)
+    if sample.response_text == "hang":
+        time.sleep(60)
+    return 1.0 if sample.response_text == ground_truth else 0.0
+
+
+def test_a_burst_goes_out_in_one_message_per_idle_worker():
+    with RewardPool(exit_on_seven, num_workers=1, timeout_s=5.0, max_batch=64) as p:
+        while not p.workers[0].check_ready():
+            time.sleep(0.01)
+        samples = [_sample(i, "42") for i in range(40)]
+        for s in samples:
+            p.pending.append(s)
+        p._dispatch()
+        assert not p.pending and len(p.workers[0].tasks) == 40  # one message holds the whole burst
+        assert [s.reward for s in p.drain()] == [1.0] * 40
+
+
+@pytest.mark.parametrize("bad", ["hang", "exit"])
+def test_a_failure_inside_a_batch_loses_only_its_own_sample(bad):
+    """The bad sample sits in the middle of one batch: it scores 0 with its error, the samples before it keep
+    their results, the ones after it are scored again by the restarted worker; none is lost or doubled."""
+    with RewardPool(exit_on_seven, num_workers=1, timeout_s=2.0, max_batch=64) as p:
+        while not p.workers[0].check_ready():
+            time.sleep(0.01)
+        samples = [_sample(i, "42" if i % 2 else "41") for i in range(9)]
+        samples[4].response_text = bad
+        scored = p.score(samples)
+    assert sorted(s.sample_id for s in scored) == sorted(s.sample_id for s in samples)
+    assert len(scored) == len(samples)
+    by_id = {s.sample_id: s for s in scored}
+    assert by_id[samples[4].sample_id].reward_error == ("timeout" if bad == "hang" else "reward worker died")
+    for i, s in enumerate(samples):
+        if i != 4:
+            assert by_id[s.sample_id].reward == (1.0 if i % 2 else 0.0) and by_id[s.sample_id].reward_error == ""
+    assert p.stats["scored"] == 9 and p.stats["timeouts" if bad == "hang" else "errors"] == 1
