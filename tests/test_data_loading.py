@@ -92,3 +92,15 @@ def test_load_prompts_from_config(tmp_path):
     train, held_out = load_prompts(cfg.data, "train"), load_prompts(cfg.data, "eval")
     assert len(train) == cfg.data.num_train_prompts and len(held_out) == cfg.data.num_eval_prompts
     assert not {p.prompt_id for p in train} & {p.prompt_id for p in held_out}
+
+
+def test_empty_file_or_nothing_usable_is_one_line(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DatasetError, match=r"empty\.jsonl holds no rows; point data\.train_files"):
+        load_files([str(tmp_path / "empty.jsonl")], "prompt", "ground_truth")
+    pq.write_table(pa.Table.from_pylist([], schema=pa.schema([("prompt", pa.string())])), tmp_path / "empty.parquet")
+    with pytest.raises(DatasetError, match="holds no rows"):
+        load_files([str(tmp_path / "empty.parquet")], "prompt", "ground_truth")
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "x"}, "not json"])
+    with pytest.raises(DatasetError, match=r"no usable prompt in .*bad\.jsonl: all 2 rows were malformed"):
+        load_files([str(bad)], "prompt", "ground_truth", "skip", LoadReport())

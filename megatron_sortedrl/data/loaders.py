@@ -68,7 +68,9 @@ def load_files(files: list[str], prompt_key: str, answer_key: str, on_bad_row: s
         path = Path(file)
         if not path.is_file():
             raise DatasetError(f"dataset file not found: {path} (check data.train_files / data.eval_files)")
+        rows_in_file = 0
         for row_no, row in _rows(path):
+            rows_in_file += 1
             where = f"{path}:{row_no}"
             try:
                 prompt = _to_prompt(row, path, row_no, prompt_key, answer_key)
@@ -82,6 +84,12 @@ def load_files(files: list[str], prompt_key: str, answer_key: str, on_bad_row: s
             seen[prompt.prompt_id] = where
             prompts.append(prompt)
             report.loaded += 1
+        if rows_in_file == 0:
+            raise DatasetError(f"{path} holds no rows; point data.train_files / data.eval_files at a non-empty "
+                               ".jsonl or .parquet file")
+    if files and not prompts:
+        raise DatasetError(f"no usable prompt in {', '.join(files)}: all {len(report.skipped)} rows were malformed "
+                           f"(first: {report.skipped[0] if report.skipped else '-'})")
     return prompts
 
 
