@@ -8,14 +8,17 @@
 Layout of one checkpoint directory:
 
     <path>/                 torch_dist shards + metadata (model and optimizer; resharded on load)
-    <path>/trainer_state.pt step counters, LR schedule, anything the caller adds (driver resume state)
+    <path>/trainer_state.pt step counters, LR schedule, anything the caller adds (driver resume state); plain
+                        data only: it is read with `torch.load(weights_only=True)`, which runs no code
     <path>/COMPLETE.json    written last; its presence is what makes the checkpoint valid
 
 Atomicity: everything is written into `<parent>/.<name>.partial`; only after every rank has finished and
 COMPLETE.json is fsynced is that directory renamed to `<path>` (an existing checkpoint at `<path>` is
 moved aside first and deleted afterwards). A crash at any point leaves either the old checkpoint or the
 new one, plus perhaps a `.partial` directory that the next save removes. `load_checkpoint` refuses a
-directory without COMPLETE.json with a `CheckpointError`, and `find_latest_checkpoint` skips it.
+directory without COMPLETE.json with a `CheckpointError`, and `find_latest_checkpoint` skips it. It also
+refuses a checkpoint whose tensors do not match the model (missing or unknown names), instead of loading
+what matches and leaving the rest at their initial values.
 
 Checkpoints use Megatron's sharded keys, which are the same for the local (CPU) and Transformer Engine
 (GPU) layer specs, so a CPU checkpoint loads on GPU and back.
@@ -126,12 +129,46 @@ def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool
         raise
     except (Exception, CheckpointException) as exc:  # a shard file missing or cut short
         raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from None
-    model.load_state_dict(loaded["model"], strict=False)
+    _check_keys(path, model.load_state_dict(loaded["model"], strict=False))
     if load_optimizer:
         opt.load_state_dict(loaded["optimizer"])
-    state = torch.load(path / STATE_FILE, weights_only=False)
+    state = read_state(path)
     if sched is not None and "lr_scheduler" in state:
         sched.load_state_dict(state["lr_scheduler"])
+    return state
+
+
+def _check_keys(path: Path, result) -> None:
+    """Refuses a checkpoint that lacks tensors of this model or holds tensors it does not have. Megatron's
+    `_extra_state` entries (Transformer Engine's FP8 metadata) are optional and a checkpoint from the other
+    layer spec legitimately lacks or adds them, so they do not count."""
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        what = "; ".join(f"{label} {len(keys)} tensor(s), e.g. {', '.join(keys[:3])}"
+                         for label, keys in (("lacks", missing), ("has unknown", unexpected)) if keys)
+        raise CheckpointError(f"checkpoint {path} does not match this model: it {what}; check model.path "
+                              "(the architecture must be the one the checkpoint was saved from)")
+
+
+def read_state(path: str | Path) -> dict:
+    """The trainer state file of a checkpoint, read without executing code: only plain containers, numbers,
+    strings, bytes and tensors load (`torch.load(weights_only=True)`), so opening someone else's checkpoint
+    cannot run what a pickle would smuggle in."""
+    import pickle
+
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {STATE_FILE}; it is not a trainer checkpoint of this project")
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds more than plain data and was not loaded "
+                              f"({reason[:160]}); only load checkpoints you trust, and re-save them with this "
+                              "version") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds a {type(state).__name__}, not a dict")
     return state
 
 
