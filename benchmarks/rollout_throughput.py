@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.TemporaryDirectory()
     model = Path(args.model) if args.model else build_tiny_model(Path(tmp.name) / "tiny")
-    ray.init(include_dashboard=False, num_cpus=2 if args.device == "cpu" else None)
+    ray.init(address="local", include_dashboard=False, num_cpus=2 if args.device == "cpu" else None)
     t0 = time.monotonic()
     pool = RolloutPool(PoolOptions(model_path=str(model), device=args.device, max_num_seqs=max(args.batch_sizes),
                                    max_model_len=args.prompt_tokens + args.max_tokens + 8, poll_wait_s=0.1))

@@ -34,7 +34,7 @@ def _hf_greedy(model_dir, state: dict, prompt: list[int], n: int) -> list[int]:
 def test_run_checkpoint_exports_and_vllm_matches_trainer(tmp_path):
     from megatron_sortedrl.rollout import GenRequest, PoolOptions, RolloutPool
     model_dir = build_tiny_model(tmp_path / "tiny", TinyModelConfig(seed=3))
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     group = pool = None
     try:
         group, pairs = tp2_trainer_after_sft(model_dir)

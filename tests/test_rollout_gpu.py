@@ -31,7 +31,7 @@ def test_gpu_weight_sync_matches_transformers(tmp_path, transport):
     from transformers import Qwen2ForCausalLM
 
     model_dir = build_tiny_model(tmp_path / "tiny", TinyModelConfig())
-    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", include_dashboard=False, ignore_reinit_error=True)
     pool = RolloutPool(PoolOptions(model_path=str(model_dir), device="gpu", max_model_len=512,
                                    gpu_memory_utilization=0.2, weight_transport=transport,
                                    colocate=transport == "ipc", engine_extra={"max_num_batched_tokens": 4096}))

@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     p = RolloutPool(PoolOptions(model_path=str(model_dir), device="cpu", num_engines=2, tp=1, max_model_len=1024,
                                 max_num_seqs=16, poll_wait_s=0.2, request_timeout_s=120))
     yield p

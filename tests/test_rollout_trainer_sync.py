@@ -25,7 +25,7 @@ from helpers import tp2_trainer_after_sft  # noqa: E402
 
 def test_trainer_to_vllm_logprob_parity(tmp_path):
     model_dir = build_tiny_model(tmp_path / "tiny", TinyModelConfig(seed=5))
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     group = pool = None
     try:
         group, pairs = tp2_trainer_after_sft(model_dir)

@@ -48,7 +48,7 @@ def gpu_group(tmp_path_factory):
     cfg.cluster.device = "gpu"
     cfg.parallel.use_distributed_optimizer = True
     cfg.trainer.micro_batch_tokens = 64
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     group = TrainerGroup(cfg)
     yield group, d
     group.shutdown()

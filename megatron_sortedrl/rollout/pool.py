@@ -125,7 +125,7 @@ class RolloutPool:
         import ray
 
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=True)
+            ray.init(address="local", include_dashboard=False, log_to_driver=True)
         self.opts = opts
         self.version = 0
         self.slots: list[_Slot] = []

@@ -79,7 +79,7 @@ class TrainerGroup:
         self.world_size = cfg.parallel.world_size
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=cfg.cluster.ray_address or None, include_dashboard=False,
+            ray.init(address=cfg.cluster.ray_address or "local", include_dashboard=False,
                      num_cpus=None if cfg.cluster.ray_address else max(int(self.world_size * num_cpus_per_rank), 1))
         gpu = on_gpu(cfg)
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": 1} if gpu else {})}
