@@ -30,28 +30,27 @@ history, Python's RNG, the run clock and the reward failure counts. A new `train
 directory resumes from the newest complete one (`checkpoint.resume=auto`): the metrics, timeline and
 TensorBoard records of steps after it are dropped (they will be run again), so every step appears once.
 
+The bookkeeping around the loop (resume point, record files, the metrics row, summary, report, stop signals)
+lives in `run_records.py`.
+
 Left out: asynchronous (overlapping) rollout and training.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
-import signal
-import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from megatron_sortedrl.errors import CheckpointError
-from megatron_sortedrl.metrics import METRICS_FILE, MetricsWriter
+from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.reward_pool import RewardPool
+from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
-from megatron_sortedrl.telemetry.timeline import RunClock, TimelineWriter, worker_bubble_ratio
 
 
 @dataclass
@@ -65,7 +64,6 @@ class Driver:
     def __init__(self, cfg, printer: Callable[[str], None] = print, reward_fn: Any = None) -> None:
         self.cfg, self.say = cfg, printer
         self.run_dir = Path(cfg.logging.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.step, self.version = 0, 0
         self.events: list = []  # the current step's timeline events, for its bubble ratio
@@ -73,34 +71,13 @@ class Driver:
         self.accuracy_before: float | None = None
         self._reward_fn = reward_fn
         self._saved_step = -1
-        self.resume_from = self._resume_point()
+        self.resume_from = resume_point(cfg, self.ckpt_root)
+        preflight(cfg, self.resume_from, reward_fn)  # one-line errors before Ray, trainer or engines start
         self._setup()
         self._resumed = self._load_resume_state() if self.resume_from else {}
         self._open_records()
 
     # ------------------------------------------------------------------------------------------ set-up
-
-    def _resume_point(self) -> Path | None:
-        """The checkpoint to continue from, per `checkpoint.resume` (see its help)."""
-        from megatron_sortedrl.trainer.checkpoint import find_latest_checkpoint, is_complete
-
-        mode = self.cfg.checkpoint.resume
-        if mode == "never":
-            return None
-        if mode in ("auto", "required"):
-            latest = find_latest_checkpoint(self.ckpt_root)
-            if latest is None and mode == "required":
-                raise CheckpointError(f"checkpoint.resume=required but {self.ckpt_root} holds no complete checkpoint; "
-                                      "use checkpoint.resume=auto to start a new run there")
-            return latest
-        given = Path(mode)
-        if is_complete(given):
-            return given
-        latest = find_latest_checkpoint(given) or find_latest_checkpoint(given / "checkpoints")
-        if latest is None:
-            raise CheckpointError(f"checkpoint.resume={mode}: no complete checkpoint there (a checkpoint directory "
-                                  "holds COMPLETE.json; a run directory holds checkpoints/iter_*)")
-        return latest
 
     def _setup(self) -> None:
         import ray
@@ -126,9 +103,11 @@ class Driver:
         self.eval_prompts = load_prompts(cfg.data, "eval")
         self._ptok: dict[str, list[int]] = {}
         # One Ray instance for trainer ranks and engines; without this the trainer would size it to itself.
+        # Without cluster.ray_address it is a new local instance ("local"): Ray would otherwise attach to any
+        # other Ray running on this machine (another user's run, a test) and share its CPUs.
         if not ray.is_initialized():
             need = cfg.parallel.world_size + cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
-            ray.init(address=cfg.cluster.ray_address or None, include_dashboard=False, log_to_driver=False,
+            ray.init(address=cfg.cluster.ray_address or "local", include_dashboard=False, log_to_driver=False,
                      num_cpus=None if cfg.cluster.ray_address else max(need, os.cpu_count() or 1))
             self._owns_ray = True
         else:
@@ -148,7 +127,6 @@ class Driver:
                                   num_epochs=cfg.data.num_epochs or None)
         self.history = HistoryStore()
         self._shipped = 0
-        self._failures_seen = 0
 
     def _load_resume_state(self) -> dict[str, Any]:
         """Loads model and optimizer into the trainer and restores the driver's state from `extra`."""
@@ -168,26 +146,10 @@ class Driver:
         return extra
 
     def _open_records(self) -> None:
-        """Opens metrics, timeline and failure logs. A resumed run drops the records of steps after its checkpoint
-        (they run again); a new run starts them empty."""
-        resumed = bool(self._resumed)
-        for name in (METRICS_FILE, "timeline.jsonl", "reward_failures.jsonl"):
-            path = self.run_dir / name
-            if not resumed:
-                path.unlink(missing_ok=True)
-            elif path.exists():
-                _keep_rows(path, lambda row: int(row.get("step", 0)) <= self.step)
-        if not resumed:
-            shutil.rmtree(self.run_dir / "tensorboard", ignore_errors=True)
-            (self.run_dir / "summary.json").unlink(missing_ok=True)
-        self.clock = RunClock(self._resumed.get("clock_epoch"))
-        self.timeline = TimelineWriter(self.run_dir / "timeline.jsonl", self.clock)
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.logging.tensorboard,
-                                     purge_step=self.step + 1 if resumed else None)
-        self._reward_fail_log = open(self.run_dir / "reward_failures.jsonl", "a", buffering=1, encoding="utf-8")
-        from megatron_sortedrl.config import to_yaml
-
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        """Opens metrics, timeline and failure logs (trimmed to the checkpoint's step when resuming)."""
+        self.records = RunRecords(self.cfg, self.run_dir, self.step if self._resumed else None,
+                                  self._resumed.get("clock_epoch"), self.say)
+        self.clock, self.timeline, self.metrics = self.records.clock, self.records.timeline, self.records.metrics
         self.nvml = None
         if self.cfg.logging.nvml_sample_hz > 0 and _cluster_gpus() > 0:
             from megatron_sortedrl.telemetry.nodes import NodeSamplers
@@ -355,15 +317,17 @@ class Driver:
 
     def update_history(self, batch: list[Sample]) -> dict[str, float]:
         """Records this step's responses per prompt and ships the change to every engine's drafter."""
+        self._phase("history", "start")
         for s in batch:
             self.history.record(s.prompt_tokens, [s.response_tokens], epoch=s.epoch)
-        if not self.cfg.speculative.enabled:
-            return {}
-        self._ship_history()
-        out: dict[str, float] = {"spec/history_prompts": float(len(self.history.keys()))}
-        stats = [r for per in self.pool.collective_rpc("histospec_stats") for r in per if r.get("active")]
-        if stats:
-            out.update({k: float(v) for k, v in stats[0]["summary"].items()})
+        out: dict[str, float] = {}
+        if self.cfg.speculative.enabled:
+            self._ship_history()
+            out["spec/history_prompts"] = float(len(self.history.keys()))
+            stats = [r for per in self.pool.collective_rpc("histospec_stats") for r in per if r.get("active")]
+            if stats:
+                out.update({k: float(v) for k, v in stats[0]["summary"].items()})
+        self._phase("history", "end")
         return out
 
     def _ship_history(self) -> None:
@@ -411,40 +375,8 @@ class Driver:
         return path
 
     def log(self, step_s: float, batch: list[Sample], harvest_stats: dict, *parts: dict) -> dict[str, Any]:
-        rewards = [s.reward or 0.0 for s in batch]
-        tokens = sum(s.response_length for s in batch)
-        failures = self.rewards.failures[self._failures_seen:]
-        for sid, err in failures:
-            self._reward_fail_log.write(json.dumps({"step": self.step, "sample_id": sid, "error": err}) + "\n")
-        self._failures_seen = len(self.rewards.failures)
-        stale = harvest_stats.get("staleness", [])
-        hist = {str(k): v for k, v in sorted(Counter(stale).items())}
-        row = {"reward/mean": sum(rewards) / max(1, len(rewards)),
-               "reward/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
-               "reward/errors_total": self.rewards.stats["errors"], "reward/timeouts_total": self.rewards.stats["timeouts"],
-               "reward/per_sample": {s.sample_id: s.reward for s in batch},
-               "rollout/samples": len(batch), "rollout/response_len": tokens / max(1, len(batch)),
-               "rollout/tokens_per_s": tokens / max(step_s, 1e-9), "rollout/bubble_ratio": self._bubble(),
-               "rollout/staleness_mean": sum(stale) / max(1, len(stale)), "rollout/staleness_hist": hist,
-               "policy/version": self.version,
-               "time/step_s": step_s}
-        for part in parts:
-            row.update(part)
-        row = self.metrics.log(self.step, row)
-        if self.step % max(1, self.cfg.logging.log_interval) == 0:
-            spec = row.get("spec/mean_accepted_length")
-            self.say(f"step {self.step}: reward {row['reward/mean']:.3f} acc {row['reward/accuracy']:.2f} "
-                     f"len {row['rollout/response_len']:.0f} tok/s {row['rollout/tokens_per_s']:.0f} "
-                     f"bubble {row['rollout/bubble_ratio']:.2f}"
-                     + (f" draft-accept {spec:.2f}" if spec is not None else "")
-                     + f" ({step_s:.1f}s, v{self.version})")
-        return row
-
-    def _bubble(self) -> float:
-        try:
-            return float(worker_bubble_ratio(self.events, self.step))
-        except Exception:  # a step without request events has no bubble to speak of
-            return 0.0
+        return self.records.log_step(self.step, self.version, step_s, batch, harvest_stats, self.events, self.rewards,
+                                     *parts)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -466,7 +398,7 @@ class Driver:
         cfg = self.cfg
         t_start = time.monotonic()
         start_step = self.step
-        restore = self._catch_stop_signals()
+        restore = catch_stop_signals(self._on_stop_signal)
         try:
             if self._resumed:
                 self.restore_engines()
@@ -514,52 +446,23 @@ class Driver:
         return summary
 
     def _summary(self, t_start: float, start_step: int, after: float | None, **extra: Any) -> dict[str, Any]:
-        summary = {"steps": self.step, "steps_this_run": self.step - start_step, "policy_version": self.version,
-                   "accuracy_before_rl": self.accuracy_before, "accuracy_after_rl": after,
-                   "wall_s": time.monotonic() - t_start, "resumed_from": str(self.resume_from or ""),
-                   "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"],
-                   **extra}
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, self.run_dir / "summary.json")
-        return summary
+        return self.records.write_summary({
+            "steps": self.step, "steps_this_run": self.step - start_step, "policy_version": self.version,
+            "accuracy_before_rl": self.accuracy_before, "accuracy_after_rl": after,
+            "wall_s": time.monotonic() - t_start, "resumed_from": str(self.resume_from or ""),
+            "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"], **extra})
 
     def write_report(self) -> Path | None:
-        """The HTML run report; a failure to render it is reported and never fails the run."""
-        try:
-            from megatron_sortedrl.telemetry.run_report import write_run_report
+        return self.records.write_report()
 
-            self.timeline.flush()
-            path = write_run_report(self.run_dir)
-            self.say(f"run report: {path}")
-            return path
-        except Exception as exc:
-            self.say(f"warning: the run report was not written ({type(exc).__name__}: {exc}); "
-                     f"retry with: python -m megatron_sortedrl report {self.run_dir}")
-            return None
-
-    def _catch_stop_signals(self) -> Callable[[], None]:
-        """SIGTERM and SIGUSR1 ask for a checkpoint after the current step; returns the undo."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def handler(signum: int, _frame: Any) -> None:
-            self.stop_signal = signal.Signals(signum).name
-            self.say(f"{self.stop_signal} received: finishing step {self.step}, then checkpointing")
-
-        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-
-        def restore() -> None:
-            for sig, previous in old.items():
-                signal.signal(sig, previous)
-
-        return restore
+    def _on_stop_signal(self, name: str) -> None:
+        self.stop_signal = name
+        self.say(f"{name} received: finishing step {self.step}, then checkpointing")
 
     def close(self) -> None:
         import ray
 
-        closers = [self.rewards.close, self.pool.shutdown, self.trainer.shutdown, self.timeline.close,
-                   self.metrics.close, self._reward_fail_log.close]
+        closers = [self.rewards.close, self.pool.shutdown, self.trainer.shutdown, *self.records.closers()]
         if self.nvml is not None:
             closers.insert(0, self.nvml.stop)
         for closer in closers:
@@ -576,21 +479,6 @@ def _request_of(s: Sample, max_len: int):
 
     return Request(sample=s, worker=0, predicted_length=s.predicted_length,
                    max_tokens=max_len - s.response_length)
-
-
-def _keep_rows(path: Path, keep: Callable[[dict], bool]) -> None:
-    """Rewrites a JSON-lines file with the rows `keep` accepts (atomically; a torn last line is dropped)."""
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # the line a killed process was writing
-            continue
-        if keep(row):
-            rows.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _cluster_gpus() -> float:
