@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     sub = argparse.ArgumentParser(prog=f"megatron-sortedrl {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
     module.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
+    try:  # key=value overrides may follow options, as users type them
+        args = sub.parse_intermixed_args(argv[1:])
+    except TypeError:  # a subcommand with a sub-parser (convert) cannot intermix; it parses as usual
+        args = sub.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
     except UserError as exc:

@@ -67,3 +67,10 @@ def test_short_rl_loop(tiny_model_dir, tmp_path):
     assert step_rows[-1]["reward/errors_total"] <= summary["reward_errors"] and step_rows[-1]["reward/errors_total"] > 0
     timeline = (tmp_path / "run" / "timeline.jsonl").read_text()
     assert '"phase":"train"' in timeline and '"event":"finish"' in timeline
+    # Each step row breaks its time down by phase and says how much engine time waited on the driver;
+    # the phases run one after another, so together they fit inside the step's wall time.
+    for row in step_rows:
+        phases = [row[f"time/{p}_s"] for p in ("rollout", "train", "sync", "history")]
+        assert all(t > 0 for t in phases) and sum(phases) <= row["time/step_s"] + 1e-6
+        assert 0.0 <= row["rollout/driver_idle_share"] <= 1.0
+        assert row["rollout/driver_idle_s"] <= row["time/rollout_s"] * cfg.rollout.num_workers + 1e-6

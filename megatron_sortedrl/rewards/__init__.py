@@ -40,4 +40,20 @@ def load_reward_fn(dotted: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError("data.reward_fn", dotted, f"a function named '{attr}' in module '{module_name}'")
+    check_signature(fn, "data.reward_fn", dotted)
     return fn
+
+
+def check_signature(fn: RewardFn, key: str, shown: object) -> None:
+    """A reward must accept `(sample, ground_truth)`; checked when the run starts, not when the first sample
+    is scored. Callables without an inspectable signature (some C functions) are let through."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        raise ConfigError(key, shown, f"a function taking (sample, ground_truth); it takes {sig}") from None

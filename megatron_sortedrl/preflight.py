@@ -1,0 +1,82 @@
+"""Checks that run before an RL run starts anything (Ray, trainer ranks, engines): what can be known from
+the config and the files it names is checked here, so a mistake costs a second, not a cluster start.
+
+    from megatron_sortedrl.preflight import preflight
+    preflight(cfg, resume_from=None)          # raises a UserError with one line; the CLI exits 2
+
+Checked: the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
+there; the reward function (imports, takes `(sample, ground_truth)`); the run directory (writable); the
+checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
+policy). The config's own values and the parallel layout are checked when the config loads (`config.py`),
+the datasets when they load (`data/loaders.py`), both also before anything starts.
+
+Left out: anything that needs the hardware (GPU memory, node count): the launch plan checks those.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from megatron_sortedrl.errors import CheckpointError, UserError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> None:
+    check_model_dir(cfg.model)
+    check_reward(cfg.data, reward_fn)
+    check_writable(Path(cfg.logging.run_dir), "logging.run_dir")
+    if resume_from is not None:
+        check_resume_state(resume_from, cfg.scheduler.policy)
+
+
+def check_model_dir(model_cfg) -> None:
+    path = Path(model_cfg.path)
+    if not path.exists():
+        if model_cfg.build_tiny_if_missing:
+            return  # the driver builds the tiny model there
+        raise UserError(f"model.path={path}: no such directory; point it at a Hugging Face model directory "
+                        "(config.json, *.safetensors, tokenizer files) or set model.build_tiny_if_missing=true")
+    if not path.is_dir():
+        raise UserError(f"model.path={path} is a file; it must be a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.path={path} has no config.json; it must be a Hugging Face model directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                        "tokenizer files of the model into it")
+
+
+def check_reward(data_cfg, reward_fn: Any = None) -> None:
+    from megatron_sortedrl.rewards import check_signature, load_reward_fn, reward_path
+
+    if reward_fn is None:
+        load_reward_fn(reward_path(data_cfg))
+    elif isinstance(reward_fn, str):
+        load_reward_fn(reward_fn)
+    else:
+        check_signature(reward_fn, "reward function", getattr(reward_fn, "__qualname__", reward_fn))
+
+
+def check_writable(path: Path, key: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{key}={path} is not writable ({exc.strerror or exc}); choose a directory you can "
+                        "write to") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"{key}={path} is not writable; choose a directory you can write to")
+
+
+def check_resume_state(ckpt: Path, policy: str) -> None:
+    from megatron_sortedrl.trainer.checkpoint import read_state
+
+    extra = read_state(ckpt).get("extra", {})
+    saved = (extra.get("scheduler") or {}).get("policy")
+    if saved is not None and saved != policy:
+        raise CheckpointError(f"{ckpt} was written by scheduler.policy={saved}, the config says {policy}; resume "
+                              f"with scheduler.policy={saved}, or start over with checkpoint.resume=never")
