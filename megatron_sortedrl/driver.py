@@ -99,9 +99,10 @@ class Driver:
             self.say(f"built tiny model at {cfg.model.path}")
         self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
         self.eos = self.tok.eos_token_id
-        self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in load_prompts(cfg.data, "train")}
-        self.eval_prompts = load_prompts(cfg.data, "eval")
         self._ptok: dict[str, list[int]] = {}
+        (self.run_dir / "skipped_prompts.jsonl").unlink(missing_ok=True)  # written anew at every start
+        self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in self._encoded(load_prompts(cfg.data, "train"))}
+        self.eval_prompts = self._encoded(load_prompts(cfg.data, "eval"))
         # One Ray instance for trainer ranks and engines; without this the trainer would size it to itself.
         # Without cluster.ray_address it is a new local instance ("local"): Ray would otherwise attach to any
         # other Ray running on this machine (another user's run, a test) and share its CPUs.
@@ -125,7 +126,8 @@ class Driver:
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
                                   num_epochs=cfg.data.num_epochs or None)
-        self.history = HistoryStore()
+        self.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
+                                    max_responses_per_prompt=cfg.speculative.history_max_responses)
         self._shipped = 0
 
     def _load_resume_state(self) -> dict[str, Any]:
@@ -156,9 +158,13 @@ class Driver:
 
             self.nvml = NodeSamplers.start(self.run_dir, self.clock.epoch, 1.0 / self.cfg.logging.nvml_sample_hz)
 
+    def _encoded(self, prompts: list[Prompt]) -> list[Prompt]:
+        from megatron_sortedrl.data.prompting import PromptEncoder, keep_within_limit
+
+        return keep_within_limit(PromptEncoder(self.tok, self.cfg.data), prompts, self._ptok,
+                                 self.run_dir / "skipped_prompts.jsonl", self.say)
+
     def _tokens(self, prompt: Prompt) -> list[int]:
-        if prompt.prompt_id not in self._ptok:
-            self._ptok[prompt.prompt_id] = self.tok(prompt.text)["input_ids"]
         return self._ptok[prompt.prompt_id]
 
     def _new_sample(self, prompt_id: str, epoch: int, index: int) -> Sample:

@@ -5,7 +5,7 @@ the config and the files it names is checked here, so a mistake costs a second, 
     preflight(cfg, resume_from=None)          # raises a UserError with one line; the CLI exits 2
 
 Checked: the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
-there; the reward function (imports, takes `(sample, ground_truth)`); the run directory (writable); the
+there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the run directory (writable); the
 checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
 policy). The config's own values and the parallel layout are checked when the config loads (`config.py`),
 the datasets when they load (`data/loaders.py`), both also before anything starts.
@@ -20,13 +20,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron_sortedrl.errors import CheckpointError, UserError
+from megatron_sortedrl.errors import CheckpointError, ConfigError, UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> None:
     check_model_dir(cfg.model)
+    if cfg.data.apply_chat_template:
+        check_chat_template(Path(cfg.model.path))
     check_reward(cfg.data, reward_fn)
     check_writable(Path(cfg.logging.run_dir), "logging.run_dir")
     if resume_from is not None:
@@ -47,6 +49,24 @@ def check_model_dir(model_cfg) -> None:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
                         "tokenizer files of the model into it")
+
+
+def check_chat_template(path: Path) -> None:
+    """data.apply_chat_template needs the tokenizer's template: in tokenizer_config.json or chat_template.jinja
+    (read as files: loading the tokenizer would cost a second import of transformers here)."""
+    import json
+
+    config = path / "tokenizer_config.json"
+    has = (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()
+    if not has and config.is_file():
+        try:
+            has = bool(json.loads(config.read_text()).get("chat_template"))
+        except (OSError, ValueError):
+            has = False
+    if not has and path.exists():
+        raise ConfigError("data.apply_chat_template", True,
+                          f"false for the model at {path}: its tokenizer has no chat template (a base model, or the "
+                          "instruct model's tokenizer_config.json / chat_template.jinja was not copied there)")
 
 
 def check_reward(data_cfg, reward_fn: Any = None) -> None:
