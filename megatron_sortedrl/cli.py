@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build-tiny-model": ("megatron_sortedrl.commands.build_tiny", "write the built-in tiny Qwen2 model as a Hugging Face directory"),
     "data": ("megatron_sortedrl.commands.data_cmd", "generate, load and summarise the prompts of a config"),
     "layout": ("megatron_sortedrl.commands.layout_cmd", "print where trainer ranks and rollout engines go (dry run)"),
+    "plan": ("megatron_sortedrl.commands.plan", "memory plan before launch: trainer GPUs, engines' KV cache, weight sync, host memory"),
     "ray-check": ("megatron_sortedrl.commands.ray_check", "wait until a Ray cluster has all its nodes and list them"),
     "smoke": ("megatron_sortedrl.commands.smoke", "build the tiny model, generate and score a few prompts"),
     "simulate": ("megatron_sortedrl.commands.simulate", "simulate the scheduling policies on a modelled cluster (bubble ratios, throughput)"),
@@ -52,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
     sub = argparse.ArgumentParser(prog=f"megatron-sortedrl {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
     module.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
+    try:  # options may come after `key=value` overrides (`plan recipe.yaml a=1 --explain`)
+        args = sub.parse_intermixed_args(argv[1:])
+    except TypeError:  # parsers with sub-commands of their own (convert) cannot be intermixed
+        args = sub.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
     except UserError as exc:
