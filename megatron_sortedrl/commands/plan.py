@@ -83,7 +83,7 @@ def render(plan, cfg, explain: bool = False) -> str:
     print_ = console.print
     r = plan.recompute
     rc = r["granularity"] + (f" (method {r['method']}, num_layers {r['num_layers']})" if r["granularity"] == "full" else "")
-    auto = " [auto]" if cfg.parallel.recompute.granularity == "auto" else ""
+    auto = " (auto)" if cfg.parallel.recompute.granularity == "auto" else ""
     a = plan.arch
     print_(f"plan of {cfg.name}: model {a.name} ({a.num_params / 1e9:.3g}B params, {cfg.model.dtype}), device {plan.device}, "
            f"recompute {rc}{auto}, margin {cfg.plan.margin:.0%}")
@@ -97,8 +97,8 @@ def render(plan, cfg, explain: bool = False) -> str:
         t.add_column(f"stage {st['stage']}", justify="right")
     for item in plan.trainer[0]["items"]:
         t.add_row(item, *[_gib(st["items"].get(item, 0.0)) for st in plan.trainer])
-    for key, label in (("activations_longest", "  activations, longest sequence alone"),
-                       ("activations_micro_batch", "  activations, full micro-batch")):
+    for key, label in (("activations_longest", "  one micro-batch: longest sequence alone"),
+                       ("activations_micro_batch", "  one micro-batch: full micro_batch_tokens")):
         if all(key in st for st in plan.trainer):
             t.add_row(label, *[_gib(st[key]) for st in plan.trainer])
     t.add_row("total", *[_gib(st["total"]) for st in plan.trainer])

@@ -121,20 +121,31 @@ def host_memory_bytes(cfg) -> float:
 
 
 def trainer_stages(cfg, arch: Arch, recompute: dict, device: str) -> tuple[list[dict], list[str]]:
-    """Per-stage trainer memory per rank (bytes) under `recompute` and the arithmetic behind it."""
+    """Per-stage trainer memory per rank (bytes) under `recompute`, and the arithmetic behind it (from
+    plan.trainer_memory; the planner adds the frozen reference model's weights when algorithm.kl_coef > 0)."""
     from megatron_sortedrl.plan import _trainer_placeholder as tm
 
     p = cfg.parallel
     gpu = device == "gpu"
     result = tm.trainer_memory(
         arch, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
-        micro_batch_tokens=cfg.trainer.micro_batch_tokens, longest_sequence=full_sequence_tokens(cfg),
-        dtype_bytes=DTYPE_BYTES[cfg.model.dtype], sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
-        distributed_optimizer=p.use_distributed_optimizer and gpu, granularity=recompute["granularity"],
-        method=recompute["method"], num_layers=recompute["num_layers"], spec="te" if gpu else "local",
-        reference_model=cfg.algorithm.kl_coef > 0)
-    stages = [{"stage": s, **st} for s, st in enumerate(result.stages)]
-    return stages, list(result.explain)
+        sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer and gpu,
+        dtype=cfg.model.dtype, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        longest_sequence=full_sequence_tokens(cfg), recompute=recompute["granularity"],
+        recompute_method=recompute["method"], recompute_num_layers=recompute["num_layers"],
+        spec="te" if gpu else "local")
+    stages = []
+    for st in result.stages:
+        items = {k: float(st.items[k]) for k in st.TOTAL_KEYS}
+        if cfg.algorithm.kl_coef > 0:  # the reference model: a frozen copy of the weights, no grads or optimizer
+            items["reference weights"] = float(st.items["weights"])
+        stages.append({"stage": st.stage, "items": items, "total": sum(items.values()),
+                       "activations_longest": float(st.items["activations_longest"]),
+                       "activations_micro_batch": float(st.items["activations_microbatch"])})
+    explain = list(result.explain)
+    if cfg.algorithm.kl_coef > 0:
+        explain.append("reference model (algorithm.kl_coef > 0): + one more copy of each stage's weights")
+    return stages, explain
 
 
 def _trainer_check(cfg, stage: dict, capacity: float, per: str, recompute: dict) -> Check:
@@ -172,7 +183,7 @@ def host_nodes(cfg, arch: Arch, device: str, trainer: list[dict], engines: dict,
     proc = _process_gib(cfg, device) * GIB
     p, r = cfg.parallel, cfg.rollout
     dtype = DTYPE_BYTES[cfg.model.dtype]
-    buckets = BUCKETS_IN_FLIGHT * BUCKET_BYTES
+    buckets = min(BUCKETS_IN_FLIGHT * BUCKET_BYTES, max(sync["stage_bytes"]))  # a small model is one bucket
     model_bytes = arch.num_params * dtype
     driver = {"driver and reward processes": (1 + cfg.data.reward_workers) * proc,
               "Ray (raylet; GCS on node 0)": proc,
