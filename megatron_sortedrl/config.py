@@ -316,7 +316,7 @@ class PlanConfig:
 
     check: str = help_field(
         "What `train` does with a plan that does not fit: error (refuse, exit 2) | warn (print the line, go on) | "
-        "off (skip the plan; recompute auto then means none).", "error")
+        "skip (no plan; recompute auto then means none).", "error")
     margin: float = help_field("Fraction of every memory kept free (fragmentation, allocator caches, NCCL).", 0.10)
     sync_bandwidth_gbs: float = help_field(
         "GB/s one weight-sync sender reaches to the engines; 0: 20 on GPU (one 200 Gb/s NIC per GPU at 80%), "
@@ -329,8 +329,8 @@ class PlanConfig:
         "0: 2 on GPU nodes, 1 on CPU.", 0.0)
 
     def __post_init__(self) -> None:
-        if self.check not in ("error", "warn", "off"):
-            raise ConfigError("plan.check", self.check, "one of error, warn, off")
+        if self.check not in ("error", "warn", "skip"):
+            raise ConfigError("plan.check", self.check, "one of error, warn, skip")
         if not 0 <= self.margin < 1:
             raise ConfigError("plan.margin", self.margin, "a fraction in [0, 1)")
         for key in ("sync_bandwidth_gbs", "engine_reserve_gib", "process_host_gib"):

@@ -188,7 +188,7 @@ def test_check_modes(tmp_path):
     warned: list[str] = []
     cfg = _recipe("qwen32b_128gpu.yaml", ["parallel.recompute.granularity=none", "plan.check=warn"])
     assert not check_plan(cfg, arch, log=warned.append).fits and "plan.check=warn" in warned[0]
-    cfg = _recipe("qwen32b_128gpu.yaml", ["plan.check=off"])
+    cfg = _recipe("qwen32b_128gpu.yaml", ["plan.check=skip", "parallel.recompute.granularity=auto"])
     assert check_plan(cfg, arch, log=warned.append) is None and cfg.parallel.recompute.granularity == "none"
 
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(_translate(args))
     # The memory plan before anything starts (no Ray, no processes): resolves recompute `auto` and refuses a
-    # recipe that cannot fit, naming the number and the key to turn (plan.check=warn|off to override).
+    # recipe that cannot fit, naming the number and the key to turn (plan.check=warn|skip to override).
     check_plan(cfg)
     from megatron_sortedrl.driver import Driver
 

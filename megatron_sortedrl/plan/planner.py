@@ -123,11 +123,11 @@ def host_memory_bytes(cfg) -> float:
 def trainer_stages(cfg, arch: Arch, recompute: dict, device: str) -> tuple[list[dict], list[str]]:
     """Per-stage trainer memory per rank (bytes) under `recompute`, and the arithmetic behind it (from
     plan.trainer_memory; the planner adds the frozen reference model's weights when algorithm.kl_coef > 0)."""
-    from megatron_sortedrl.plan import _trainer_placeholder as tm
+    from megatron_sortedrl.plan.trainer_memory import trainer_memory
 
     p = cfg.parallel
     gpu = device == "gpu"
-    result = tm.trainer_memory(
+    result = trainer_memory(
         arch, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer and gpu,
         dtype=cfg.model.dtype, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
@@ -301,9 +301,9 @@ def check_plan(cfg, arch: Arch | None = None, log=print):
     """What `train` runs at config load, before Ray starts: resolves recompute `auto` into the config (logged)
     and refuses (UserError, one line) a plan that does not fit unless `plan.check` says warn or off."""
     rc = cfg.parallel.recompute
-    if cfg.plan.check == "off":
+    if cfg.plan.check == "skip":
         if rc.granularity == "auto":
-            log("plan: plan.check=off, so parallel.recompute.granularity=auto means none")
+            log("plan: plan.check=skip, so parallel.recompute.granularity=auto means none")
             cfg.parallel.recompute = replace(rc, granularity="none")
         return None
     plan = make_plan(cfg, arch)
