@@ -63,6 +63,10 @@ def _gib(x: float) -> str:
     return f"{g:,.2f}" if g >= 0.1 or g == 0 else f"{g:.4f}"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _ranges(nodes: list[int]) -> str:
     """1,2,3,5 -> "1-3,5"."""
     runs: list[list[int]] = []
@@ -80,18 +84,20 @@ def render(plan, cfg, explain: bool = False) -> str:
     from rich.table import Table
 
     console = Console(file=io.StringIO(), width=160, record=True, color_system=None)
-    print_ = console.print
+    def print_(item) -> None:
+        console.print(item, soft_wrap=isinstance(item, str), markup=False, highlight=False)
     r = plan.recompute
     rc = r["granularity"] + (f" (method {r['method']}, num_layers {r['num_layers']})" if r["granularity"] == "full" else "")
     auto = " (auto)" if cfg.parallel.recompute.granularity == "auto" else ""
     a = plan.arch
-    print_(f"plan of {cfg.name}: model {a.name} ({a.num_params / 1e9:.3g}B params, {cfg.model.dtype}), device {plan.device}, "
+    print_(f"plan of {cfg.name}: model {a.name} ({_count(a.num_params)} params, {cfg.model.dtype}), device {plan.device}, "
            f"recompute {rc}{auto}, margin {cfg.plan.margin:.0%}")
     p = cfg.parallel
     mem = "GPU" if plan.device == "gpu" else "rank (host memory)"
-    t = Table(title=f"trainer per {mem}, GiB: TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-                    f"DP={p.data_parallel_size}, micro_batch_tokens={cfg.trainer.micro_batch_tokens}, longest sequence "
-                    f"{plan.engines['short']['full_sequence_tokens']} tokens", title_justify="left", box=box.SIMPLE_HEAD)
+    print_(f"trainer per {mem}, GiB: TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+           f"DP={p.data_parallel_size}, micro_batch_tokens={cfg.trainer.micro_batch_tokens}, longest sequence "
+           f"{plan.engines['short']['full_sequence_tokens']} tokens")
+    t = Table(box=box.SIMPLE_HEAD)
     t.add_column("item")
     for st in plan.trainer:
         t.add_column(f"stage {st['stage']}", justify="right")
@@ -108,7 +114,8 @@ def render(plan, cfg, explain: bool = False) -> str:
         t.add_row("fits", *["yes" if c.fits else "NO" for c in trainer_checks])
     print_(t)
 
-    e = Table(title="rollout engines, per engine rank (GiB unless said)", title_justify="left", box=box.SIMPLE_HEAD)
+    print_("rollout engines, per engine rank (GiB unless said)")
+    e = Table(box=box.SIMPLE_HEAD)
     e.add_column("layout")
     for col in ("engines x TP", "budget", "weights", "reserve", "KV cache", "KV B/token",
                 "KV tokens", "full seqs", "max_num_seqs", "fits"):
@@ -128,8 +135,8 @@ def render(plan, cfg, explain: bool = False) -> str:
     groups: dict[tuple, list[int]] = {}
     for n in plan.host:
         groups.setdefault(tuple(sorted((k, round(v)) for k, v in n["items"].items())), []).append(n["node"])
-    h = Table(title=f"host memory per node, GiB (one process {plan.process_gib:g} GiB, plan.process_host_gib)",
-              title_justify="left", box=box.SIMPLE_HEAD)
+    print_(f"host memory per node, GiB (one process {plan.process_gib:g} GiB, plan.process_host_gib)")
+    h = Table(box=box.SIMPLE_HEAD)
     h.add_column("item")
     for nodes in groups.values():
         h.add_column(f"node {_ranges(nodes)}", justify="right")
@@ -147,13 +154,13 @@ def render(plan, cfg, explain: bool = False) -> str:
     if explain:
         print_("arithmetic:")
         for line in plan.explain:
-            print_(f"  {line}", markup=False, highlight=False)
+            print_(f"  {line}")
     if plan.fits:
         print_("fits: every trainer GPU, engine and node is within its capacity less the margin")
     else:
         for c in plan.failures():
-            print_(c.line(), markup=False, highlight=False)
-    return console.export_text()
+            print_(c.line())
+    return "".join(line.rstrip() + "\n" for line in console.export_text().splitlines())
 
 
 def run(args: argparse.Namespace) -> int:

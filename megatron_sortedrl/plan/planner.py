@@ -14,6 +14,9 @@ CUDA) there is no GPU: trainer ranks, engines and their KV caches are all host m
 then full with method block and a growing number of recomputed layers per stage (block with every layer of
 a stage is as lean as uniform), so compute is only spent where memory needs it.
 
+Written here rather than taken from a library: no maintained package plans memory for Megatron-core
+trainers next to vLLM engines; the formulas are spelled out by `plan --explain`.
+
 Left out: heterogeneous nodes, the trainer's temporary buffers outside the items listed (NCCL workspaces,
 allocator fragmentation: that is what the margin is for), and checkpoint saves.
 """
@@ -243,6 +246,9 @@ def make_plan(cfg, arch: Arch | None = None, recompute: dict | None = None) -> P
     plan.explain += plan.sync["explain"]
     plan.process_gib = _process_gib(cfg, device)
     plan.host = host_nodes(cfg, arch, device, plan.trainer, plan.engines, plan.sync)
+    for node in plan.host:
+        plan.explain.append(f"host node {node['node']}: " + " + ".join(
+            f"{k} {v / GIB:.2f}" for k, v in node["items"].items() if v) + f" = {node['total'] / GIB:.2f} GiB")
     host_cap = host_memory_bytes(cfg)
     plan.explain.append(f"host memory per node: {host_cap / GIB:.1f} GiB ("
                         + ("cluster.host_memory_gib" if cfg.cluster.host_memory_gib else "this machine's RAM")
