@@ -245,3 +245,13 @@ def test_train_refuses_the_32b_recipe_as_it_stood(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: plan: trainer stage 0 per GPU needs")
     assert "of 80 GiB; set parallel.recompute.granularity=full" in lines[0]
     assert not run_dir.exists()
+
+
+def test_train_refuses_a_silly_cpu_config(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _cli("train", "configs/tiny_cpu.yaml", "cluster.device=cpu", "rollout.kv_cache_gib=4096",
+             f"logging.run_dir={run_dir}", f"model.path={tmp_path / 'model'}")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "host memory of node 0 needs" in lines[0] and "rollout.kv_cache_gib" in lines[0]
+    assert not run_dir.exists() and not (tmp_path / "model").exists()  # refused before building anything

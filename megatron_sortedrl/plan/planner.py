@@ -31,7 +31,6 @@ from megatron_sortedrl.plan.arch import Arch
 from megatron_sortedrl.plan.engine import (BUCKET_BYTES, BUCKETS_IN_FLIGHT, DTYPE_BYTES, GIB, engine_memory,
                                           full_sequence_tokens, weight_sync_estimate)
 
-RAY_OBJECT_STORE_SHARE = 0.3  # Ray's default object store: 30% of a node's memory (lazily used shared memory)
 PROCESS_GIB = {"gpu": 2.0, "cpu": 1.0}  # plan.process_host_gib = 0: one process's host memory
 
 
@@ -195,9 +194,17 @@ def host_nodes(cfg, arch: Arch, device: str, trainer: list[dict], engines: dict,
         ranks_per_stage = p.tensor_model_parallel_size * p.data_parallel_size
         items = dict(driver)
         items["trainer ranks"] = sum(ranks_per_stage * (proc + st["total"]) for st in trainer)
-        e = engines["short"]
-        items["rollout engines"] = e["count"] * (proc + r.tensor_parallel_size * (proc + e["weights"] + e["kv_bytes"]))
+        # Each engine: its actor process plus one worker per TP rank holding weights / TP and its KV cache;
+        # the layout that needs more (short or long rounds) counts.
+        items["rollout engines"] = max(e["count"] * (proc + e["tp"] * (proc + e["weights"] + e["kv_bytes"]))
+                                       for e in engines.values())
         items["weight-sync buckets in flight"] = sync["senders"] * buckets
+        return [{"node": 0, "items": items, "total": sum(items.values())}]
+    if cfg.cluster.gpus_per_node == 0:  # a GPU run that declares no cluster: everything on this one node
+        items = dict(driver)
+        items["trainer ranks"] = p.world_size * proc
+        items["pinned weight-sync buckets"] = sync["senders"] * buckets
+        items["engine processes"] = max(e["count"] * (1 + e["tp"]) for e in engines.values()) * proc
         return [{"node": 0, "items": items, "total": sum(items.values())}]
     from megatron_sortedrl.layout import plan_layout
 
