@@ -173,8 +173,8 @@ def _edge_activations(arch, *, first: bool, last: bool, tokens: float, row_len: 
     if spec == "te":  # fused rope keeps the (s, 1, 1, head_dim) fp32 frequencies, one tensor shared by all layers
         out["rotary frequencies (fp32, shared)"] = row_len * arch.head_dim * 4
     if first:
-        # token ids (int64); a vocab-parallel embedding also keeps its out-of-range mask and masked ids
-        out["embedding input ids"] = tokens * (8 + (9 if tp > 1 else 0))
+        # token ids (int64); a vocab-parallel embedding also keeps its boolean out-of-range mask
+        out["embedding input ids"] = tokens * (8 + (1 if tp > 1 else 0))
     if last:
         norm = (8 * h + 4) if spec == "local" else (h * e + 4)
         out["final norm"] = tokens / spd * norm
