@@ -255,3 +255,13 @@ def test_train_refuses_a_silly_cpu_config(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "host memory of node 0 needs" in lines[0] and "rollout.kv_cache_gib" in lines[0]
     assert not run_dir.exists() and not (tmp_path / "model").exists()  # refused before building anything
+
+
+@pytest.mark.parametrize("recipe", sorted(r for r, shape in RECIPES.items() if shape))
+def test_scaling_doc_shows_the_current_plan(recipe):
+    """docs/scaling.md pastes `plan` output of the GPU recipes; regenerate it when a recipe or formula changes."""
+    from megatron_sortedrl.commands.plan import render
+
+    cfg = _recipe(recipe)
+    text = render(make_plan(cfg, Arch.from_path(SHAPES / RECIPES[recipe])), cfg)
+    assert text in (REPO / "docs" / "scaling.md").read_text()
