@@ -216,11 +216,13 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     r = _cli("plan", "configs/qwen32b_128gpu.yaml", "--model-config", str(SHAPES / "qwen2.5-32b-instruct"),
              "--json", str(out), "--explain")
     assert r.returncode == 0, r.stderr
-    assert "placeholders used" in r.stdout and "trainer per GPU" in r.stdout and "KV bytes/token" in r.stdout
+    assert "placeholders used" in r.stderr and "trainer per GPU" in r.stdout and "KV bytes/token" in r.stdout
     assert "fits: every trainer GPU" in r.stdout
     data = json.loads(out.read_text())
     assert data["fits"] and data["weight_sync"]["senders"] == 2 and len(data["trainer_stages"]) == 2
     assert data["engines"]["short"]["kv_bytes_per_token"] == 131_072
+    r = _cli("plan", "configs/tiny_cpu.yaml", "--json", "-")
+    assert r.returncode == 0 and json.loads(r.stdout)["device"] in ("cpu", "gpu")
 
 
 def test_cli_plan_exit_codes():

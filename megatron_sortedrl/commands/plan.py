@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from megatron_sortedrl.cli import add_config_arguments, config_from_args
@@ -102,11 +103,13 @@ def render(plan, cfg, explain: bool = False) -> str:
     for st in plan.trainer:
         t.add_column(f"stage {st['stage']}", justify="right")
     for item in plan.trainer[0]["items"]:
-        t.add_row(item, *[_gib(st["items"].get(item, 0.0)) for st in plan.trainer])
+        t.add_row(item.replace("_", " "), *[_gib(st["items"].get(item, 0.0)) for st in plan.trainer])
     for key, label in (("activations_longest", "  one micro-batch: longest sequence alone"),
                        ("activations_micro_batch", "  one micro-batch: full micro_batch_tokens")):
         if all(key in st for st in plan.trainer):
             t.add_row(label, *[_gib(st[key]) for st in plan.trainer])
+    other = "plain" if p.use_distributed_optimizer and plan.device == "gpu" else "distributed"
+    t.add_row(f"  optimizer if {other} (not in total)", *[_gib(st["optimizer_other"]) for st in plan.trainer])
     t.add_row("total", *[_gib(st["total"]) for st in plan.trainer])
     trainer_checks = [c for c in plan.checks if c.what.startswith("trainer")]
     if trainer_checks:
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.validate_model_shape(arch.num_heads, arch.num_kv_heads, arch.num_layers)
     plan = make_plan(cfg, arch)
     if faked:
-        print(f"(planning only: {', '.join(faked)} not set, placeholders used; no path is read)")
+        print(f"(planning only: {', '.join(faked)} not set, placeholders used; no path is read)", file=sys.stderr)
     if args.json != "-":
         print(render(plan, cfg, args.explain), end="")
     if args.json:

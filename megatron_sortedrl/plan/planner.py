@@ -143,7 +143,8 @@ def trainer_stages(cfg, arch: Arch, recompute: dict, device: str) -> tuple[list[
             items["reference weights"] = float(st.items["weights"])
         stages.append({"stage": st.stage, "items": items, "total": sum(items.values()),
                        "activations_longest": float(st.items["activations_longest"]),
-                       "activations_micro_batch": float(st.items["activations_microbatch"])})
+                       "activations_micro_batch": float(st.items["activations_microbatch"]),
+                       "optimizer_other": float(st.items["optimizer_other"])})
     explain = list(result.explain)
     if cfg.algorithm.kl_coef > 0:
         explain.append("reference model (algorithm.kl_coef > 0): + one more copy of each stage's weights")
