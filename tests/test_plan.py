@@ -221,8 +221,8 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["fits"] and data["weight_sync"]["senders"] == 2 and len(data["trainer_stages"]) == 2
     assert data["engines"]["short"]["kv_bytes_per_token"] == 131_072
-    r = _cli("plan", "configs/tiny_cpu.yaml", "--json", "-")
-    assert r.returncode == 0 and json.loads(r.stdout)["device"] in ("cpu", "gpu")
+    r = _cli("plan", "configs/tiny_cpu.yaml", "cluster.device=cpu", "--json", "-")  # cpu: no torch import
+    assert r.returncode == 0 and json.loads(r.stdout)["device"] == "cpu"
 
 
 def test_cli_plan_exit_codes():

@@ -107,8 +107,8 @@ def arch_of(cfg, model_config: str | None = None) -> Arch:
         from megatron_sortedrl.tiny_model import qwen2_config
 
         return Arch.from_dict(qwen2_config(cfg.model.tiny), name="tiny")
-    raise UserError(f"plan: model.path {cfg.model.path} has no config.json; pass --model-config DIR_OR_FILE "
-                    "(shapes of the shipped recipes: configs/model_shapes/<name>) or set model.path")
+    raise UserError(f"plan: model.path {cfg.model.path} has no config.json; set model.path to a Hugging Face model "
+                    "directory (the `plan` command alone also takes --model-config, e.g. configs/model_shapes/<name>)")
 
 
 def host_memory_bytes(cfg) -> float:
