@@ -267,3 +267,17 @@ def test_scaling_doc_shows_the_current_plan(recipe):
     cfg = _recipe(recipe)
     text = render(make_plan(cfg, Arch.from_path(SHAPES / RECIPES[recipe])), cfg)
     assert text in (REPO / "docs" / "scaling.md").read_text()
+
+
+def test_host_memory_per_node_of_the_32b_layout():
+    """Nodes 0-7 hold 8 trainer ranks each, nodes 8-15 four TP=2 engines (an actor and two workers each); the
+    senders of stages 0 and 1 (TP rank 0 of DP replica 0: ranks 0 and 32) pin two buckets on nodes 0 and 4."""
+    arch = Arch.from_path(SHAPES / "qwen2.5-32b-instruct")
+    plan = make_plan(_recipe("qwen32b_128gpu.yaml", ["plan.process_host_gib=2"]), arch)
+    nodes = {n["node"]: n["items"] for n in plan.host}
+    assert len(nodes) == 16
+    assert all(nodes[i]["trainer ranks"] == 8 * 2 * GIB for i in range(8))
+    assert all(nodes[i]["engine processes"] == 4 * 3 * 2 * GIB for i in range(8, 16))
+    assert [i for i in nodes if nodes[i].get("pinned weight-sync buckets")] == [0, 4]
+    assert nodes[0]["pinned weight-sync buckets"] == 2 * 256 * 2**20
+    assert nodes[0]["kept weight buckets (object store, for relayout)"] == arch.num_params * 2

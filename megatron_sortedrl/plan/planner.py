@@ -167,8 +167,9 @@ def _trainer_check(cfg, stage: dict, capacity: float, per: str, recompute: dict)
         big = max(items, key=items.get)
         cause = f"{big} {items[big] / GIB:.1f} GiB with TP={cfg.parallel.tensor_model_parallel_size} " \
                 f"PP={cfg.parallel.pipeline_model_parallel_size} DP={cfg.parallel.data_parallel_size}"
-        fix = ("raise parallel.tensor_model_parallel_size or pipeline_model_parallel_size, or set "
-               "parallel.use_distributed_optimizer=true")
+        fix = ("raise parallel.tensor_model_parallel_size or pipeline_model_parallel_size"
+               + (" (or data_parallel_size, which divides the distributed optimizer's state)"
+                  if cfg.parallel.use_distributed_optimizer else ", or set parallel.use_distributed_optimizer=true"))
     return Check(f"trainer stage {stage['stage']} {per}", stage["total"], capacity, capacity * (1 - cfg.plan.margin),
                  cause, fix)
 
