@@ -42,7 +42,9 @@ def weight_and_optimizer_bytes(arch, *, tp: int, pp: int, dp: int, distributed_o
 
 
 def activation_bytes(arch, *, seq_length: int, micro_batch_size: int = 1, tp: int, pp: int,
-                     sequence_parallel: bool, selective: bool, num_microbatches: int | None = None) -> float:
+                     sequence_parallel: bool, selective: bool, num_microbatches: int | None = None,
+                     include_output: bool = True) -> float:
+    """First-stage activations; `include_output=False` drops the PP = 1 output-layer/logits term."""
     s, b, h, f, L = seq_length, micro_batch_size, arch.hidden_size, arch.intermediate_size, arch.num_layers
     vocab = megatron_padded_vocab(arch.vocab_size, tp)
     with_sp = sequence_parallel and selective
@@ -52,9 +54,9 @@ def activation_bytes(arch, *, seq_length: int, micro_batch_size: int = 1, tp: in
     if pp > 1 and num_microbatches is not None:
         act *= min(1, num_microbatches / pp)
     if with_sp:
-        if pp == 1:
+        if pp == 1 and include_output:
             act += s * b * h * 4 * (1 + vocab / h)
         return act / tp
-    if pp == 1:
+    if pp == 1 and include_output:
         act += (s * b * vocab / tp + s * b * h) * 2
     return act * 1.05

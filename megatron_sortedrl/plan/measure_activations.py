@@ -103,7 +103,8 @@ def _measure_here(arch, seq_len: int, rows: int, dtype: str, sequence_parallel: 
     out.float().sum().backward()
     for h in handles:
         h.remove()
-    return {"bytes": sum(seen.values()), "by_module": dict(by_module), "tp_rank": ps.get_tensor_model_parallel_rank()}
+    return {"bytes": sum(seen.values()), "by_module": dict(by_module), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def _worker(rank: int, world: int, port: int, arch, cells: list[dict], queue) -> None:
@@ -137,7 +138,7 @@ def measure_cells(arch, cells: list[dict], *, tp: int = 1) -> list[dict]:
 
     A cell is a dict with seq_len and optionally rows, dtype, sequence_parallel, recompute,
     recompute_method, recompute_num_layers; each result is the cell plus "bytes" and "by_module" of TP
-    rank 0 (all TP ranks of the local spec save the same amount)."""
+    rank 0 (all TP ranks of the local spec save the same amount), and "params", its parameter count."""
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()

@@ -191,8 +191,8 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
     This is what `measure_activations.py` measures on CPU (forward of the model chunk, no loss)."""
     spd = tp if (sequence_parallel and tp > 1) else 1
     tokens = rows * row_len
-    kw = dict(rows=rows, row_len=row_len, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-              spec=spec)
+    kw = {"rows": rows, "row_len": row_len, "tp": tp, "sequence_parallel": sequence_parallel, "dtype_bytes": dtype_bytes,
+              "spec": spec}
     full_layer = layer_activations(arch, **kw)
     items: dict[str, float] = {}
     transient = 0.0
@@ -260,22 +260,23 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
     vocab_local = padded_vocab(arch, tp) // tp
     recompute_desc = recompute if recompute != "full" else f"full ({recompute_method}, num_layers={recompute_num_layers})"
     explain = [
-        f"trainer layout TP={tp} PP={pp} DP={dp}, sequence parallel {'on' if sp else 'off'}, "
-        f"{'distributed' if distributed_optimizer else 'plain'} optimizer, {dtype}, spec {spec}, "
-        f"recompute {recompute_desc}",
-        f"model: {total_params(arch) / 1e9:.2f} B parameters, {arch.num_layers} layers ({layers} per stage), "
-        f"hidden {arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads} kv "
-        f"x {arch.head_dim}, vocab {arch.vocab_size} (padded {padded_vocab(arch, tp)})",
-        f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
-        f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of {row_len_mb}",
+        (f"trainer layout TP={tp} PP={pp} DP={dp}, sequence parallel {'on' if sp else 'off'}, "
+         f"{'distributed' if distributed_optimizer else 'plain'} optimizer, {dtype}, spec {spec}, "
+         f"recompute {recompute_desc}"),
+        (f"model: {total_params(arch) / 1e9:.2f} B parameters, {arch.num_layers} layers ({layers} per stage), "
+         f"hidden {arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads} kv "
+         f"x {arch.head_dim}, vocab {arch.vocab_size} (padded {padded_vocab(arch, tp)})"),
+        (f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
+         f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of {row_len_mb}"),
     ]
     stages = []
     for st in range(pp):
         first, last = st == 0, st == pp - 1
         n = stage_params(arch, tp, pp, st)
         in_flight = pp - st if num_microbatches is None else max(1, min(pp - st, num_microbatches))
-        kw = dict(layers=layers, first=first, last=last, tp=tp, sequence_parallel=sp, dtype_bytes=e, spec=spec,
-                  recompute=recompute, recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
+        kw = {"layers": layers, "first": first, "last": last, "tp": tp, "sequence_parallel": sp, "dtype_bytes": e,
+              "spec": spec, "recompute": recompute, "recompute_method": recompute_method,
+              "recompute_num_layers": recompute_num_layers}
         act_a, tr_a = microbatch_activations(arch, rows=1, row_len=longest_sequence, **kw)
         act_b, tr_b = microbatch_activations(arch, rows=rows_mb, row_len=row_len_mb, **kw)
         sum_a, sum_b = sum(act_a.values()), sum(act_b.values())
@@ -297,14 +298,14 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
             items["logits"] = int(2 * worst_tokens * vocab_local * e + 2 * chunk * vocab_local * 4)
         stage = StageMemory(st, layers, in_flight, items, {k: int(v) for k, v in worst_items.items()})
         stages.append(stage)
+        edges = (", embedding" if first else "") + (", final norm + output layer" if last else "")
         explain += [
-            f"stage {st} ({layers} layers{', embedding' if first else ''}{', final norm + output layer' if last else ''}):"
-            f" {n / 1e9:.3f} B parameters per GPU",
+            f"stage {st} ({layers} layers{edges}): {n / 1e9:.3f} B parameters per GPU",
             f"  weights    {n:,} x {e} B ({dtype}) = {gib(items['weights'])}",
             f"  gradients  {n:,} x 4 B (fp32 main grads, grad_reduce_in_fp32) = {gib(items['gradients'])}",
-            f"  optimizer  {n:,} x ({'4 master + ' if master else ''}8 Adam){' / DP ' + str(dp) if distributed_optimizer else ''}"
-            f" B = {gib(items['optimizer'])}  ({'plain' if distributed_optimizer else 'distributed'} optimizer would be"
-            f" {gib(items['optimizer_other'])})",
+            (f"  optimizer  {n:,} x ({'4 master + ' if master else ''}8 Adam)"
+             f"{' / DP ' + str(dp) if distributed_optimizer else ''} B = {gib(items['optimizer'])}  "
+             f"({'plain' if distributed_optimizer else 'distributed'} optimizer would be {gib(items['optimizer_other'])})"),
             f"  activations per micro-batch: (a) longest {gib(sum_a)}, (b) full micro-batch {gib(sum_b)}; worst one:",
         ]
         explain += [f"    {k}: {gib(v)}" for k, v in worst_items.items()]
