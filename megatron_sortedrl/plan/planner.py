@@ -114,9 +114,7 @@ def arch_of(cfg, model_config: str | None = None) -> Arch:
 def host_memory_bytes(cfg) -> float:
     if cfg.cluster.host_memory_gib:
         return cfg.cluster.host_memory_gib * GIB
-    import psutil
-
-    return float(psutil.virtual_memory().total)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # this machine's RAM (Linux, macOS)
 
 
 # ------------------------------------------------------------------------------------------- trainer
