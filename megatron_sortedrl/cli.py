@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build-tiny-model": ("megatron_sortedrl.commands.build_tiny", "write the built-in tiny Qwen2 model as a Hugging Face directory"),
     "data": ("megatron_sortedrl.commands.data_cmd", "generate, load and summarise the prompts of a config"),
     "layout": ("megatron_sortedrl.commands.layout_cmd", "print where trainer ranks and rollout engines go (dry run)"),
+    "plan": ("megatron_sortedrl.commands.plan", "memory plan before launch: trainer GPUs, engines' KV cache, weight sync, host memory"),
     "ray-check": ("megatron_sortedrl.commands.ray_check", "wait until a Ray cluster has all its nodes and list them"),
     "smoke": ("megatron_sortedrl.commands.smoke", "build the tiny model, generate and score a few prompts"),
     "simulate": ("megatron_sortedrl.commands.simulate", "simulate the scheduling policies on a modelled cluster (bubble ratios, throughput)"),

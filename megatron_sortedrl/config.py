@@ -292,14 +292,50 @@ class ClusterConfig:
     gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0)
     cpus_per_node: int = help_field("CPUs Ray may use per node (0: all).", 0)
     colocate: bool = help_field("Trainer and rollout share the same GPUs (time-sliced) instead of separate pools.", False)
+    gpu_memory_gib: float = help_field("Memory of one GPU in GiB (80 GB cards: 80); the launch planner checks against it.", 80.0)
+    host_memory_gib: float = help_field(
+        "Host memory of one node in GiB for the launch planner; 0: this machine's RAM (right when the check runs "
+        "on a node of the allocation, as `train` does under Slurm).", 0.0)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "gpu"):
             raise ConfigError("cluster.device", self.device, "one of auto, cpu, gpu")
+        if self.gpu_memory_gib <= 0:
+            raise ConfigError("cluster.gpu_memory_gib", self.gpu_memory_gib, "a positive number of GiB")
+        if self.host_memory_gib < 0:
+            raise ConfigError("cluster.host_memory_gib", self.host_memory_gib, "a number of GiB >= 0 (0: this machine's RAM)")
         if self.num_nodes < 1:
             raise ConfigError("cluster.num_nodes", self.num_nodes, "an integer >= 1")
         if self.gpus_per_node < 0 or self.cpus_per_node < 0:
             raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
+
+
+@dataclass
+class PlanConfig:
+    """The launch planner (`python -m megatron_sortedrl plan`, and the check `train` runs at start; docs/scaling.md)."""
+
+    check: str = help_field(
+        "What `train` does with a plan that does not fit: error (refuse, exit 2) | warn (print the line, go on) | "
+        "skip (no plan; recompute auto then means none).", "error")
+    margin: float = help_field("Fraction of every memory kept free (fragmentation, allocator caches, NCCL).", 0.10)
+    sync_bandwidth_gbs: float = help_field(
+        "GB/s one weight-sync sender reaches to the engines; 0: 20 on GPU (one 200 Gb/s NIC per GPU at 80%), "
+        "1 on CPU (Ray object store).", 0.0)
+    engine_reserve_gib: float = help_field(
+        "GPU memory of one engine rank outside weights and KV cache: CUDA graphs, the profiling run's activation "
+        "peak, CUDA context and NCCL buffers.", 4.0)
+    process_host_gib: float = help_field(
+        "Host memory of one Python process (torch, Megatron or vLLM imports, CUDA context) before its data; "
+        "0: 2 on GPU nodes, 1 on CPU.", 0.0)
+
+    def __post_init__(self) -> None:
+        if self.check not in ("error", "warn", "skip"):
+            raise ConfigError("plan.check", self.check, "one of error, warn, skip")
+        if not 0 <= self.margin < 1:
+            raise ConfigError("plan.margin", self.margin, "a fraction in [0, 1)")
+        for key in ("sync_bandwidth_gbs", "engine_reserve_gib", "process_host_gib"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"plan.{key}", getattr(self, key), "a number >= 0")
 
 
 @dataclass
@@ -317,6 +353,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = help_field("Saving and resuming.", factory=CheckpointConfig)
     logging: LoggingConfig = help_field("Run directory and metrics sinks.", factory=LoggingConfig)
     cluster: ClusterConfig = help_field("Machines and devices.", factory=ClusterConfig)
+    plan: PlanConfig = help_field("Launch planner: memory fit check before a run starts.", factory=PlanConfig)
 
     def __post_init__(self) -> None:
         hf_config = Path(self.model.path) / "config.json"

@@ -35,6 +35,22 @@ SCRIPT = textwrap.dedent("""
     from megatron.core.transformer.utils import get_default_causal_mask
     m = get_default_causal_mask(4)
     assert m.device.type == "cpu" and m[0, 1] and not m[1, 0]
+    # activation recompute: the checkpoint's RNG save/restore and its recomputing backward (which runs
+    # outside the mode's own call) work on the CPU, and give exactly the plain gradients
+    from megatron.core import tensor_parallel
+    def block(x):
+        return torch.tanh(x @ w) * torch.ones(x.shape[-1], device="cuda")  # a CUDA device inside, as Megatron has
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    block(x).square().sum().backward()
+    plain = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        y = tensor_parallel.checkpoint(block, False, x)
+    assert saved == [x.numel()], saved  # only the input is kept; the rest is recomputed
+    y.square().sum().backward()
+    assert torch.equal(x.grad, plain[0]) and torch.equal(w.grad, plain[1])
     import threading
     seen = []
     t = threading.Thread(target=lambda: seen.append((cpu_compat.active(), cpu_compat.activate(),

@@ -9,6 +9,10 @@ Resuming: by default (`checkpoint.resume=auto`) a run directory that already hol
 continued from the newest one. `resume=true` insists on that (an error when there is none), `resume=false`
 starts over; giving a run directory instead of a config file continues the run with the config it saved.
 SIGTERM or SIGUSR1 make the run checkpoint after the step in progress and exit 0, ready to resume.
+
+Before anything starts, the launch plan (`python -m megatron_sortedrl plan`, docs/scaling.md) is checked:
+`parallel.recompute.granularity=auto` becomes the least recompute that fits (logged), and a recipe whose
+trainer GPUs, engines or nodes cannot hold it is refused in one line (exit 2) unless `plan.check=warn`.
 """
 
 from __future__ import annotations
@@ -49,9 +53,14 @@ def _translate(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_sortedrl.driver import Driver
+    from megatron_sortedrl.plan.planner import check_plan
 
     cfg = config_from_args(_translate(args))
+    # The memory plan before anything starts (no Ray, no processes): resolves recompute `auto` and refuses a
+    # recipe that cannot fit, naming the number and the key to turn (plan.check=warn|skip to override).
+    check_plan(cfg)
+    from megatron_sortedrl.driver import Driver
+
     driver = Driver(cfg)
     try:
         summary = driver.run()

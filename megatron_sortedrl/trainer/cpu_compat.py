@@ -13,12 +13,16 @@ active:
 * `torch.cuda.current_device()` returns 0 and `torch.cuda.synchronize()` does nothing;
 * a `TorchFunctionMode` rewrites every CUDA device argument (`"cuda"`, `"cuda:0"`, `0`,
   `torch.device("cuda")`) of tensor factories, `Tensor.to` and `Tensor.cuda` to the CPU;
+* activation recompute works: Megatron's checkpoint saves and restores a stand-in (empty) CUDA RNG
+  state instead of asking torch for a CUDA generator, and the backward of every Python autograd
+  Function (the recomputed forward, sequence parallelism's gathers and scatters) runs with the device
+  redirection active, on whatever thread the autograd engine uses;
 * `seed_model_parallel(seed)` seeds Megatron's RNG tracker with `inference_rng_tracker=True` on CPU
   (that tracker never forks the CUDA generator) and with the normal tracker on GPU.
 
 Everything is process-wide and guarded by `torch.cuda.is_available()`: on a GPU machine `activate()`
 returns False and changes nothing. The mode is pushed on the calling thread; `activate()` must be
-called again (it is cheap) on any other thread that runs Megatron code.
+called again (it is cheap) on any other thread that runs Megatron forward code.
 
 Deliberately left out: anything the distributed optimizer needs (it refuses CPU tensors; the CPU path
 uses a plain optimizer, see `optimizer.py`) and fused kernels (the local layer spec needs none).
@@ -76,6 +80,47 @@ def seed_model_parallel(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=needed(), force_reset_rng=True)
 
 
+_NO_CUDA_RNG_STATE = torch.empty(0, dtype=torch.uint8)
+
+
+def _patch_checkpoint_rng() -> None:
+    """Activation recompute saves and restores the CUDA generator around each checkpointed forward.
+
+    Megatron's `_get_cuda_rng_state` asks torch for the CUDA generator (fails without CUDA) and
+    `_set_cuda_rng_state` queues the restore with `torch.cuda._lazy_call`, which without CUDA would
+    append to torch's never-drained queue on every recompute. Without CUDA there is no CUDA generator
+    to keep in step: an empty state stands for it and restoring it does nothing. The CPU generator,
+    which CPU dropout uses, is still saved and restored by Megatron itself (`torch.get_rng_state`)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: _NO_CUDA_RNG_STATE
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _patch_backward_functions() -> None:
+    """Runs the backward of every Python autograd Function with the device redirection active.
+
+    A `TorchFunctionMode` takes itself off the mode stack while it handles a call, and torch routes
+    `torch.autograd.backward` through the mode; so the whole backward pass, including Megatron's Python
+    autograd Functions (the checkpoint's recomputed forward, sequence parallelism's scatter / gather
+    buffers), runs without it and hits the hard-coded CUDA devices. The engine calls these Functions
+    through `BackwardCFunction.apply` (and `apply_boxed`), looked up on the class; wrapping them puts a
+    fresh mode on the stack of whatever thread the engine uses. Built-in ops' backward are C++ and
+    create no CUDA tensors, so they need nothing."""
+    from torch.autograd.function import BackwardCFunction
+
+    for name in ("apply", "apply_boxed"):
+        original = getattr(BackwardCFunction, name, None)
+        if original is None:
+            continue
+
+        def redirected(self, *args, _original=original):
+            with CpuDeviceMode():
+                return _original(self, *args)
+
+        setattr(BackwardCFunction, name, redirected)
+
+
 def activate() -> bool:
     """Activates the layer in this process and thread when CUDA is absent; returns whether it is active."""
     global _patched
@@ -85,6 +130,8 @@ def activate() -> bool:
         if not _patched:
             torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
             torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+            _patch_checkpoint_rng()
+            _patch_backward_functions()
             _patched = True
     if not getattr(_local, "mode", None):
         _local.mode = CpuDeviceMode()

@@ -111,11 +111,30 @@ def rope_inv_freq(arch: HFArch) -> torch.Tensor:
     return inv
 
 
+def recompute_kwargs(recompute, layers_per_stage: int) -> dict[str, Any]:
+    """Megatron's recompute arguments for a `parallel.recompute` section (None or granularity none: off).
+
+    `auto` is resolved to a concrete granularity by the launch planner before the trainer is built; a
+    config that still says `auto` here was not planned (tests, hand-built configs) and gets no recompute.
+    """
+    granularity = getattr(recompute, "granularity", "none")
+    if granularity in ("none", "auto"):
+        return {}
+    if granularity == "selective":
+        # Megatron's default recompute_modules (["core_attn"]): the attention core's softmax/probs are
+        # recomputed, the projections' inputs are kept.
+        return {"recompute_granularity": "selective"}
+    # Megatron wants 1 <= num_layers <= layers of this stage; a larger value means "every layer".
+    return {"recompute_granularity": "full", "recompute_method": recompute.method,
+            "recompute_num_layers": max(1, min(recompute.num_layers, layers_per_stage))}
+
+
 def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
-                       sequence_parallel: bool = False, on_gpu: bool = False):
+                       sequence_parallel: bool = False, on_gpu: bool = False, recompute=None):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
+        **recompute_kwargs(recompute, arch.num_layers // pp),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -154,27 +173,50 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int
     )
 
 
-def layer_spec(use_te: bool):
-    """Transformer Engine spec on GPU (fused norms in linear_qkv / linear_fc1), local spec on CPU."""
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm behind Megatron's norm constructor, usable with sequence parallelism.
+
+    Megatron's own torch wrapper (`WrappedTorchNorm`) refuses sequence parallelism although RMSNorm is
+    per token: on a sequence shard it computes exactly the rows of the full-sequence norm. What sequence
+    parallelism does need is that the weight's gradient, which each TP rank only has for its own tokens,
+    is summed across TP; Megatron's `finalize_model_grads` does that for parameters marked
+    `sequence_parallel`, as its fused norms mark theirs."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"LocalRMSNorm only implements RMSNorm, not {config.normalization}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(use_te: bool, config=None):
+    """Transformer Engine spec on GPU (fused norms in linear_qkv / linear_fc1), local spec on CPU.
+
+    The local spec comes back as a whole block (this stage's layers and the final norm) so that all its
+    norms are `LocalRMSNorm`; `config` (the model's TransformerConfig) is needed for it."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LocalRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
 
 
 def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: bool = False,
-                sequence_parallel: bool = False):
+                sequence_parallel: bool = False, recompute=None):
     """One GPTModel chunk for this rank's pipeline stage (parallel_state must be initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=use_te)
+    config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=use_te,
+                                recompute=recompute)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, config),
         vocab_size=padded_vocab_size(arch, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -73,8 +73,10 @@ class TrainerWorker:
         self.arch = read_hf_config(cfg.model.path)
         cfg.validate_model_shape(self.arch.num_heads, self.arch.num_kv_heads, self.arch.num_layers)
         self.dtype = getattr(torch, cfg.model.dtype)
-        sp = p.sequence_parallel and self.gpu
-        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp)
+        # Sequence parallelism and recompute run on both paths (on CPU through cpu_compat); Megatron only
+        # turns sequence parallelism on at TP > 1.
+        sp, rc = p.sequence_parallel, p.recompute
+        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, check_for_nan_in_grad=False,
@@ -82,7 +84,10 @@ class TrainerWorker:
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
         self.opt, self.sched = build_optimizer([self.model], cfg, on_gpu=self.gpu)
         if cfg.algorithm.kl_coef > 0:
-            self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp)
+            # Same layout and recompute as the policy; the reference only runs forward (no_grad), where
+            # Megatron recomputes nothing, so this only keeps the two configs identical.
+            self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp,
+                                         recompute=rc)
             load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
             self.ref_model.eval().requires_grad_(False)
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -110,7 +115,8 @@ class TrainerWorker:
         return out
 
     def _microbatches(self, seq_items: list[SeqItem]):
-        multiple = self.tp if (self.cfg.parallel.sequence_parallel and self.gpu) else 1
+        # sequence parallelism splits each micro-batch's sequence across the TP ranks
+        multiple = self.tp if self.cfg.parallel.sequence_parallel else 1
         mbs = make_microbatches(seq_items, self.cfg.trainer.micro_batch_tokens, multiple)
         if self.gpu:
             for mb in mbs:

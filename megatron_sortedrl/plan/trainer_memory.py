@@ -1,0 +1,343 @@
+"""Trainer memory per GPU and per pipeline stage: weights, gradients, optimizer state, activations, logits.
+
+    from megatron_sortedrl.plan.trainer_memory import trainer_memory, trainer_memory_for_config
+    mem = trainer_memory(arch, tp=8, pp=2, dp=4, sequence_parallel=True, distributed_optimizer=True,
+                         dtype="bfloat16", micro_batch_tokens=65536, longest_sequence=34816, spec="te")
+    mem.peak_bytes, mem.worst_stage.items, print("\\n".join(mem.explain))
+    python benchmarks/plan_vs_measured.py          # checks the `local` model against CPU measurement
+
+Pure arithmetic on a model's shape (an `HFArch` from `trainer/model.py read_hf_config`, or any object with
+the same attributes): no torch, no GPU, no weights. Written here because no library models Megatron-core's
+memory for our two layer specs; Megatron-LM's `theoretical_memory_usage.py` is the nearest thing and is
+used as a reference in tests/test_plan_memory.py and docs/benchmarks/plan_vs_megatron.md, where the
+differences are explained.
+
+What is counted (bytes per GPU of one stage):
+
+* weights: this stage's parameters / TP (norms are replicated), in the model dtype;
+* gradients: fp32 main gradients (the trainer's DDP uses grad_reduce_in_fp32=True);
+* optimizer: Adam moments (8 B/param) plus an fp32 master copy for bf16/fp16 (4 B/param), divided by DP
+  with the distributed optimizer; the other variant is reported as `optimizer_other` (not in the total);
+* activations saved for backward by one micro-batch, for (a) the longest sequence alone and (b) a full
+  micro-batch of `micro_batch_tokens` in rows of min(longest, micro_batch_tokens) tokens, under the
+  configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
+* the backward transient of recompute (one recomputed group's activations);
+* on the last stage the logits transient of the chunked log-prob path: the vocab-parallel logits in the
+  model dtype, their gradient, and an fp32 working set of two chunks of `logits_chunk_tokens` rows.
+
+Two layer specs. `local` is megatron-core 0.16's local spec as the CPU trainer builds it (the counts below
+were read from its forward code and confirmed with autograd's saved-tensor hooks, see
+measure_activations.py): a composite RMSNorm that keeps an fp32 copy of its input, the fp32 rsqrt and the
+fp32 normalised tensor; key/value heads repeated to the query heads before an unfused attention that keeps
+the s x s fp32 softmax (and its cast to the model dtype) and an s x s boolean causal mask; rotary cos/sin
+per layer; SwiGLU keeping fc1's output, silu's output, the offset linear half and fc2's input.
+`te` is the Transformer Engine spec (GPU): fused norm+linear keeping input, normalised output and rsigma;
+flash attention keeping q, k, v (GQA-sized; v is a view of the fused qkv output, so all of it stays), the
+output and the fp32 log-sum-exp, no s x s tensors. The `te` counts are not measurable on CPU; `make
+gpu-check` is where they meet hardware.
+
+Deliberately left out: virtual pipeline stages, context parallelism, MoE, CUDA caching-allocator
+fragmentation, NCCL/communication buffers, the CUDA context and cuBLAS workspaces (the planner adds a
+reserve for those), DDP bucket padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = 1024 ** 3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SPECS = ("local", "te")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclass
+class StageMemory:
+    """One pipeline stage's memory per GPU, in bytes. `items` holds everything; `total` is their peak sum."""
+
+    stage: int
+    layers: int
+    in_flight: int  # micro-batches whose activations the stage holds at once under 1F1B
+    items: dict[str, int] = field(default_factory=dict)
+    activation_items: dict[str, int] = field(default_factory=dict)  # one worst micro-batch, by tensor kind
+
+    # Keys of `items` that add up to the stage's peak (the others are for information).
+    TOTAL_KEYS = ("weights", "gradients", "optimizer", "activations", "recompute_transient", "logits")
+
+    @property
+    def total(self) -> int:
+        return sum(self.items[k] for k in self.TOTAL_KEYS)
+
+
+@dataclass
+class TrainerMemory:
+    """Per-stage memory per GPU (`stages[i]`), the worst stage, and the arithmetic as text lines."""
+
+    stages: list[StageMemory]
+    explain: list[str]
+    params_total: int  # parameters of the whole model (all stages, unsharded)
+
+    @property
+    def worst_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst_stage.total
+
+
+# ----------------------------------------------------------------------------------------- parameters
+
+def layer_params(arch) -> tuple[int, int]:
+    """(parameters of one transformer layer split over TP, replicated ones (the two norms))."""
+    qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    qkv = arch.hidden_size * (qd + 2 * kvd) + ((qd + 2 * kvd) if arch.qkv_bias else 0)
+    proj = qd * arch.hidden_size
+    mlp = 3 * arch.hidden_size * arch.intermediate_size
+    return qkv + proj + mlp, 2 * arch.hidden_size
+
+
+def padded_vocab(arch, tp: int) -> int:
+    """As trainer/model.py pads it: up to a multiple of TP."""
+    return -(-arch.vocab_size // tp) * tp
+
+
+def stage_params(arch, tp: int, pp: int, stage: int) -> int:
+    """Parameters held by one GPU of `stage` (TP shard of the split layers + replicated norms)."""
+    split, repl = layer_params(arch)
+    per_stage = arch.num_layers // pp
+    n = per_stage * (split / tp + repl)
+    emb = padded_vocab(arch, tp) * arch.hidden_size / tp
+    if stage == 0:
+        n += emb
+    if stage == pp - 1:
+        n += arch.hidden_size  # final norm
+        if not arch.tie_word_embeddings or pp > 1:  # tied and pp > 1: the last stage keeps its own copy
+            n += emb
+    return int(n)
+
+
+def total_params(arch) -> int:
+    split, repl = layer_params(arch)
+    emb = arch.vocab_size * arch.hidden_size
+    return arch.num_layers * (split + repl) + arch.hidden_size + emb * (1 if arch.tie_word_embeddings else 2)
+
+
+# ---------------------------------------------------------------------------------------- activations
+
+def layer_activations(arch, *, rows: float, row_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int,
+                      spec: str, selective: bool = False) -> dict[str, float]:
+    """Bytes one transformer layer saves for backward for one micro-batch of `rows` x `row_len` tokens, by kind."""
+    e, h, hd = dtype_bytes, arch.hidden_size, arch.head_dim
+    tokens = rows * row_len
+    spd = tp if (sequence_parallel and tp > 1) else 1  # tensors of the residual stream are split under SP
+    qd, kvd = arch.num_heads // tp * hd, arch.num_kv_heads // tp * hd
+    nq = arch.num_heads // tp
+    f = arch.intermediate_size / tp
+    out: dict[str, float] = {}
+    if spec == "local":
+        out["norms (fp32 input copy, rsqrt, normalised)"] = 2 * tokens / spd * (8 * h + 4)
+        out["qkv/fc1 inputs (norm outputs)"] = 2 * tokens / spd * h * e
+        out["rotary cos/sin (q and k)"] = 4 * row_len * hd * e
+        if selective:  # the checkpointed core attention keeps its inputs: roped q, roped k, v (a view of qkv)
+            out["core-attention inputs (q, k roped; qkv output)"] = tokens * (qd + kvd + qd + 2 * kvd) * e
+        else:
+            out["q, k, v (k, v repeated to query heads)"] = 3 * tokens * qd * e
+            out["causal mask (bool s x s)"] = row_len * row_len
+            out["softmax (fp32 s x s per head)"] = rows * nq * row_len * row_len * 4
+            if e != 4:
+                out["softmax cast to model dtype"] = rows * nq * row_len * row_len * e
+        out["attention output (proj input)"] = tokens * qd * e
+        out["SwiGLU (fc1 out 2f, silu out, linear half, fc2 in)"] = tokens * 5 * f * e
+    elif spec == "te":
+        out["fused norms (input, normalised output, rsigma)"] = 2 * tokens / spd * (2 * h * e + 4)
+        out["qkv output (held by v) + roped q, k"] = tokens * ((qd + 2 * kvd) + (qd + kvd)) * e
+        if not selective:
+            out["flash-attention log-sum-exp (fp32)"] = tokens * nq * 4
+        out["attention output (proj input)"] = tokens * qd * e
+        out["SwiGLU (fc1 out 2f, activation out)"] = tokens * 3 * f * e
+    else:
+        raise ValueError(f"spec {spec!r}: expected one of {SPECS}")
+    return out
+
+
+def _edge_activations(arch, *, first: bool, last: bool, tokens: float, row_len: int, tp: int, spd: int,
+                      dtype_bytes: int, spec: str) -> dict[str, float]:
+    e, h = dtype_bytes, arch.hidden_size
+    out: dict[str, float] = {}
+    if spec == "te":  # fused rope keeps the (s, 1, 1, head_dim) fp32 frequencies, one tensor shared by all layers
+        out["rotary frequencies (fp32, shared)"] = row_len * arch.head_dim * 4
+    if first:
+        # token ids (int64); a vocab-parallel embedding also keeps its boolean out-of-range mask
+        out["embedding input ids"] = tokens * (8 + (1 if tp > 1 else 0))
+    if last:
+        norm = (8 * h + 4) if spec == "local" else (h * e + 4)
+        out["final norm"] = tokens / spd * norm
+        out["output-layer input"] = tokens / spd * h * e
+    return out
+
+
+def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, first: bool, last: bool, tp: int = 1,
+                           sequence_parallel: bool = False, dtype_bytes: int = 2, spec: str = "local",
+                           recompute: str = "none", recompute_method: str = "uniform",
+                           recompute_num_layers: int = 1) -> tuple[dict[str, float], float]:
+    """Bytes saved for backward by one micro-batch on one stage (by kind), and the recompute backward transient.
+
+    This is what `measure_activations.py` measures on CPU (forward of the model chunk, no loss)."""
+    spd = tp if (sequence_parallel and tp > 1) else 1
+    tokens = rows * row_len
+    kw = {"rows": rows, "row_len": row_len, "tp": tp, "sequence_parallel": sequence_parallel, "dtype_bytes": dtype_bytes,
+              "spec": spec}
+    full_layer = layer_activations(arch, **kw)
+    items: dict[str, float] = {}
+    transient = 0.0
+    if recompute == "full":
+        n = recompute_num_layers
+        if recompute_method == "uniform":
+            checkpoints, kept = math.ceil(layers / n), 0
+            transient = min(n, layers) * sum(full_layer.values())
+        else:  # block: the first n layers of the stage are checkpointed one by one, the rest keep everything
+            checkpoints, kept = min(n, layers), max(layers - n, 0)
+            transient = sum(full_layer.values()) if checkpoints else 0.0
+        # each checkpoint keeps its input hidden states and the rotary frequencies (one fp32 s x head_dim
+        # tensor shared by every checkpoint, so counted once)
+        items["checkpointed layer-group inputs"] = checkpoints * tokens / spd * arch.hidden_size * dtype_bytes
+        if spec == "local":
+            items["rotary frequencies (fp32, shared)"] = row_len * arch.head_dim * 4
+        for k, v in full_layer.items():
+            items[k] = kept * v
+    else:
+        sel = recompute == "selective"
+        per_layer = layer_activations(arch, **kw, selective=sel) if sel else full_layer
+        for k, v in per_layer.items():
+            items[k] = layers * v
+        if sel:  # backward recomputes one layer's core attention at a time
+            transient = sum(full_layer.values()) - sum(per_layer.values())
+    items.update(_edge_activations(arch, first=first, last=last, tokens=tokens, row_len=row_len, tp=tp, spd=spd,
+                                   dtype_bytes=dtype_bytes, spec=spec))
+    return {k: v for k, v in items.items() if v}, transient
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False,
+                   distributed_optimizer: bool = False, dtype: str = "bfloat16", micro_batch_tokens: int,
+                   longest_sequence: int, recompute: str = "none", recompute_method: str = "uniform",
+                   recompute_num_layers: int = 1, spec: str = "te", logits_chunk_tokens: int = 4096,
+                   num_microbatches: int | None = None) -> TrainerMemory:
+    """Per-GPU memory of every pipeline stage of the trainer (see the module docstring for what is counted).
+
+    `longest_sequence` is prompt + response tokens of the longest sample; `num_microbatches` (per step and
+    DP replica) caps the micro-batches in flight when it is below PP (None: assume at least PP)."""
+    if spec not in SPECS:
+        raise ValueError(f"spec {spec!r}: expected one of {SPECS}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r}: expected one of {RECOMPUTE} (resolve 'auto' first)")
+    if recompute_method not in ("uniform", "block"):
+        raise ValueError(f"recompute_method {recompute_method!r}: expected uniform or block")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {tuple(DTYPE_BYTES)}")
+    if arch.num_layers % pp or arch.num_heads % tp or arch.num_kv_heads % tp:
+        raise ValueError(f"layout TP={tp} PP={pp} does not divide the model ({arch.num_layers} layers, "
+                         f"{arch.num_heads} heads, {arch.num_kv_heads} key/value heads)")
+    if min(tp, pp, dp, micro_batch_tokens, longest_sequence, recompute_num_layers, logits_chunk_tokens) < 1:
+        raise ValueError("tp, pp, dp, micro_batch_tokens, longest_sequence, recompute_num_layers and "
+                         "logits_chunk_tokens must be >= 1")
+    e = DTYPE_BYTES[dtype]
+    sp = sequence_parallel and tp > 1
+    master = 4 if e != 4 else 0  # bf16/fp16 keep an fp32 master copy; fp32 params are their own master
+    opt_full = 8 + master
+    opt_bytes = opt_full / dp if distributed_optimizer else opt_full
+    other_bytes = opt_full if distributed_optimizer else opt_full / dp
+    layers = arch.num_layers // pp
+    row_len_mb = min(longest_sequence, micro_batch_tokens)
+    rows_mb = micro_batch_tokens / row_len_mb
+    vocab_local = padded_vocab(arch, tp) // tp
+    recompute_desc = recompute if recompute != "full" else f"full ({recompute_method}, num_layers={recompute_num_layers})"
+    explain = [
+        (f"trainer layout TP={tp} PP={pp} DP={dp}, sequence parallel {'on' if sp else 'off'}, "
+         f"{'distributed' if distributed_optimizer else 'plain'} optimizer, {dtype}, spec {spec}, "
+         f"recompute {recompute_desc}"),
+        (f"model: {total_params(arch) / 1e9:.2f} B parameters, {arch.num_layers} layers ({layers} per stage), "
+         f"hidden {arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads} kv "
+         f"x {arch.head_dim}, vocab {arch.vocab_size} (padded {padded_vocab(arch, tp)})"),
+        (f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
+         f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of {row_len_mb}"),
+    ]
+    stages = []
+    for st in range(pp):
+        first, last = st == 0, st == pp - 1
+        n = stage_params(arch, tp, pp, st)
+        in_flight = pp - st if num_microbatches is None else max(1, min(pp - st, num_microbatches))
+        kw = {"layers": layers, "first": first, "last": last, "tp": tp, "sequence_parallel": sp, "dtype_bytes": e,
+              "spec": spec, "recompute": recompute, "recompute_method": recompute_method,
+              "recompute_num_layers": recompute_num_layers}
+        act_a, tr_a = microbatch_activations(arch, rows=1, row_len=longest_sequence, **kw)
+        act_b, tr_b = microbatch_activations(arch, rows=rows_mb, row_len=row_len_mb, **kw)
+        sum_a, sum_b = sum(act_a.values()), sum(act_b.values())
+        worst, worst_items, transient = (sum_a, act_a, tr_a) if sum_a >= sum_b else (sum_b, act_b, tr_b)
+        items = {
+            "weights": n * e,
+            "gradients": n * 4,
+            "optimizer": int(n * opt_bytes),
+            "optimizer_other": int(n * other_bytes),
+            "activations_longest": int(sum_a),
+            "activations_microbatch": int(sum_b),
+            "activations": int(in_flight * worst),
+            "recompute_transient": int(transient),
+            "logits": 0,
+        }
+        if last:
+            worst_tokens = max(longest_sequence, micro_batch_tokens)
+            chunk = min(logits_chunk_tokens, worst_tokens)
+            items["logits"] = int(2 * worst_tokens * vocab_local * e + 2 * chunk * vocab_local * 4)
+        stage = StageMemory(st, layers, in_flight, items, {k: int(v) for k, v in worst_items.items()})
+        stages.append(stage)
+        edges = (", embedding" if first else "") + (", final norm + output layer" if last else "")
+        explain += [
+            f"stage {st} ({layers} layers{edges}): {n / 1e9:.3f} B parameters per GPU",
+            f"  weights    {n:,} x {e} B ({dtype}) = {gib(items['weights'])}",
+            f"  gradients  {n:,} x 4 B (fp32 main grads, grad_reduce_in_fp32) = {gib(items['gradients'])}",
+            (f"  optimizer  {n:,} x ({'4 master + ' if master else ''}8 Adam)"
+             f"{' / DP ' + str(dp) if distributed_optimizer else ''} B = {gib(items['optimizer'])}  "
+             f"({'plain' if distributed_optimizer else 'distributed'} optimizer would be {gib(items['optimizer_other'])})"),
+            f"  activations per micro-batch: (a) longest {gib(sum_a)}, (b) full micro-batch {gib(sum_b)}; worst one:",
+        ]
+        explain += [f"    {k}: {gib(v)}" for k, v in worst_items.items()]
+        explain.append(f"  activations in flight (1F1B, {in_flight} micro-batch{'es' if in_flight > 1 else ''}):"
+                       f" {in_flight} x {gib(worst)} = {gib(items['activations'])}")
+        if transient:
+            explain.append(f"  recompute transient in backward (one recomputed group): {gib(transient)}")
+        if last:
+            explain.append(f"  logits transient: 2 x {worst_tokens} tokens x {vocab_local} vocab/TP x {e} B (logits and"
+                           f" their gradient) + 2 fp32 chunks of {chunk} tokens = {gib(items['logits'])}")
+        explain.append(f"  stage {st} total per GPU: {gib(stage.total)}")
+    worst_stage = max(stages, key=lambda s: s.total)
+    explain.append(f"worst stage: {worst_stage.stage}, {gib(worst_stage.total)} per GPU")
+    return TrainerMemory(stages, explain, total_params(arch))
+
+
+def trainer_memory_for_config(cfg, arch, *, spec: str | None = None, recompute: str | None = None,
+                              on_gpu: bool | None = None, **kwargs) -> TrainerMemory:
+    """`trainer_memory` for a `RunConfig` as the trainer would build it.
+
+    The longest sequence is data.max_prompt_length + rollout.max_response_length. On CPU the trainer uses
+    the plain optimizer whatever the config says (see trainer/optimizer.py) and the local spec; on GPU the
+    TE spec. `recompute` overrides parallel.recompute.granularity (needed when it is `auto`)."""
+    p = cfg.parallel
+    gpu = cfg.cluster.device == "gpu" if on_gpu is None else on_gpu
+    granularity = recompute or p.recompute.granularity
+    if granularity == "auto":
+        raise ValueError("parallel.recompute.granularity is auto: resolve it (or pass recompute=) before planning")
+    return trainer_memory(
+        arch, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
+        sequence_parallel=p.sequence_parallel, distributed_optimizer=bool(gpu and p.use_distributed_optimizer),
+        dtype=cfg.model.dtype, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+        longest_sequence=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
+        recompute=granularity, recompute_method=p.recompute.method, recompute_num_layers=p.recompute.num_layers,
+        spec=spec or ("te" if gpu else "local"), **kwargs)

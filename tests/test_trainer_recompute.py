@@ -1,0 +1,209 @@
+"""Activation recompute and sequence parallelism on the real Megatron trainer, on CPU (gloo).
+
+    pytest tests/test_trainer_recompute.py -q      # CPU; about a minute on 2 idle cores
+
+Hardware: CPU only. `TrainerWorker` is driven directly (no Ray): one spawned process for the TP=1
+layouts and two for the TP=2 ones; each process builds its layouts one after another on the tiny Qwen2
+model and writes log-probs, the RL loss, the HF-layout gradients and the bytes autograd saved for
+backward to a file. Every variant is compared with the plain run of the same TP size:
+
+* recompute (full uniform, full block, selective) changes what is kept for backward, not the math: the
+  recomputed forward runs the same ops on the same inputs in the same order, so log-probs, loss and
+  gradients are bit-identical (checked with `torch.equal`);
+* sequence parallelism at TP=2 changes where the sum over tokens of the norm weights' gradients and the
+  order of the TP reductions happen (reduce-scatter + all-gather instead of all-reduce), so it equals
+  TP=2 without it to float32 rounding: log-probs to 1e-5, gradients to atol 1e-6 / rtol 1e-4 (the
+  tolerances test_trainer.py uses for TP=2 against TP=1).
+
+"Recompute really recomputes" is measured with `torch.autograd.graph.saved_tensors_hooks` around the
+decoder's forward: full recompute of every layer keeps exactly one hidden-size vector per token per layer
+(plus the rotary table each checkpoint is handed), far below the plain run.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+TP1_VARIANTS = {
+    "plain": {},
+    "full_uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
+    "full_uniform_all": {"granularity": "full", "method": "uniform", "num_layers": 2},
+    "full_block": {"granularity": "full", "method": "block", "num_layers": 1},
+    "selective": {"granularity": "selective"},
+    "auto": {"granularity": "auto"},  # unresolved auto (no launch planner ran) means no recompute
+}
+TP2_VARIANTS = {
+    "plain": {},
+    "full_uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
+    "sp": {"sequence_parallel": True},
+    "sp_full_block": {"sequence_parallel": True, "granularity": "full", "method": "block", "num_layers": 1},
+    "sp_selective": {"sequence_parallel": True, "granularity": "selective"},
+}
+
+
+def _items() -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(6):
+        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
+        out.append({"prompt": torch.randint(4, 100, (plen,), generator=g).tolist(),
+                    "response": torch.randint(4, 100, (rlen,), generator=g).tolist(), "mask": None,
+                    "extras": {"advantages": [1.0 - 0.4 * i] * rlen,
+                               "rollout_logprobs": (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()}})
+    return out
+
+
+def _port(rank: int, world: int, ports) -> int:
+    """A free port picked by rank 0 just before use and handed to the other ranks (the machine is shared:
+    a port picked earlier may be taken by then)."""
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for _ in range(world - 1):
+            ports.put(port)
+        return port
+    return ports.get(timeout=300)
+
+
+class _SavedBytes:
+    """Bytes of the activations autograd keeps for backward while the decoder runs (parameters and the
+    final norm excluded: only what the transformer layers keep)."""
+
+    def __init__(self, module):
+        self.total, self.counting = 0, False
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        dec = module.decoder
+        dec.register_forward_pre_hook(lambda *_: self._on(True))
+        dec.register_forward_hook(lambda *_: self._on(False))
+        dec.final_layernorm.register_forward_pre_hook(lambda *_: self._on(False))
+
+    def _on(self, flag: bool) -> None:
+        self.counting = flag
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.counting and t.untyped_storage().data_ptr() not in self.params:
+            self.total += t.numel() * t.element_size()
+        return t
+
+
+def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str) -> None:
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer.worker import TrainerWorker
+
+    torch.set_num_threads(1)
+    items = _items()
+    for name, over in variants.items():
+        cfg = RunConfig()
+        cfg.model.path = model_dir
+        cfg.cluster.device = "cpu"
+        cfg.parallel.tensor_model_parallel_size = world
+        cfg.parallel.sequence_parallel = over.get("sequence_parallel", False)
+        rc = cfg.parallel.recompute
+        rc.granularity = over.get("granularity", "none")
+        rc.method, rc.num_layers = over.get("method", "uniform"), over.get("num_layers", 1)
+        cfg.trainer.micro_batch_tokens = 48  # several micro-batches
+        w = TrainerWorker(cfg, rank, world, "127.0.0.1", _port(rank, world, ports))
+        w.setup()
+        counter = _SavedBytes(w.module)
+        lp = w.logprobs(items)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            lg = w.loss_and_grads(items, "rl")
+        mbs = w._microbatches(w._shard(items))
+        config = w.module.config
+        res = {"logprobs": lp, "metrics": lg.get("metrics"), "grads": lg.get("grads"), "saved": counter.total,
+               "tokens": sum(mb.tokens.numel() for mb in mbs), "recompute": config.recompute_granularity,
+               "sequence_parallel": config.sequence_parallel,
+               "sp_norm_weights": sum(bool(getattr(p, "sequence_parallel", False))
+                                      for n, p in w.module.named_parameters() if "layernorm" in n)}
+        w.shutdown()
+        if rank == 0:
+            torch.save(res, Path(out_dir) / f"{name}.pt")
+
+
+def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict) -> dict[str, dict]:
+    out = tmp_path / f"tp{world}"
+    out.mkdir()
+    ports = mp.get_context("spawn").Queue()
+    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out)),
+                       nprocs=world, join=True, start_method="spawn")
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in variants}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from megatron_sortedrl.config import TinyModelConfig
+    from megatron_sortedrl.tiny_model import build_tiny_model
+
+    d = tmp_path_factory.mktemp("recompute") / "tiny"
+    build_tiny_model(d, TinyModelConfig(seed=3))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tp1(model_dir, tmp_path_factory):
+    return _measure(tmp_path_factory.mktemp("m"), model_dir, 1, TP1_VARIANTS)
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir, tmp_path_factory):
+    return _measure(tmp_path_factory.mktemp("m"), model_dir, 2, TP2_VARIANTS)
+
+
+def _bit_identical(a: dict, b: dict) -> None:
+    assert a["logprobs"] == b["logprobs"]
+    assert a["metrics"] == b["metrics"]
+    assert set(a["grads"]) == set(b["grads"])
+    for name, g in a["grads"].items():
+        assert torch.equal(g, b["grads"][name]), name
+
+
+@pytest.mark.parametrize("variant", ["full_uniform", "full_uniform_all", "full_block", "selective", "auto"])
+def test_recompute_is_bit_identical_to_the_plain_run_tp1(tp1, variant):
+    expected = {"auto": None, "selective": "selective"}.get(variant, "full")
+    assert tp1[variant]["recompute"] == expected
+    assert tp1["plain"]["recompute"] is None
+    assert tp1["plain"]["metrics"]["loss"] != 0.0 and sum(float(g.abs().sum()) for g in tp1["plain"]["grads"].values()) > 0
+    _bit_identical(tp1[variant], tp1["plain"])
+
+
+def test_recompute_is_bit_identical_to_the_plain_run_tp2(tp2):
+    assert tp2["full_uniform"]["recompute"] == "full"
+    _bit_identical(tp2["full_uniform"], tp2["plain"])
+    _bit_identical(tp2["sp_full_block"], tp2["sp"])
+    _bit_identical(tp2["sp_selective"], tp2["sp"])
+
+
+def test_sequence_parallel_matches_tp2_without_it(tp2, tp1):
+    sp, plain = tp2["sp"], tp2["plain"]
+    assert sp["sequence_parallel"] and not plain["sequence_parallel"]
+    # with it, 2 layers x 2 norms + the final norm carry the marker by which Megatron sums their grads over TP
+    assert sp["sp_norm_weights"] == 5 and plain["sp_norm_weights"] == 0
+    diff = max(abs(x - y) for i in plain["logprobs"] for x, y in zip(sp["logprobs"][i], plain["logprobs"][i]))
+    assert diff < 1e-5
+    assert sp["metrics"]["loss"] == pytest.approx(plain["metrics"]["loss"], abs=1e-6)
+    for name, g in plain["grads"].items():
+        assert torch.allclose(sp["grads"][name], g, atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(g, tp1["plain"]["grads"][name], atol=1e-6, rtol=1e-4), name  # and TP=2 is TP=1
+
+
+def test_full_recompute_keeps_one_hidden_vector_per_token_per_layer(tp1, model_dir):
+    from megatron_sortedrl.trainer.model import read_hf_config
+
+    arch = read_hf_config(model_dir)
+    plain, full, block, sel = (tp1[k]["saved"] for k in ("plain", "full_uniform", "full_block", "selective"))
+    hidden = tp1["plain"]["tokens"] * arch.hidden_size * 4  # one float32 hidden vector per token
+    rope = tp1["plain"]["tokens"] * arch.head_dim * 4  # upper bound on the rotary table a checkpoint gets
+    print(f"\nsaved for backward per layer: plain {plain / arch.num_layers / hidden:.1f}, selective "
+          f"{sel / arch.num_layers / hidden:.1f}, full block(1) {block / arch.num_layers / hidden:.1f}, "
+          f"full uniform(1) {full / arch.num_layers / hidden:.2f} hidden vectors per token")
+    assert arch.num_layers * hidden <= full <= arch.num_layers * (hidden + rope)
+    assert full < plain / 5
+    # block(1) of 2 layers: one layer checkpointed, the other keeps what the plain run keeps
+    assert 2 * block == plain + full
+    assert sel < plain  # the attention core (scores, probabilities) is recomputed
