@@ -99,6 +99,10 @@ def test_recompute_and_pipeline_bookkeeping():
     assert [s.in_flight for s in trainer_memory(arch, pp=4, micro_batch_tokens=16, longest_sequence=16,
                                                 spec="local", num_microbatches=2).stages] == [2, 2, 2, 1]
     assert mem.stages[0].items["activations"] == 4 * mem.stages[0].items["activations_longest"]
+    assert mem.stages[0].items["backward_working_set"] == layer  # one layer's activations, same shape
+    it = mem.stages[-1].items
+    assert mem.stages[-1].total == sum(it[k] for k in ("weights", "gradients", "optimizer", "activations",
+                                                       "recompute_transient", "backward_working_set", "logits"))
     assert mem.stages[-1].items["logits"] > 0 and mem.stages[0].items["logits"] == 0
 
 
@@ -210,3 +214,16 @@ def test_planner_matches_measured_bytes():
         assert planned == pytest.approx(r["bytes"], rel=0.15), r
         assert planned == pytest.approx(r["bytes"], abs=16), r  # the model is exact up to a scalar per layer
         assert r["params"] == stage_params(SMALL, 1, 1, 0)
+
+
+@pytest.mark.slow
+def test_planner_matches_measured_bytes_tp2_sequence_parallel():
+    """Two gloo ranks: TP2 with sequence parallelism, none and full recompute."""
+    from megatron_sortedrl.plan.measure_activations import measure_cells
+
+    cells = [{"seq_len": 64, "dtype": "bfloat16", "sequence_parallel": True, "recompute": rc} for rc in ("none", "full")]
+    for r in measure_cells(SMALL, cells, tp=2):
+        mem = trainer_memory(SMALL, tp=2, sequence_parallel=True, dtype="bfloat16", micro_batch_tokens=64,
+                             longest_sequence=64, recompute=r["recompute"], spec="local")
+        assert mem.stages[0].items["activations_longest"] == pytest.approx(r["bytes"], abs=16), r
+        assert r["params"] == stage_params(SMALL, 2, 1, 0)

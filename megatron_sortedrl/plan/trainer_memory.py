@@ -21,7 +21,9 @@ What is counted (bytes per GPU of one stage):
 * activations saved for backward by one micro-batch, for (a) the longest sequence alone and (b) a full
   micro-batch of `micro_batch_tokens` in rows of min(longest, micro_batch_tokens) tokens, under the
   configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
-* the backward transient of recompute (one recomputed group's activations);
+* the backward transient of recompute (one recomputed group's activations), and the backward working set:
+  the gradients in flight while one layer's backward runs, estimated as one layer's saved activations (an
+  estimate, not measured: the CPU measurement counts what the forward keeps);
 * on the last stage the logits transient of the chunked log-prob path: the vocab-parallel logits in the
   model dtype, their gradient, and an fp32 working set of two chunks of `logits_chunk_tokens` rows.
 
@@ -67,7 +69,8 @@ class StageMemory:
     activation_items: dict[str, int] = field(default_factory=dict)  # one worst micro-batch, by tensor kind
 
     # Keys of `items` that add up to the stage's peak (the others are for information).
-    TOTAL_KEYS = ("weights", "gradients", "optimizer", "activations", "recompute_transient", "logits")
+    TOTAL_KEYS = ("weights", "gradients", "optimizer", "activations", "recompute_transient", "backward_working_set",
+                  "logits")
 
     @property
     def total(self) -> int:
@@ -267,7 +270,7 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
          f"hidden {arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads} kv "
          f"x {arch.head_dim}, vocab {arch.vocab_size} (padded {padded_vocab(arch, tp)})"),
         (f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
-         f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of {row_len_mb}"),
+         f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of up to {row_len_mb} (a bound: rows x len <= budget)"),
     ]
     stages = []
     for st in range(pp):
@@ -281,6 +284,9 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         act_b, tr_b = microbatch_activations(arch, rows=rows_mb, row_len=row_len_mb, **kw)
         sum_a, sum_b = sum(act_a.values()), sum(act_b.values())
         worst, worst_items, transient = (sum_a, act_a, tr_a) if sum_a >= sum_b else (sum_b, act_b, tr_b)
+        rows_w, len_w = (1, longest_sequence) if sum_a >= sum_b else (rows_mb, row_len_mb)
+        working = sum(layer_activations(arch, rows=rows_w, row_len=len_w, tp=tp, sequence_parallel=sp, dtype_bytes=e,
+                                        spec=spec).values())
         items = {
             "weights": n * e,
             "gradients": n * 4,
@@ -290,6 +296,7 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
             "activations_microbatch": int(sum_b),
             "activations": int(in_flight * worst),
             "recompute_transient": int(transient),
+            "backward_working_set": int(working),
             "logits": 0,
         }
         if last:
@@ -313,6 +320,7 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
                        f" {in_flight} x {gib(worst)} = {gib(items['activations'])}")
         if transient:
             explain.append(f"  recompute transient in backward (one recomputed group): {gib(transient)}")
+        explain.append(f"  backward working set (gradients of one layer, estimated as its activations): {gib(working)}")
         if last:
             explain.append(f"  logits transient: 2 x {worst_tokens} tokens x {vocab_local} vocab/TP x {e} B (logits and"
                            f" their gradient) + 2 fp32 chunks of {chunk} tokens = {gib(items['logits'])}")
