@@ -74,6 +74,17 @@ def test_local_layer_activations_by_hand():
     assert sum(bf.values()) == 544 + 128 + 128 + 192 + 16 + 128 + 64 + 64 + 640
 
 
+def test_logits_transient_by_hand():
+    # last stage, 4 tokens, vocab 10, bf16: logits and gradient 2 x 4 x 10 x 2 = 160, lse/threshold/entropy
+    # 3 x 4 x 4 = 48, four fp32 chunk buffers of min(512, 4) rows 4 x 4 x 10 x 4 = 640; top-p adds 3 x 4 x 10 x 4
+    kw = {"micro_batch_tokens": 4, "longest_sequence": 4, "spec": "local"}
+    assert trainer_memory(TOY, **kw).stages[0].items["logits"] == 160 + 48 + 640
+    assert trainer_memory(TOY, truncated_sampling=True, **kw).stages[0].items["logits"] == 160 + 48 + 640 + 480
+    # TP 2: the vocabulary slice halves (10 -> 5 per rank); the top-p chunk is all-gathered to the full 10
+    arch = HFArch(**{**TOY.__dict__, "num_kv_heads": 2})
+    assert trainer_memory(arch, tp=2, **kw).stages[0].items["logits"] == 80 + 48 + 320
+
+
 def test_recompute_and_pipeline_bookkeeping():
     kw = {"rows": 1, "row_len": 16, "layers": 4, "first": True, "last": True, "dtype_bytes": 2, "spec": "local"}
     none, t_none = microbatch_activations(TOY, **kw)

@@ -24,8 +24,11 @@ What is counted (bytes per GPU of one stage):
 * the backward transient of recompute (one recomputed group's activations), and the backward working set:
   the gradients in flight while one layer's backward runs, estimated as one layer's saved activations (an
   estimate, not measured: the CPU measurement counts what the forward keeps);
-* on the last stage the logits transient of the chunked log-prob path: the vocab-parallel logits in the
-  model dtype, their gradient, and an fp32 working set of two chunks of `logits_chunk_tokens` rows.
+* on the last stage the logits transient of the chunked log-prob path (trainer/logprobs.py: it keeps the
+  logits in the model dtype and three fp32 values per token for backward, and works on chunks of
+  `logits_chunk_tokens` rows): the vocab-parallel logits, their gradient, the per-token statistics, four
+  fp32 chunk buffers (the backward's scaled logits, probabilities, gradient and log-probabilities) and,
+  when top-p/top-k truncate, the chunk's all-gathered full-vocabulary logits, their concatenation and sort.
 
 Two layer specs. `local` is megatron-core 0.16's local spec as the CPU trainer builds it (the counts below
 were read from its forward code and confirmed with autograd's saved-tensor hooks, see
@@ -231,12 +234,13 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
 def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False,
                    distributed_optimizer: bool = False, dtype: str = "bfloat16", micro_batch_tokens: int,
                    longest_sequence: int, recompute: str = "none", recompute_method: str = "uniform",
-                   recompute_num_layers: int = 1, spec: str = "te", logits_chunk_tokens: int = 4096,
-                   num_microbatches: int | None = None) -> TrainerMemory:
+                   recompute_num_layers: int = 1, spec: str = "te", logits_chunk_tokens: int = 512,
+                   num_microbatches: int | None = None, truncated_sampling: bool = False) -> TrainerMemory:
     """Per-GPU memory of every pipeline stage of the trainer (see the module docstring for what is counted).
 
     `longest_sequence` is prompt + response tokens of the longest sample; `num_microbatches` (per step and
-    DP replica) caps the micro-batches in flight when it is below PP (None: assume at least PP)."""
+    DP replica) caps the micro-batches in flight when it is below PP (None: assume at least PP).
+    `truncated_sampling` (rollout top-p < 1 or top-k > 0) adds the log-prob path's full-vocabulary chunk."""
     if spec not in SPECS:
         raise ValueError(f"spec {spec!r}: expected one of {SPECS}")
     if recompute not in RECOMPUTE:
@@ -302,7 +306,10 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         if last:
             worst_tokens = max(longest_sequence, micro_batch_tokens)
             chunk = min(logits_chunk_tokens, worst_tokens)
-            items["logits"] = int(2 * worst_tokens * vocab_local * e + 2 * chunk * vocab_local * 4)
+            vocab_full = vocab_local * tp
+            truncation = 3 * chunk * vocab_full * 4 if truncated_sampling else 0
+            items["logits"] = int(2 * worst_tokens * vocab_local * e + 3 * worst_tokens * 4
+                                  + 4 * chunk * vocab_local * 4 + truncation)
         stage = StageMemory(st, layers, in_flight, items, {k: int(v) for k, v in worst_items.items()})
         stages.append(stage)
         edges = (", embedding" if first else "") + (", final norm + output layer" if last else "")
@@ -323,7 +330,9 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         explain.append(f"  backward working set (gradients of one layer, estimated as its activations): {gib(working)}")
         if last:
             explain.append(f"  logits transient: 2 x {worst_tokens} tokens x {vocab_local} vocab/TP x {e} B (logits and"
-                           f" their gradient) + 2 fp32 chunks of {chunk} tokens = {gib(items['logits'])}")
+                           f" their gradient) + 3 fp32 per token + 4 fp32 chunks of {chunk} tokens"
+                           + (f" + 3 x {chunk} x {vocab_full} fp32 (top-p/top-k)" if truncation else "")
+                           + f" = {gib(items['logits'])}")
         explain.append(f"  stage {st} total per GPU: {gib(stage.total)}")
     worst_stage = max(stages, key=lambda s: s.total)
     explain.append(f"worst stage: {worst_stage.stage}, {gib(worst_stage.total)} per GPU")
@@ -336,12 +345,16 @@ def trainer_memory_for_config(cfg, arch, *, spec: str | None = None, recompute: 
 
     The longest sequence is data.max_prompt_length + rollout.max_response_length. On CPU the trainer uses
     the plain optimizer whatever the config says (see trainer/optimizer.py) and the local spec; on GPU the
-    TE spec. `recompute` overrides parallel.recompute.granularity (needed when it is `auto`)."""
+    TE spec. `recompute` overrides parallel.recompute.granularity (needed when it is `auto`). The log-prob
+    chunk is trainer.logprob_chunk_tokens where the config has it."""
     p = cfg.parallel
     gpu = cfg.cluster.device == "gpu" if on_gpu is None else on_gpu
     granularity = recompute or p.recompute.granularity
     if granularity == "auto":
         raise ValueError("parallel.recompute.granularity is auto: resolve it (or pass recompute=) before planning")
+    kwargs.setdefault("logits_chunk_tokens", getattr(cfg.trainer, "logprob_chunk_tokens", 512))
+    kwargs.setdefault("truncated_sampling", getattr(cfg.rollout, "top_p", 1.0) < 1.0
+                      or getattr(cfg.rollout, "top_k", 0) > 0)
     return trainer_memory(
         arch, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=bool(gpu and p.use_distributed_optimizer),
