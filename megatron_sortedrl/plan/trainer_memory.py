@@ -22,8 +22,10 @@ What is counted (bytes per GPU of one stage):
   micro-batch of `micro_batch_tokens` in rows of min(longest, micro_batch_tokens) tokens, under the
   configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
 * the backward transient of recompute (one recomputed group's activations), and the backward working set:
-  the gradients in flight while one layer's backward runs, estimated as one layer's saved activations (an
-  estimate, not measured: the CPU measurement counts what the forward keeps);
+  the gradients alive while one layer's backward runs: the incoming residual gradient plus the larger of
+  fc1's output gradient (2 ffn / TP per token) and the attention's (local: the s x s fp32 score gradient;
+  te: dq, dk, dv and the output gradient), plus the largest weight-gradient temporary. Checked against the heap peak of a CPU forward + backward
+  (docs/benchmarks/plan_vs_measured.md: the estimate is 0.93x to 1.36x of the measured peak);
 * on the last stage the logits transient of the chunked log-prob path (trainer/logprobs.py: it keeps the
   logits in the model dtype and three fp32 values per token for backward, and works on chunks of
   `logits_chunk_tokens` rows): the vocab-parallel logits, their gradient, the per-token statistics, four
@@ -209,7 +211,9 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
             transient = min(n, layers) * sum(full_layer.values())
         else:  # block: the first n layers of the stage are checkpointed one by one, the rest keep everything
             checkpoints, kept = min(n, layers), max(layers - n, 0)
-            transient = sum(full_layer.values()) if checkpoints else 0.0
+            # backward reaches the checkpointed (first) layers last, when the kept layers' activations are
+            # already freed: a recomputed layer only adds memory when no layer was kept
+            transient = sum(full_layer.values()) if checkpoints and not kept else 0.0
         # each checkpoint keeps its input hidden states and the rotary frequencies (one fp32 s x head_dim
         # tensor shared by every checkpoint, so counted once)
         items["checkpointed layer-group inputs"] = checkpoints * tokens / spd * arch.hidden_size * dtype_bytes
@@ -227,6 +231,28 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
     items.update(_edge_activations(arch, first=first, last=last, tokens=tokens, row_len=row_len, tp=tp, spd=spd,
                                    dtype_bytes=dtype_bytes, spec=spec))
     return {k: v for k, v in items.items() if v}, transient
+
+
+def backward_working_set(arch, *, rows: float, row_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int,
+                         spec: str, vocab_weights: bool = False) -> float:
+    """Gradient bytes alive at once while one layer's backward runs (see the module docstring).
+
+    Activation gradients plus the largest weight-gradient temporary (fc1's, or the embedding / output
+    layer's on the first and last stages, `vocab_weights`), computed before it is added to the fp32 main
+    gradient."""
+    tokens = rows * row_len
+    spd = tp if (sequence_parallel and tp > 1) else 1
+    e = dtype_bytes
+    qd, kvd = arch.num_heads // tp * arch.head_dim, arch.num_kv_heads // tp * arch.head_dim
+    mlp = tokens * 2 * arch.intermediate_size / tp * e
+    if spec == "local":
+        attention = rows * (arch.num_heads // tp) * row_len * row_len * 4
+    else:
+        attention = tokens * (2 * qd + 2 * kvd) * e
+    weight = arch.hidden_size * 2 * arch.intermediate_size / tp * e
+    if vocab_weights:
+        weight = max(weight, padded_vocab(arch, tp) / tp * arch.hidden_size * e)
+    return tokens / spd * arch.hidden_size * e + max(mlp, attention) + weight
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -289,8 +315,8 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         sum_a, sum_b = sum(act_a.values()), sum(act_b.values())
         worst, worst_items, transient = (sum_a, act_a, tr_a) if sum_a >= sum_b else (sum_b, act_b, tr_b)
         rows_w, len_w = (1, longest_sequence) if sum_a >= sum_b else (rows_mb, row_len_mb)
-        working = sum(layer_activations(arch, rows=rows_w, row_len=len_w, tp=tp, sequence_parallel=sp, dtype_bytes=e,
-                                        spec=spec).values())
+        working = backward_working_set(arch, rows=rows_w, row_len=len_w, tp=tp, sequence_parallel=sp,
+                                       dtype_bytes=e, spec=spec, vocab_weights=first or last)
         items = {
             "weights": n * e,
             "gradients": n * 4,
@@ -327,7 +353,7 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
                        f" {in_flight} x {gib(worst)} = {gib(items['activations'])}")
         if transient:
             explain.append(f"  recompute transient in backward (one recomputed group): {gib(transient)}")
-        explain.append(f"  backward working set (gradients of one layer, estimated as its activations): {gib(working)}")
+        explain.append(f"  backward working set (one layer's gradients in flight): {gib(working)}")
         if last:
             explain.append(f"  logits transient: 2 x {worst_tokens} tokens x {vocab_local} vocab/TP x {e} B (logits and"
                            f" their gradient) + 3 fp32 per token + 4 fp32 chunks of {chunk} tokens"
