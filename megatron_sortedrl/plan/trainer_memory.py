@@ -19,13 +19,14 @@ What is counted (bytes per GPU of one stage):
 * optimizer: Adam moments (8 B/param) plus an fp32 master copy for bf16/fp16 (4 B/param), divided by DP
   with the distributed optimizer; the other variant is reported as `optimizer_other` (not in the total);
 * activations saved for backward by one micro-batch, for (a) the longest sequence alone and (b) a full
-  micro-batch of `micro_batch_tokens` in rows of min(longest, micro_batch_tokens) tokens, under the
-  configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
+  micro-batch of `micro_batch_tokens` in rows of up to min(longest, micro_batch_tokens) tokens (a bound:
+  the packer keeps rows x longest row <= the budget), under the configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
 * the backward transient of recompute (one recomputed group's activations), and the backward working set:
   the gradients alive while one layer's backward runs: the incoming residual gradient plus the larger of
   fc1's output gradient (2 ffn / TP per token) and the attention's (local: the s x s fp32 score gradient;
-  te: dq, dk, dv and the output gradient), plus the largest weight-gradient temporary. Checked against the heap peak of a CPU forward + backward
-  (docs/benchmarks/plan_vs_measured.md: the estimate is 0.93x to 1.36x of the measured peak);
+  te: dq, dk, dv and the output gradient), plus the largest weight-gradient temporary. Checked against
+  the heap peak of a CPU forward + backward (docs/benchmarks/plan_vs_measured.md: the estimate is 0.93x
+  to 1.36x of the measured peak);
 * on the last stage the logits transient of the chunked log-prob path (trainer/logprobs.py: it keeps the
   logits in the model dtype and three fp32 values per token for backward, and works on chunks of
   `logits_chunk_tokens` rows): the vocab-parallel logits, their gradient, the per-token statistics, four
