@@ -74,6 +74,17 @@ def test_local_layer_activations_by_hand():
     assert sum(bf.values()) == 544 + 128 + 128 + 192 + 16 + 128 + 64 + 64 + 640
 
 
+def test_logits_transient_by_hand():
+    # last stage, 4 tokens, vocab 10, bf16: logits and gradient 2 x 4 x 10 x 2 = 160, lse/threshold/entropy
+    # 3 x 4 x 4 = 48, four fp32 chunk buffers of min(512, 4) rows 4 x 4 x 10 x 4 = 640; top-p adds 3 x 4 x 10 x 4
+    kw = {"micro_batch_tokens": 4, "longest_sequence": 4, "spec": "local"}
+    assert trainer_memory(TOY, **kw).stages[0].items["logits"] == 160 + 48 + 640
+    assert trainer_memory(TOY, truncated_sampling=True, **kw).stages[0].items["logits"] == 160 + 48 + 640 + 480
+    # TP 2: the vocabulary slice halves (10 -> 5 per rank); the top-p chunk is all-gathered to the full 10
+    arch = HFArch(**{**TOY.__dict__, "num_kv_heads": 2})
+    assert trainer_memory(arch, tp=2, **kw).stages[0].items["logits"] == 80 + 48 + 320
+
+
 def test_recompute_and_pipeline_bookkeeping():
     kw = {"rows": 1, "row_len": 16, "layers": 4, "first": True, "last": True, "dtype_bytes": 2, "spec": "local"}
     none, t_none = microbatch_activations(TOY, **kw)
@@ -89,7 +100,8 @@ def test_recompute_and_pipeline_bookkeeping():
     # uniform groups of 2: two checkpoints of 16 x 8 x 2 bytes; block 1: one checkpoint + 3 full layers
     g2, t_g2 = microbatch_activations(TOY, recompute="full", recompute_num_layers=2, **kw)
     assert g2["checkpointed layer-group inputs"] == 2 * 16 * 8 * 2 and t_g2 == 2 * layer
-    blk, _ = microbatch_activations(TOY, recompute="full", recompute_method="block", **kw)
+    blk, t_blk = microbatch_activations(TOY, recompute="full", recompute_method="block", **kw)
+    assert t_blk == 0  # the kept layers' activations are freed before the checkpointed layer is recomputed
     assert blk["checkpointed layer-group inputs"] == 16 * 8 * 2
     assert blk["SwiGLU (fc1 out 2f, silu out, linear half, fc2 in)"] == 3 * 16 * 5 * 16 * 2
     # 1F1B: stage i of PP 4 keeps 4 - i micro-batches; fewer micro-batches than stages cap it
@@ -99,6 +111,13 @@ def test_recompute_and_pipeline_bookkeeping():
     assert [s.in_flight for s in trainer_memory(arch, pp=4, micro_batch_tokens=16, longest_sequence=16,
                                                 spec="local", num_microbatches=2).stages] == [2, 2, 2, 1]
     assert mem.stages[0].items["activations"] == 4 * mem.stages[0].items["activations_longest"]
+    # backward working set: residual gradient 16 x 8 x 2 = 256 + max(fc1 output gradient 16 x 32 x 2 = 1024,
+    # fp32 score gradient 2 heads x 16 x 16 x 4 = 2048) + the largest weight-gradient temporary: fc1's
+    # 8 x 32 x 2 = 512 on a middle stage, the embedding's 10 x 8 x 2 = 160 is smaller on the first
+    assert [s.items["backward_working_set"] for s in mem.stages] == [256 + 2048 + 512] * 4
+    it = mem.stages[-1].items
+    assert mem.stages[-1].total == sum(it[k] for k in ("weights", "gradients", "optimizer", "activations",
+                                                       "recompute_transient", "backward_working_set", "logits"))
     assert mem.stages[-1].items["logits"] > 0 and mem.stages[0].items["logits"] == 0
 
 
@@ -210,3 +229,20 @@ def test_planner_matches_measured_bytes():
         assert planned == pytest.approx(r["bytes"], rel=0.15), r
         assert planned == pytest.approx(r["bytes"], abs=16), r  # the model is exact up to a scalar per layer
         assert r["params"] == stage_params(SMALL, 1, 1, 0)
+        if r["peak"] is not None:  # forward + backward heap peak: the estimated part of the plan
+            it = mem.stages[0].items
+            estimate = planned + it["recompute_transient"] + it["backward_working_set"]
+            assert 0.9 * r["peak"] <= estimate <= 1.5 * r["peak"], r
+
+
+@pytest.mark.slow
+def test_planner_matches_measured_bytes_tp2_sequence_parallel():
+    """Two gloo ranks: TP2 with sequence parallelism, none and full recompute."""
+    from megatron_sortedrl.plan.measure_activations import measure_cells
+
+    cells = [{"seq_len": 64, "dtype": "bfloat16", "sequence_parallel": True, "recompute": rc} for rc in ("none", "full")]
+    for r in measure_cells(SMALL, cells, tp=2):
+        mem = trainer_memory(SMALL, tp=2, sequence_parallel=True, dtype="bfloat16", micro_batch_tokens=64,
+                             longest_sequence=64, recompute=r["recompute"], spec="local")
+        assert mem.stages[0].items["activations_longest"] == pytest.approx(r["bytes"], abs=16), r
+        assert r["params"] == stage_params(SMALL, 2, 1, 0)

@@ -13,12 +13,20 @@ of the model chunk (embedding, layers, final norm, output layer; no loss) runs i
 Recompute's checkpoints save their inputs through the same hooks, and the forward inside a checkpoint
 runs without grad, so the count is what recompute really keeps.
 
-Deliberately left out: the backward pass's transient peak (recompute's recomputed group, gradients), the
-loss / log-prob path, and anything the caching allocator adds; this counts what the forward keeps.
+The same run also reports `peak`: the most heap memory in use at any op boundary of the forward and
+backward (glibc's `mallinfo2`, read after every op by a TorchDispatchMode; parameter gradients allocated
+beforehand, caches warmed by one untimed step), minus the model output. That is the activations, the
+recompute transient and the backward working set together, the part of a stage's peak the planner
+estimates rather than counts exactly (the output and its gradient are left out: the planner counts them
+as `logits`). `peak` is None where glibc's mallinfo2 is missing.
+
+Deliberately left out: the loss / log-prob path, temporaries that live only inside one op, and on GPU
+anything the caching allocator adds; `make gpu-check` measures the real peak.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import socket
@@ -26,6 +34,39 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_reader():
+    """A function returning the bytes glibc's malloc has handed out (main arena + mmapped), or None."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def used() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+    return used
+
+
+class _PeakHeap(TorchDispatchMode):
+    """Reads the heap after every op (on this thread; the CPU autograd engine runs backward here too)."""
+
+    def __init__(self, used):
+        super().__init__()
+        self.used, self.peak = used, used()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.used())
+        return out
 
 
 @dataclass
@@ -96,15 +137,35 @@ def _measure_here(arch, seq_len: int, rows: int, dtype: str, sequence_parallel: 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (rows, seq_len), generator=g)
     position_ids = torch.arange(seq_len).unsqueeze(0).expand(rows, -1).contiguous()
+    # one untimed step: lazily built buffers and caches are not activations
+    model(tokens, position_ids, None).float().sum().backward()
+    for p in model.parameters():  # gradients exist before the measured step, as Megatron's grad buffers do
+        p.grad.zero_()
+    import gc
+
+    gc.collect()
+    used = _heap_reader()
+    base = used() if used else 0
+    peak_mode = _PeakHeap(used) if used else None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens, position_ids, None)
-    # the output must stay alive until here (its graph holds the saved tensors); then run backward so
-    # that recompute's backward path is exercised too (a failure there is a failed measurement)
-    out.float().sum().backward()
+        if peak_mode:
+            with peak_mode:
+                out = model(tokens, position_ids, None)
+        else:
+            out = model(tokens, position_ids, None)
     for h in handles:
         h.remove()
+    # backward after the count (the output's graph holds the saved tensors until then); it also exercises
+    # recompute's backward path, so a failure there is a failed measurement
+    if peak_mode:
+        with peak_mode:
+            out.float().sum().backward()
+    else:
+        out.float().sum().backward()
+    # the output and its gradient belong to the loss path, which the planner counts as `logits`
+    peak = peak_mode.peak - base - 2 * out.untyped_storage().nbytes() if peak_mode else None
     return {"bytes": sum(seen.values()), "by_module": dict(by_module), "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()), "peak": peak}
 
 
 def _worker(rank: int, world: int, port: int, arch, cells: list[dict], queue) -> None:
@@ -138,7 +199,8 @@ def measure_cells(arch, cells: list[dict], *, tp: int = 1) -> list[dict]:
 
     A cell is a dict with seq_len and optionally rows, dtype, sequence_parallel, recompute,
     recompute_method, recompute_num_layers; each result is the cell plus "bytes" and "by_module" of TP
-    rank 0 (all TP ranks of the local spec save the same amount), and "params", its parameter count."""
+    rank 0 (all TP ranks of the local spec save the same amount), "params", its parameter count, and
+    "peak", the heap peak of forward + backward less the output and its gradient (module docstring)."""
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()

@@ -19,11 +19,19 @@ What is counted (bytes per GPU of one stage):
 * optimizer: Adam moments (8 B/param) plus an fp32 master copy for bf16/fp16 (4 B/param), divided by DP
   with the distributed optimizer; the other variant is reported as `optimizer_other` (not in the total);
 * activations saved for backward by one micro-batch, for (a) the longest sequence alone and (b) a full
-  micro-batch of `micro_batch_tokens` in rows of min(longest, micro_batch_tokens) tokens, under the
-  configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
-* the backward transient of recompute (one recomputed group's activations);
-* on the last stage the logits transient of the chunked log-prob path: the vocab-parallel logits in the
-  model dtype, their gradient, and an fp32 working set of two chunks of `logits_chunk_tokens` rows.
+  micro-batch of `micro_batch_tokens` in rows of up to min(longest, micro_batch_tokens) tokens (a bound:
+  the packer keeps rows x longest row <= the budget), under the configured recompute; 1F1B keeps `pp - stage` micro-batches in flight on a stage, all assumed worst-case;
+* the backward transient of recompute (one recomputed group's activations), and the backward working set:
+  the gradients alive while one layer's backward runs: the incoming residual gradient plus the larger of
+  fc1's output gradient (2 ffn / TP per token) and the attention's (local: the s x s fp32 score gradient;
+  te: dq, dk, dv and the output gradient), plus the largest weight-gradient temporary. Checked against
+  the heap peak of a CPU forward + backward (docs/benchmarks/plan_vs_measured.md: the estimate is 0.93x
+  to 1.36x of the measured peak);
+* on the last stage the logits transient of the chunked log-prob path (trainer/logprobs.py: it keeps the
+  logits in the model dtype and three fp32 values per token for backward, and works on chunks of
+  `logits_chunk_tokens` rows): the vocab-parallel logits, their gradient, the per-token statistics, four
+  fp32 chunk buffers (the backward's scaled logits, probabilities, gradient and log-probabilities) and,
+  when top-p/top-k truncate, the chunk's all-gathered full-vocabulary logits, their concatenation and sort.
 
 Two layer specs. `local` is megatron-core 0.16's local spec as the CPU trainer builds it (the counts below
 were read from its forward code and confirmed with autograd's saved-tensor hooks, see
@@ -67,7 +75,8 @@ class StageMemory:
     activation_items: dict[str, int] = field(default_factory=dict)  # one worst micro-batch, by tensor kind
 
     # Keys of `items` that add up to the stage's peak (the others are for information).
-    TOTAL_KEYS = ("weights", "gradients", "optimizer", "activations", "recompute_transient", "logits")
+    TOTAL_KEYS = ("weights", "gradients", "optimizer", "activations", "recompute_transient", "backward_working_set",
+                  "logits")
 
     @property
     def total(self) -> int:
@@ -203,7 +212,9 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
             transient = min(n, layers) * sum(full_layer.values())
         else:  # block: the first n layers of the stage are checkpointed one by one, the rest keep everything
             checkpoints, kept = min(n, layers), max(layers - n, 0)
-            transient = sum(full_layer.values()) if checkpoints else 0.0
+            # backward reaches the checkpointed (first) layers last, when the kept layers' activations are
+            # already freed: a recomputed layer only adds memory when no layer was kept
+            transient = sum(full_layer.values()) if checkpoints and not kept else 0.0
         # each checkpoint keeps its input hidden states and the rotary frequencies (one fp32 s x head_dim
         # tensor shared by every checkpoint, so counted once)
         items["checkpointed layer-group inputs"] = checkpoints * tokens / spd * arch.hidden_size * dtype_bytes
@@ -223,17 +234,40 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
     return {k: v for k, v in items.items() if v}, transient
 
 
+def backward_working_set(arch, *, rows: float, row_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int,
+                         spec: str, vocab_weights: bool = False) -> float:
+    """Gradient bytes alive at once while one layer's backward runs (see the module docstring).
+
+    Activation gradients plus the largest weight-gradient temporary (fc1's, or the embedding / output
+    layer's on the first and last stages, `vocab_weights`), computed before it is added to the fp32 main
+    gradient."""
+    tokens = rows * row_len
+    spd = tp if (sequence_parallel and tp > 1) else 1
+    e = dtype_bytes
+    qd, kvd = arch.num_heads // tp * arch.head_dim, arch.num_kv_heads // tp * arch.head_dim
+    mlp = tokens * 2 * arch.intermediate_size / tp * e
+    if spec == "local":
+        attention = rows * (arch.num_heads // tp) * row_len * row_len * 4
+    else:
+        attention = tokens * (2 * qd + 2 * kvd) * e
+    weight = arch.hidden_size * 2 * arch.intermediate_size / tp * e
+    if vocab_weights:
+        weight = max(weight, padded_vocab(arch, tp) / tp * arch.hidden_size * e)
+    return tokens / spd * arch.hidden_size * e + max(mlp, attention) + weight
+
+
 # ------------------------------------------------------------------------------------------ the model
 
 def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_parallel: bool = False,
                    distributed_optimizer: bool = False, dtype: str = "bfloat16", micro_batch_tokens: int,
                    longest_sequence: int, recompute: str = "none", recompute_method: str = "uniform",
-                   recompute_num_layers: int = 1, spec: str = "te", logits_chunk_tokens: int = 4096,
-                   num_microbatches: int | None = None) -> TrainerMemory:
+                   recompute_num_layers: int = 1, spec: str = "te", logits_chunk_tokens: int = 512,
+                   num_microbatches: int | None = None, truncated_sampling: bool = False) -> TrainerMemory:
     """Per-GPU memory of every pipeline stage of the trainer (see the module docstring for what is counted).
 
     `longest_sequence` is prompt + response tokens of the longest sample; `num_microbatches` (per step and
-    DP replica) caps the micro-batches in flight when it is below PP (None: assume at least PP)."""
+    DP replica) caps the micro-batches in flight when it is below PP (None: assume at least PP).
+    `truncated_sampling` (rollout top-p < 1 or top-k > 0) adds the log-prob path's full-vocabulary chunk."""
     if spec not in SPECS:
         raise ValueError(f"spec {spec!r}: expected one of {SPECS}")
     if recompute not in RECOMPUTE:
@@ -267,7 +301,7 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
          f"hidden {arch.hidden_size}, ffn {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads} kv "
          f"x {arch.head_dim}, vocab {arch.vocab_size} (padded {padded_vocab(arch, tp)})"),
         (f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
-         f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of {row_len_mb}"),
+         f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of up to {row_len_mb} (a bound: rows x len <= budget)"),
     ]
     stages = []
     for st in range(pp):
@@ -281,6 +315,9 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         act_b, tr_b = microbatch_activations(arch, rows=rows_mb, row_len=row_len_mb, **kw)
         sum_a, sum_b = sum(act_a.values()), sum(act_b.values())
         worst, worst_items, transient = (sum_a, act_a, tr_a) if sum_a >= sum_b else (sum_b, act_b, tr_b)
+        rows_w, len_w = (1, longest_sequence) if sum_a >= sum_b else (rows_mb, row_len_mb)
+        working = backward_working_set(arch, rows=rows_w, row_len=len_w, tp=tp, sequence_parallel=sp,
+                                       dtype_bytes=e, spec=spec, vocab_weights=first or last)
         items = {
             "weights": n * e,
             "gradients": n * 4,
@@ -290,12 +327,16 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
             "activations_microbatch": int(sum_b),
             "activations": int(in_flight * worst),
             "recompute_transient": int(transient),
+            "backward_working_set": int(working),
             "logits": 0,
         }
         if last:
             worst_tokens = max(longest_sequence, micro_batch_tokens)
             chunk = min(logits_chunk_tokens, worst_tokens)
-            items["logits"] = int(2 * worst_tokens * vocab_local * e + 2 * chunk * vocab_local * 4)
+            vocab_full = vocab_local * tp
+            truncation = 3 * chunk * vocab_full * 4 if truncated_sampling else 0
+            items["logits"] = int(2 * worst_tokens * vocab_local * e + 3 * worst_tokens * 4
+                                  + 4 * chunk * vocab_local * 4 + truncation)
         stage = StageMemory(st, layers, in_flight, items, {k: int(v) for k, v in worst_items.items()})
         stages.append(stage)
         edges = (", embedding" if first else "") + (", final norm + output layer" if last else "")
@@ -313,9 +354,12 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
                        f" {in_flight} x {gib(worst)} = {gib(items['activations'])}")
         if transient:
             explain.append(f"  recompute transient in backward (one recomputed group): {gib(transient)}")
+        explain.append(f"  backward working set (one layer's gradients in flight): {gib(working)}")
         if last:
             explain.append(f"  logits transient: 2 x {worst_tokens} tokens x {vocab_local} vocab/TP x {e} B (logits and"
-                           f" their gradient) + 2 fp32 chunks of {chunk} tokens = {gib(items['logits'])}")
+                           f" their gradient) + 3 fp32 per token + 4 fp32 chunks of {chunk} tokens"
+                           + (f" + 3 x {chunk} x {vocab_full} fp32 (top-p/top-k)" if truncation else "")
+                           + f" = {gib(items['logits'])}")
         explain.append(f"  stage {st} total per GPU: {gib(stage.total)}")
     worst_stage = max(stages, key=lambda s: s.total)
     explain.append(f"worst stage: {worst_stage.stage}, {gib(worst_stage.total)} per GPU")
@@ -328,12 +372,16 @@ def trainer_memory_for_config(cfg, arch, *, spec: str | None = None, recompute: 
 
     The longest sequence is data.max_prompt_length + rollout.max_response_length. On CPU the trainer uses
     the plain optimizer whatever the config says (see trainer/optimizer.py) and the local spec; on GPU the
-    TE spec. `recompute` overrides parallel.recompute.granularity (needed when it is `auto`)."""
+    TE spec. `recompute` overrides parallel.recompute.granularity (needed when it is `auto`). The log-prob
+    chunk is trainer.logprob_chunk_tokens where the config has it."""
     p = cfg.parallel
     gpu = cfg.cluster.device == "gpu" if on_gpu is None else on_gpu
     granularity = recompute or p.recompute.granularity
     if granularity == "auto":
         raise ValueError("parallel.recompute.granularity is auto: resolve it (or pass recompute=) before planning")
+    kwargs.setdefault("logits_chunk_tokens", getattr(cfg.trainer, "logprob_chunk_tokens", 512))
+    kwargs.setdefault("truncated_sampling", getattr(cfg.rollout, "top_p", 1.0) < 1.0
+                      or getattr(cfg.rollout, "top_k", 0) > 0)
     return trainer_memory(
         arch, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=bool(gpu and p.use_distributed_optimizer),
