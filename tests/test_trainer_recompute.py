@@ -29,13 +29,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion")
 TP1_VARIANTS = {
     "plain": {},
     "full_uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
     "full_uniform_all": {"granularity": "full", "method": "uniform", "num_layers": 2},
     "full_block": {"granularity": "full", "method": "block", "num_layers": 1},
     "selective": {"granularity": "selective"},
-    "auto": {"granularity": "auto"},  # unresolved auto (no launch planner ran) means no recompute
 }
 TP2_VARIANTS = {
     "plain": {},
@@ -119,6 +120,8 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
         res = {"logprobs": lp, "metrics": lg.get("metrics"), "grads": lg.get("grads"), "saved": counter.total,
                "tokens": sum(mb.tokens.numel() for mb in mbs), "recompute": config.recompute_granularity,
                "sequence_parallel": config.sequence_parallel,
+               "fusions": {k: getattr(config, k) for k in FUSIONS},
+               "overlap": (w.model.ddp_config.overlap_grad_reduce, w.model.ddp_config.overlap_param_gather),
                "sp_norm_weights": sum(bool(getattr(p, "sequence_parallel", False))
                                       for n, p in w.module.named_parameters() if "layernorm" in n)}
         w.shutdown()
@@ -163,10 +166,9 @@ def _bit_identical(a: dict, b: dict) -> None:
         assert torch.equal(g, b["grads"][name]), name
 
 
-@pytest.mark.parametrize("variant", ["full_uniform", "full_uniform_all", "full_block", "selective", "auto"])
+@pytest.mark.parametrize("variant", ["full_uniform", "full_uniform_all", "full_block", "selective"])
 def test_recompute_is_bit_identical_to_the_plain_run_tp1(tp1, variant):
-    expected = {"auto": None, "selective": "selective"}.get(variant, "full")
-    assert tp1[variant]["recompute"] == expected
+    assert tp1[variant]["recompute"] == ("selective" if variant == "selective" else "full")
     assert tp1["plain"]["recompute"] is None
     assert tp1["plain"]["metrics"]["loss"] != 0.0 and sum(float(g.abs().sum()) for g in tp1["plain"]["grads"].values()) > 0
     _bit_identical(tp1[variant], tp1["plain"])
@@ -207,3 +209,73 @@ def test_full_recompute_keeps_one_hidden_vector_per_token_per_layer(tp1, model_d
     # block(1) of 2 layers: one layer checkpointed, the other keeps what the plain run keeps
     assert 2 * block == plain + full
     assert sel < plain  # the attention core (scores, probabilities) is recomputed
+
+
+def test_cpu_runs_without_fused_kernels_or_overlapped_reduction(tp1, tp2):
+    for res in (*tp1.values(), *tp2.values()):
+        assert res["fusions"] == dict.fromkeys(FUSIONS, False)
+        assert res["overlap"] == (False, False)
+
+
+# ---------------------------------------------------------------- configs only (no process groups, no CUDA)
+
+QWEN25_32B = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+                  num_heads=40, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1e6,
+                  max_position_embeddings=131072, tie_word_embeddings=False, qkv_bias=True)
+
+
+def _rc(granularity="none", method="uniform", num_layers=1):
+    from megatron_sortedrl.config import RecomputeConfig
+
+    return RecomputeConfig(granularity=granularity, method=method, num_layers=num_layers)
+
+
+@pytest.mark.parametrize("rc, expected", [
+    (None, (None, None, None)),
+    (_rc("none"), (None, None, None)),
+    (_rc("auto"), (None, None, None)),  # not resolved by a launch planner: no recompute
+    (_rc("selective"), ("selective", None, None)),
+    (_rc("full", "uniform", 4), ("full", "uniform", 4)),
+    (_rc("full", "block", 99), ("full", "block", 32)),  # at most the stage's 64 / PP2 layers
+])
+def test_recompute_settings_reach_megatron(rc, expected):
+    from megatron_sortedrl.trainer.model import HFArch, transformer_config
+
+    c = transformer_config(HFArch(**QWEN25_32B), torch.bfloat16, tp=8, pp=2, sequence_parallel=True, recompute=rc)
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == expected
+    if expected[0] == "selective":
+        assert c.recompute_modules == ["core_attn"]
+
+
+def test_gpu_config_turns_fusions_and_overlap_on(monkeypatch):
+    """The flagship layout's GPU TransformerConfig and DDP config, built here without touching CUDA
+    (the two CUDA-only kernels are reported present, as on a GPU machine with TE and Apex)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer import model as M
+    from megatron_sortedrl.trainer.worker import ddp_config
+
+    monkeypatch.setattr(M, "_rope_fusion_available", lambda: True)
+    monkeypatch.setattr(M, "_grad_accum_fusion_available", lambda: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)  # TE's, for the check
+    c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, pp=2, sequence_parallel=True,
+                             on_gpu=True, recompute=_rc("full", "uniform", 1))
+    assert {k: getattr(c, k) for k in FUSIONS} == dict.fromkeys(FUSIONS, True)
+    assert not c.persist_layer_norm and not c.use_cpu_initialization and c.sequence_parallel
+    cfg = RunConfig()
+    cfg.parallel.use_distributed_optimizer = True
+    d = ddp_config(cfg, True, 4)
+    assert d.overlap_grad_reduce and d.use_distributed_optimizer and d.bucket_size == 40_000_000
+    assert not d.overlap_param_gather  # weights are read right after each update (see ddp_config)
+    assert ddp_config(cfg, True, 64).bucket_size == 64_000_000
+
+
+def test_gpu_config_without_te_or_apex_leaves_their_kernels_off(monkeypatch):
+    from megatron_sortedrl.trainer import model as M
+
+    monkeypatch.setattr(M, "_rope_fusion_available", lambda: False)
+    monkeypatch.setattr(M, "_grad_accum_fusion_available", lambda: False)
+    c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, on_gpu=True)
+    assert c.bias_activation_fusion and c.masked_softmax_fusion and c.bias_dropout_fusion
+    assert not c.apply_rope_fusion and not c.gradient_accumulation_fusion

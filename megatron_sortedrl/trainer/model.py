@@ -129,6 +129,39 @@ def recompute_kwargs(recompute, layers_per_stage: int) -> dict[str, Any]:
             "recompute_num_layers": max(1, min(recompute.num_layers, layers_per_stage))}
 
 
+def _rope_fusion_available() -> bool:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None  # Transformer Engine >= 1.4
+
+
+def _grad_accum_fusion_available() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return bool(layers._grad_accum_fusion_available)  # the fused_weight_gradient_mlp_cuda extension (Apex)
+
+
+def kernel_fusions(on_gpu: bool) -> dict[str, bool]:
+    """Megatron's fused kernels for these models: all on a GPU, where their kernels exist; all off on CPU.
+
+    SwiGLU (bias_activation_fusion, also without a bias) and bias-dropout-add are TorchScript/Triton
+    fusions; the masked softmax, RoPE (Transformer Engine's) and weight-gradient accumulation into
+    `main_grad` (Apex's extension, which Megatron's local output layer requires even under the TE spec)
+    are CUDA kernels, so the last two are switched on only where the kernel is installed. Left off:
+    persist_layer_norm (only Apex's LayerNorm reads it; these models use RMSNorm from TE) and
+    cross_entropy_loss_fusion (the trainer computes its own log-probs from the logits)."""
+    on = bool(on_gpu)
+    return {
+        "bias_activation_fusion": on,
+        "bias_dropout_fusion": on,
+        "masked_softmax_fusion": on,
+        "apply_rope_fusion": on and _rope_fusion_available(),
+        "gradient_accumulation_fusion": on and _grad_accum_fusion_available(),
+        "persist_layer_norm": False,
+        "cross_entropy_loss_fusion": False,
+    }
+
+
 def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
                        sequence_parallel: bool = False, on_gpu: bool = False, recompute=None):
     from megatron.core.transformer import TransformerConfig
@@ -151,13 +184,7 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        **kernel_fusions(on_gpu),
         use_cpu_initialization=not on_gpu,
         params_dtype=dtype,
         pipeline_dtype=dtype,
