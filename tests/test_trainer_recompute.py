@@ -93,7 +93,7 @@ class _SavedBytes:
         return t
 
 
-def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str) -> None:
+def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str, device: str) -> None:
     from megatron_sortedrl.config import RunConfig
     from megatron_sortedrl.trainer.worker import TrainerWorker
 
@@ -102,7 +102,7 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
     for name, over in variants.items():
         cfg = RunConfig()
         cfg.model.path = model_dir
-        cfg.cluster.device = "cpu"
+        cfg.cluster.device = device
         cfg.parallel.tensor_model_parallel_size = world
         cfg.parallel.sequence_parallel = over.get("sequence_parallel", False)
         rc = cfg.parallel.recompute
@@ -129,11 +129,11 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
             torch.save(res, Path(out_dir) / f"{name}.pt")
 
 
-def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict) -> dict[str, dict]:
+def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict, device: str = "cpu") -> dict[str, dict]:
     out = tmp_path / f"tp{world}"
     out.mkdir()
     ports = mp.get_context("spawn").Queue()
-    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out)),
+    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out), device),
                        nprocs=world, join=True, start_method="spawn")
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in variants}
 
@@ -279,3 +279,24 @@ def test_gpu_config_without_te_or_apex_leaves_their_kernels_off(monkeypatch):
     c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, on_gpu=True)
     assert c.bias_activation_fusion and c.masked_softmax_fusion and c.bias_dropout_fusion
     assert not c.apply_rope_fusion and not c.gradient_accumulation_fusion
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_recompute_with_fusions_and_overlap(model_dir, tmp_path):
+    """One GPU, TE spec, float32: recompute under the fused kernels and the overlapped reduction. TE's
+    fused attention may pick other kernels for the recomputed forward, so equality is to float32 rounding
+    here, not bitwise."""
+    pytest.importorskip("transformer_engine")
+    variants = {k: TP1_VARIANTS[k] for k in ("plain", "full_uniform", "selective")}
+    res = _measure(tmp_path, model_dir, 1, variants, device="gpu")
+    plain = res["plain"]
+    assert plain["fusions"]["bias_activation_fusion"] and plain["fusions"]["masked_softmax_fusion"]
+    assert plain["overlap"] == (True, False)
+    for name in ("full_uniform", "selective"):
+        got = res[name]
+        diff = max(abs(x - y) for i in plain["logprobs"] for x, y in zip(got["logprobs"][i], plain["logprobs"][i]))
+        assert diff < 1e-4, name
+        for k, g in plain["grads"].items():
+            assert torch.allclose(got["grads"][k], g, atol=1e-5, rtol=1e-3), (name, k)
+    assert res["full_uniform"]["saved"] < plain["saved"] / 5

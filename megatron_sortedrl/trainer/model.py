@@ -6,9 +6,10 @@
 
 This module knows nothing about parallelism beyond what Megatron's own layers need: it maps the HF config
 to a `TransformerConfig` (RMSNorm, SwiGLU, RoPE with the model's base and scaling, grouped-query
-attention, Qwen2's qkv bias, tied or untied embeddings) and picks the layer spec: the local spec (pure
-torch, RMSNorm via torch) on CPU and the Transformer Engine spec on GPU. The two specs name parameters
-differently; `weights.py` knows both.
+attention, Qwen2's qkv bias, tied or untied embeddings, activation recompute from `parallel.recompute`,
+Megatron's fused kernels on GPU only) and picks the layer spec: the local spec (pure torch, RMSNorm via
+torch, sequence parallelism allowed) on CPU and the Transformer Engine spec on GPU. The two specs name
+parameters differently; `weights.py` knows both.
 
 Deliberately left out: MoE, sliding-window attention, YaRN attention scaling and learned absolute
 positions (none of the target families need them); rope types other than default/linear/llama3 are
@@ -144,10 +145,11 @@ def _grad_accum_fusion_available() -> bool:
 def kernel_fusions(on_gpu: bool) -> dict[str, bool]:
     """Megatron's fused kernels for these models: all on a GPU, where their kernels exist; all off on CPU.
 
-    SwiGLU (bias_activation_fusion, also without a bias) and bias-dropout-add are TorchScript/Triton
-    fusions; the masked softmax, RoPE (Transformer Engine's) and weight-gradient accumulation into
-    `main_grad` (Apex's extension, which Megatron's local output layer requires even under the TE spec)
-    are CUDA kernels, so the last two are switched on only where the kernel is installed. Left off:
+    SwiGLU (bias_activation_fusion, also without a bias) and bias-dropout-add are jit fusions, and the
+    masked softmax falls back to torch by itself where its CUDA kernel is missing. Megatron refuses RoPE
+    fusion (Transformer Engine's kernel) and weight-gradient accumulation into `main_grad` (Apex's
+    extension, which Megatron's local output layer needs even under the TE spec) without their kernels,
+    so those two are switched on only where the kernel is installed. Left off:
     persist_layer_norm (only Apex's LayerNorm reads it; these models use RMSNorm from TE) and
     cross_entropy_loss_fusion (the trainer computes its own log-probs from the logits)."""
     on = bool(on_gpu)
