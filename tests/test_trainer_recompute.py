@@ -2,10 +2,11 @@
 
     pytest tests/test_trainer_recompute.py -q      # CPU; about a minute on 2 idle cores
 
-Hardware: CPU only. `TrainerWorker` is driven directly (no Ray): one spawned process for the TP=1
-layouts and two for the TP=2 ones; each process builds its layouts one after another on the tiny Qwen2
-model and writes log-probs, the RL loss, the HF-layout gradients and the bytes autograd saved for
-backward to a file. Every variant is compared with the plain run of the same TP size:
+Hardware: CPU only (one test is marked gpu). `TrainerWorker` is driven directly (no Ray): one spawned
+process for the TP=1 layouts and two each for the TP=2 and PP=2 ones; each process builds its layouts
+one after another on the tiny Qwen2 model and writes log-probs, the RL loss, the HF-layout gradients
+and the bytes autograd saved for backward to a file. Every variant is compared with the plain run of
+the same layout:
 
 * recompute (full uniform, full block, selective) changes what is kept for backward, not the math: the
   recomputed forward runs the same ops on the same inputs in the same order, so log-probs, loss and
@@ -40,10 +41,13 @@ TP1_VARIANTS = {
 }
 TP2_VARIANTS = {
     "plain": {},
-    "full_uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
     "sp": {"sequence_parallel": True},
     "sp_full_block": {"sequence_parallel": True, "granularity": "full", "method": "block", "num_layers": 1},
     "sp_selective": {"sequence_parallel": True, "granularity": "selective"},
+}
+PP2_VARIANTS = {  # block 1 at PP=2: the first layer of each stage, i.e. both layers
+    "plain": {},
+    "full_block": {"granularity": "full", "method": "block", "num_layers": 1},
 }
 
 
@@ -82,7 +86,8 @@ class _SavedBytes:
         dec = module.decoder
         dec.register_forward_pre_hook(lambda *_: self._on(True))
         dec.register_forward_hook(lambda *_: self._on(False))
-        dec.final_layernorm.register_forward_pre_hook(lambda *_: self._on(False))
+        if dec.final_layernorm is not None:  # only on the last pipeline stage
+            dec.final_layernorm.register_forward_pre_hook(lambda *_: self._on(False))
 
     def _on(self, flag: bool) -> None:
         self.counting = flag
@@ -93,7 +98,8 @@ class _SavedBytes:
         return t
 
 
-def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str, device: str) -> None:
+def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str, device: str,
+                 pp: int) -> None:
     from megatron_sortedrl.config import RunConfig
     from megatron_sortedrl.trainer.worker import TrainerWorker
 
@@ -103,7 +109,8 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
         cfg = RunConfig()
         cfg.model.path = model_dir
         cfg.cluster.device = device
-        cfg.parallel.tensor_model_parallel_size = world
+        cfg.parallel.tensor_model_parallel_size = world // pp
+        cfg.parallel.pipeline_model_parallel_size = pp
         cfg.parallel.sequence_parallel = over.get("sequence_parallel", False)
         rc = cfg.parallel.recompute
         rc.granularity = over.get("granularity", "none")
@@ -124,18 +131,26 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
                "overlap": (w.model.ddp_config.overlap_grad_reduce, w.model.ddp_config.overlap_param_gather),
                "sp_norm_weights": sum(bool(getattr(p, "sequence_parallel", False))
                                       for n, p in w.module.named_parameters() if "layernorm" in n)}
+        reporter = w.reporter  # the last stage's TP rank 0: log-probs and metrics; rank 0: HF-layout grads
         w.shutdown()
-        if rank == 0:
-            torch.save(res, Path(out_dir) / f"{name}.pt")
+        if rank == 0 or reporter:
+            torch.save({"rank": rank, "reporter": reporter, **res}, Path(out_dir) / f"{name}.{rank}.pt")
 
 
-def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict, device: str = "cpu") -> dict[str, dict]:
-    out = tmp_path / f"tp{world}"
+def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict, device: str = "cpu",
+             pp: int = 1) -> dict[str, dict]:
+    out = tmp_path / f"w{world}pp{pp}"
     out.mkdir()
     ports = mp.get_context("spawn").Queue()
-    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out), device),
+    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out), device, pp),
                        nprocs=world, join=True, start_method="spawn")
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in variants}
+    merged = {}
+    for name in variants:
+        parts = [torch.load(f, weights_only=False) for f in sorted(out.glob(f"{name}.*.pt"))]
+        first = next(r for r in parts if r["rank"] == 0)
+        report = next(r for r in parts if r["reporter"])
+        merged[name] = {**first, "logprobs": report["logprobs"], "metrics": report["metrics"]}
+    return merged
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +173,11 @@ def tp2(model_dir, tmp_path_factory):
     return _measure(tmp_path_factory.mktemp("m"), model_dir, 2, TP2_VARIANTS)
 
 
+@pytest.fixture(scope="module")
+def pp2(model_dir, tmp_path_factory):
+    return _measure(tmp_path_factory.mktemp("m"), model_dir, 2, PP2_VARIANTS, pp=2)
+
+
 def _bit_identical(a: dict, b: dict) -> None:
     assert a["logprobs"] == b["logprobs"]
     assert a["metrics"] == b["metrics"]
@@ -174,11 +194,13 @@ def test_recompute_is_bit_identical_to_the_plain_run_tp1(tp1, variant):
     _bit_identical(tp1[variant], tp1["plain"])
 
 
-def test_recompute_is_bit_identical_to_the_plain_run_tp2(tp2):
-    assert tp2["full_uniform"]["recompute"] == "full"
-    _bit_identical(tp2["full_uniform"], tp2["plain"])
+def test_recompute_is_bit_identical_to_the_plain_run_tp2_and_pp2(tp2, pp2):
+    assert tp2["sp_full_block"]["recompute"] == "full" and tp2["sp_selective"]["recompute"] == "selective"
     _bit_identical(tp2["sp_full_block"], tp2["sp"])
     _bit_identical(tp2["sp_selective"], tp2["sp"])
+    assert pp2["full_block"]["recompute"] == "full"
+    _bit_identical(pp2["full_block"], pp2["plain"])
+    assert pp2["full_block"]["saved"] < pp2["plain"]["saved"] / 5  # rank 0 (stage 1) checkpoints its layer
 
 
 def test_sequence_parallel_matches_tp2_without_it(tp2, tp1):
@@ -211,8 +233,8 @@ def test_full_recompute_keeps_one_hidden_vector_per_token_per_layer(tp1, model_d
     assert sel < plain  # the attention core (scores, probabilities) is recomputed
 
 
-def test_cpu_runs_without_fused_kernels_or_overlapped_reduction(tp1, tp2):
-    for res in (*tp1.values(), *tp2.values()):
+def test_cpu_runs_without_fused_kernels_or_overlapped_reduction(tp1, tp2, pp2):
+    for res in (*tp1.values(), *tp2.values(), *pp2.values()):
         assert res["fusions"] == dict.fromkeys(FUSIONS, False)
         assert res["overlap"] == (False, False)
 

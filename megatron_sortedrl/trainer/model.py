@@ -218,11 +218,11 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(use_te: bool, config=None):
+def layer_spec(use_te: bool, config):
     """Transformer Engine spec on GPU (fused norms in linear_qkv / linear_fc1), local spec on CPU.
 
-    The local spec comes back as a whole block (this stage's layers and the final norm) so that all its
-    norms are `LocalRMSNorm`; `config` (the model's TransformerConfig) is needed for it."""
+    The local spec comes back as a whole block (this stage's layers and the final norm, built for
+    `config`, the model's TransformerConfig) so that all its norms are `LocalRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
