@@ -241,9 +241,9 @@ def test_cpu_runs_without_fused_kernels_or_overlapped_reduction(tp1, tp2, pp2):
 
 # ---------------------------------------------------------------- configs only (no process groups, no CUDA)
 
-QWEN25_32B = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
-                  num_heads=40, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1e6,
-                  max_position_embeddings=131072, tie_word_embeddings=False, qkv_bias=True)
+QWEN25_32B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+              "num_layers": 64, "num_heads": 40, "num_kv_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+              "rope_theta": 1e6, "max_position_embeddings": 131072, "tie_word_embeddings": False, "qkv_bias": True}
 
 
 def _rc(granularity="none", method="uniform", num_layers=1):

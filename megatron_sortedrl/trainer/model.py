@@ -224,7 +224,10 @@ def layer_spec(use_te: bool, config):
     The local spec comes back as a whole block (this stage's layers and the final norm, built for
     `config`, the model's TransformerConfig) so that all its norms are `LocalRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
