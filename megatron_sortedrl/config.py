@@ -185,7 +185,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = help_field("Trainer TP; must divide attention heads and key/value heads.", 1)
     pipeline_model_parallel_size: int = help_field("Trainer PP; must divide the number of layers.", 1)
     data_parallel_size: int = help_field("Trainer DP; world size is TP x PP x DP.", 1)
-    sequence_parallel: bool = help_field("Megatron sequence parallelism (GPU, TP > 1).", False)
+    sequence_parallel: bool = help_field(
+        "Megatron sequence parallelism: norms and residuals run on 1/TP of each micro-batch's tokens per TP rank "
+        "(TP > 1; no effect at TP 1; micro-batches are padded to a multiple of TP). CPU and GPU.", False)
     use_distributed_optimizer: bool = help_field("Megatron distributed optimizer (GPU only; CPU uses the plain optimizer).", False)
     recompute: RecomputeConfig = help_field("Activation recompute (trades compute for activation memory).",
                                             factory=RecomputeConfig)

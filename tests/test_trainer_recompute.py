@@ -2,10 +2,11 @@
 
     pytest tests/test_trainer_recompute.py -q      # CPU; about a minute on 2 idle cores
 
-Hardware: CPU only. `TrainerWorker` is driven directly (no Ray): one spawned process for the TP=1
-layouts and two for the TP=2 ones; each process builds its layouts one after another on the tiny Qwen2
-model and writes log-probs, the RL loss, the HF-layout gradients and the bytes autograd saved for
-backward to a file. Every variant is compared with the plain run of the same TP size:
+Hardware: CPU only (one test is marked gpu). `TrainerWorker` is driven directly (no Ray): one spawned
+process for the TP=1 layouts and two each for the TP=2 and PP=2 ones; each process builds its layouts
+one after another on the tiny Qwen2 model and writes log-probs, the RL loss, the HF-layout gradients
+and the bytes autograd saved for backward to a file. Every variant is compared with the plain run of
+the same layout:
 
 * recompute (full uniform, full block, selective) changes what is kept for backward, not the math: the
   recomputed forward runs the same ops on the same inputs in the same order, so log-probs, loss and
@@ -29,20 +30,24 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion")
 TP1_VARIANTS = {
     "plain": {},
     "full_uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
     "full_uniform_all": {"granularity": "full", "method": "uniform", "num_layers": 2},
     "full_block": {"granularity": "full", "method": "block", "num_layers": 1},
     "selective": {"granularity": "selective"},
-    "auto": {"granularity": "auto"},  # unresolved auto (no launch planner ran) means no recompute
 }
 TP2_VARIANTS = {
     "plain": {},
-    "full_uniform": {"granularity": "full", "method": "uniform", "num_layers": 1},
     "sp": {"sequence_parallel": True},
     "sp_full_block": {"sequence_parallel": True, "granularity": "full", "method": "block", "num_layers": 1},
     "sp_selective": {"sequence_parallel": True, "granularity": "selective"},
+}
+PP2_VARIANTS = {  # block 1 at PP=2: the first layer of each stage, i.e. both layers
+    "plain": {},
+    "full_block": {"granularity": "full", "method": "block", "num_layers": 1},
 }
 
 
@@ -81,7 +86,8 @@ class _SavedBytes:
         dec = module.decoder
         dec.register_forward_pre_hook(lambda *_: self._on(True))
         dec.register_forward_hook(lambda *_: self._on(False))
-        dec.final_layernorm.register_forward_pre_hook(lambda *_: self._on(False))
+        if dec.final_layernorm is not None:  # only on the last pipeline stage
+            dec.final_layernorm.register_forward_pre_hook(lambda *_: self._on(False))
 
     def _on(self, flag: bool) -> None:
         self.counting = flag
@@ -92,7 +98,8 @@ class _SavedBytes:
         return t
 
 
-def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str) -> None:
+def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, out_dir: str, device: str,
+                 pp: int) -> None:
     from megatron_sortedrl.config import RunConfig
     from megatron_sortedrl.trainer.worker import TrainerWorker
 
@@ -101,8 +108,9 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
     for name, over in variants.items():
         cfg = RunConfig()
         cfg.model.path = model_dir
-        cfg.cluster.device = "cpu"
-        cfg.parallel.tensor_model_parallel_size = world
+        cfg.cluster.device = device
+        cfg.parallel.tensor_model_parallel_size = world // pp
+        cfg.parallel.pipeline_model_parallel_size = pp
         cfg.parallel.sequence_parallel = over.get("sequence_parallel", False)
         rc = cfg.parallel.recompute
         rc.granularity = over.get("granularity", "none")
@@ -119,20 +127,30 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
         res = {"logprobs": lp, "metrics": lg.get("metrics"), "grads": lg.get("grads"), "saved": counter.total,
                "tokens": sum(mb.tokens.numel() for mb in mbs), "recompute": config.recompute_granularity,
                "sequence_parallel": config.sequence_parallel,
+               "fusions": {k: getattr(config, k) for k in FUSIONS},
+               "overlap": (w.model.ddp_config.overlap_grad_reduce, w.model.ddp_config.overlap_param_gather),
                "sp_norm_weights": sum(bool(getattr(p, "sequence_parallel", False))
                                       for n, p in w.module.named_parameters() if "layernorm" in n)}
+        reporter = w.reporter  # the last stage's TP rank 0: log-probs and metrics; rank 0: HF-layout grads
         w.shutdown()
-        if rank == 0:
-            torch.save(res, Path(out_dir) / f"{name}.pt")
+        if rank == 0 or reporter:
+            torch.save({"rank": rank, "reporter": reporter, **res}, Path(out_dir) / f"{name}.{rank}.pt")
 
 
-def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict) -> dict[str, dict]:
-    out = tmp_path / f"tp{world}"
+def _measure(tmp_path: Path, model_dir: Path, world: int, variants: dict, device: str = "cpu",
+             pp: int = 1) -> dict[str, dict]:
+    out = tmp_path / f"w{world}pp{pp}"
     out.mkdir()
     ports = mp.get_context("spawn").Queue()
-    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out)),
+    mp.start_processes(_run_layouts, args=(world, str(model_dir), variants, ports, str(out), device, pp),
                        nprocs=world, join=True, start_method="spawn")
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in variants}
+    merged = {}
+    for name in variants:
+        parts = [torch.load(f, weights_only=False) for f in sorted(out.glob(f"{name}.*.pt"))]
+        first = next(r for r in parts if r["rank"] == 0)
+        report = next(r for r in parts if r["reporter"])
+        merged[name] = {**first, "logprobs": report["logprobs"], "metrics": report["metrics"]}
+    return merged
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +173,11 @@ def tp2(model_dir, tmp_path_factory):
     return _measure(tmp_path_factory.mktemp("m"), model_dir, 2, TP2_VARIANTS)
 
 
+@pytest.fixture(scope="module")
+def pp2(model_dir, tmp_path_factory):
+    return _measure(tmp_path_factory.mktemp("m"), model_dir, 2, PP2_VARIANTS, pp=2)
+
+
 def _bit_identical(a: dict, b: dict) -> None:
     assert a["logprobs"] == b["logprobs"]
     assert a["metrics"] == b["metrics"]
@@ -163,20 +186,21 @@ def _bit_identical(a: dict, b: dict) -> None:
         assert torch.equal(g, b["grads"][name]), name
 
 
-@pytest.mark.parametrize("variant", ["full_uniform", "full_uniform_all", "full_block", "selective", "auto"])
+@pytest.mark.parametrize("variant", ["full_uniform", "full_uniform_all", "full_block", "selective"])
 def test_recompute_is_bit_identical_to_the_plain_run_tp1(tp1, variant):
-    expected = {"auto": None, "selective": "selective"}.get(variant, "full")
-    assert tp1[variant]["recompute"] == expected
+    assert tp1[variant]["recompute"] == ("selective" if variant == "selective" else "full")
     assert tp1["plain"]["recompute"] is None
     assert tp1["plain"]["metrics"]["loss"] != 0.0 and sum(float(g.abs().sum()) for g in tp1["plain"]["grads"].values()) > 0
     _bit_identical(tp1[variant], tp1["plain"])
 
 
-def test_recompute_is_bit_identical_to_the_plain_run_tp2(tp2):
-    assert tp2["full_uniform"]["recompute"] == "full"
-    _bit_identical(tp2["full_uniform"], tp2["plain"])
+def test_recompute_is_bit_identical_to_the_plain_run_tp2_and_pp2(tp2, pp2):
+    assert tp2["sp_full_block"]["recompute"] == "full" and tp2["sp_selective"]["recompute"] == "selective"
     _bit_identical(tp2["sp_full_block"], tp2["sp"])
     _bit_identical(tp2["sp_selective"], tp2["sp"])
+    assert pp2["full_block"]["recompute"] == "full"
+    _bit_identical(pp2["full_block"], pp2["plain"])
+    assert pp2["full_block"]["saved"] < pp2["plain"]["saved"] / 5  # rank 0 (stage 1) checkpoints its layer
 
 
 def test_sequence_parallel_matches_tp2_without_it(tp2, tp1):
@@ -207,3 +231,94 @@ def test_full_recompute_keeps_one_hidden_vector_per_token_per_layer(tp1, model_d
     # block(1) of 2 layers: one layer checkpointed, the other keeps what the plain run keeps
     assert 2 * block == plain + full
     assert sel < plain  # the attention core (scores, probabilities) is recomputed
+
+
+def test_cpu_runs_without_fused_kernels_or_overlapped_reduction(tp1, tp2, pp2):
+    for res in (*tp1.values(), *tp2.values(), *pp2.values()):
+        assert res["fusions"] == dict.fromkeys(FUSIONS, False)
+        assert res["overlap"] == (False, False)
+
+
+# ---------------------------------------------------------------- configs only (no process groups, no CUDA)
+
+QWEN25_32B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+              "num_layers": 64, "num_heads": 40, "num_kv_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+              "rope_theta": 1e6, "max_position_embeddings": 131072, "tie_word_embeddings": False, "qkv_bias": True}
+
+
+def _rc(granularity="none", method="uniform", num_layers=1):
+    from megatron_sortedrl.config import RecomputeConfig
+
+    return RecomputeConfig(granularity=granularity, method=method, num_layers=num_layers)
+
+
+@pytest.mark.parametrize("rc, expected", [
+    (None, (None, None, None)),
+    (_rc("none"), (None, None, None)),
+    (_rc("auto"), (None, None, None)),  # not resolved by a launch planner: no recompute
+    (_rc("selective"), ("selective", None, None)),
+    (_rc("full", "uniform", 4), ("full", "uniform", 4)),
+    (_rc("full", "block", 99), ("full", "block", 32)),  # at most the stage's 64 / PP2 layers
+])
+def test_recompute_settings_reach_megatron(rc, expected):
+    from megatron_sortedrl.trainer.model import HFArch, transformer_config
+
+    c = transformer_config(HFArch(**QWEN25_32B), torch.bfloat16, tp=8, pp=2, sequence_parallel=True, recompute=rc)
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == expected
+    if expected[0] == "selective":
+        assert c.recompute_modules == ["core_attn"]
+
+
+def test_gpu_config_turns_fusions_and_overlap_on(monkeypatch):
+    """The flagship layout's GPU TransformerConfig and DDP config, built here without touching CUDA
+    (the two CUDA-only kernels are reported present, as on a GPU machine with TE and Apex)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer import model as M
+    from megatron_sortedrl.trainer.worker import ddp_config
+
+    monkeypatch.setattr(M, "_rope_fusion_available", lambda: True)
+    monkeypatch.setattr(M, "_grad_accum_fusion_available", lambda: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)  # TE's, for the check
+    c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, pp=2, sequence_parallel=True,
+                             on_gpu=True, recompute=_rc("full", "uniform", 1))
+    assert {k: getattr(c, k) for k in FUSIONS} == dict.fromkeys(FUSIONS, True)
+    assert not c.persist_layer_norm and not c.use_cpu_initialization and c.sequence_parallel
+    cfg = RunConfig()
+    cfg.parallel.use_distributed_optimizer = True
+    d = ddp_config(cfg, True, 4)
+    assert d.overlap_grad_reduce and d.use_distributed_optimizer and d.bucket_size == 40_000_000
+    assert not d.overlap_param_gather  # weights are read right after each update (see ddp_config)
+    assert ddp_config(cfg, True, 64).bucket_size == 64_000_000
+
+
+def test_gpu_config_without_te_or_apex_leaves_their_kernels_off(monkeypatch):
+    from megatron_sortedrl.trainer import model as M
+
+    monkeypatch.setattr(M, "_rope_fusion_available", lambda: False)
+    monkeypatch.setattr(M, "_grad_accum_fusion_available", lambda: False)
+    c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, on_gpu=True)
+    assert c.bias_activation_fusion and c.masked_softmax_fusion and c.bias_dropout_fusion
+    assert not c.apply_rope_fusion and not c.gradient_accumulation_fusion
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_recompute_with_fusions_and_overlap(model_dir, tmp_path):
+    """One GPU, TE spec, float32: recompute under the fused kernels and the overlapped reduction. TE's
+    fused attention may pick other kernels for the recomputed forward, so equality is to float32 rounding
+    here, not bitwise."""
+    pytest.importorskip("transformer_engine")
+    variants = {k: TP1_VARIANTS[k] for k in ("plain", "full_uniform", "selective")}
+    res = _measure(tmp_path, model_dir, 1, variants, device="gpu")
+    plain = res["plain"]
+    assert plain["fusions"]["bias_activation_fusion"] and plain["fusions"]["masked_softmax_fusion"]
+    assert plain["overlap"] == (True, False)
+    for name in ("full_uniform", "selective"):
+        got = res[name]
+        diff = max(abs(x - y) for i in plain["logprobs"] for x, y in zip(got["logprobs"][i], plain["logprobs"][i]))
+        assert diff < 1e-4, name
+        for k, g in plain["grads"].items():
+            assert torch.allclose(got["grads"][k], g, atol=1e-5, rtol=1e-3), (name, k)
+    assert res["full_uniform"]["saved"] < plain["saved"] / 5

@@ -6,9 +6,10 @@
 
 This module knows nothing about parallelism beyond what Megatron's own layers need: it maps the HF config
 to a `TransformerConfig` (RMSNorm, SwiGLU, RoPE with the model's base and scaling, grouped-query
-attention, Qwen2's qkv bias, tied or untied embeddings) and picks the layer spec: the local spec (pure
-torch, RMSNorm via torch) on CPU and the Transformer Engine spec on GPU. The two specs name parameters
-differently; `weights.py` knows both.
+attention, Qwen2's qkv bias, tied or untied embeddings, activation recompute from `parallel.recompute`,
+Megatron's fused kernels on GPU only) and picks the layer spec: the local spec (pure torch, RMSNorm via
+torch, sequence parallelism allowed) on CPU and the Transformer Engine spec on GPU. The two specs name
+parameters differently; `weights.py` knows both.
 
 Deliberately left out: MoE, sliding-window attention, YaRN attention scaling and learned absolute
 positions (none of the target families need them); rope types other than default/linear/llama3 are
@@ -129,6 +130,40 @@ def recompute_kwargs(recompute, layers_per_stage: int) -> dict[str, Any]:
             "recompute_num_layers": max(1, min(recompute.num_layers, layers_per_stage))}
 
 
+def _rope_fusion_available() -> bool:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None  # Transformer Engine >= 1.4
+
+
+def _grad_accum_fusion_available() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return bool(layers._grad_accum_fusion_available)  # the fused_weight_gradient_mlp_cuda extension (Apex)
+
+
+def kernel_fusions(on_gpu: bool) -> dict[str, bool]:
+    """Megatron's fused kernels for these models: all on a GPU, where their kernels exist; all off on CPU.
+
+    SwiGLU (bias_activation_fusion, also without a bias) and bias-dropout-add are jit fusions, and the
+    masked softmax falls back to torch by itself where its CUDA kernel is missing. Megatron refuses RoPE
+    fusion (Transformer Engine's kernel) and weight-gradient accumulation into `main_grad` (Apex's
+    extension, which Megatron's local output layer needs even under the TE spec) without their kernels,
+    so those two are switched on only where the kernel is installed. Left off:
+    persist_layer_norm (only Apex's LayerNorm reads it; these models use RMSNorm from TE) and
+    cross_entropy_loss_fusion (the trainer computes its own log-probs from the logits)."""
+    on = bool(on_gpu)
+    return {
+        "bias_activation_fusion": on,
+        "bias_dropout_fusion": on,
+        "masked_softmax_fusion": on,
+        "apply_rope_fusion": on and _rope_fusion_available(),
+        "gradient_accumulation_fusion": on and _grad_accum_fusion_available(),
+        "persist_layer_norm": False,
+        "cross_entropy_loss_fusion": False,
+    }
+
+
 def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
                        sequence_parallel: bool = False, on_gpu: bool = False, recompute=None):
     from megatron.core.transformer import TransformerConfig
@@ -151,13 +186,7 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        **kernel_fusions(on_gpu),
         use_cpu_initialization=not on_gpu,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -189,13 +218,16 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(use_te: bool, config=None):
+def layer_spec(use_te: bool, config):
     """Transformer Engine spec on GPU (fused norms in linear_qkv / linear_fc1), local spec on CPU.
 
-    The local spec comes back as a whole block (this stage's layers and the final norm) so that all its
-    norms are `LocalRMSNorm`; `config` (the model's TransformerConfig) is needed for it."""
+    The local spec comes back as a whole block (this stage's layers and the final norm, built for
+    `config`, the model's TransformerConfig) so that all its norms are `LocalRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()

@@ -51,7 +51,7 @@ class TrainerWorker:
     def setup(self) -> dict:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel
 
         from megatron_sortedrl.trainer.model import build_model, read_hf_config
         from megatron_sortedrl.trainer.optimizer import build_optimizer
@@ -78,10 +78,14 @@ class TrainerWorker:
         sp, rc = p.sequence_parallel, p.recompute
         model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, check_for_nan_in_grad=False,
-            use_distributed_optimizer=bool(self.gpu and p.use_distributed_optimizer))
+        ddp_cfg = ddp_config(cfg, self.gpu, ps.get_data_parallel_world_size())
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+        if ddp_cfg.overlap_grad_reduce:
+            # As Megatron's own training loop does: the schedule holds the bucket reductions back until
+            # the last micro-batch's backward (no_sync) and starts them as buckets fill; the reduction
+            # is finished in finalize_model_grads.
+            model.config.no_sync_func = self.model.no_sync
+            model.config.grad_sync_func = self.model.start_grad_sync
         self.opt, self.sched = build_optimizer([self.model], cfg, on_gpu=self.gpu)
         if cfg.algorithm.kl_coef > 0:
             # Same layout and recompute as the policy; the reference only runs forward (no_grad), where
@@ -302,6 +306,24 @@ class TrainerWorker:
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def ddp_config(cfg, gpu: bool, dp: int):
+    """Megatron DDP settings: on a GPU the gradient reduction overlaps the backward pass.
+
+    Buckets of max(40M, 1M x DP) elements, Megatron-LM's default: big enough to keep NCCL efficient,
+    small enough that the first buckets are reduced while later layers are still in backward.
+    `overlap_param_gather` stays off: with it the distributed optimizer's parameter all-gather finishes
+    only in the next forward's hooks, but this trainer reads the new weights right after every update
+    (rollout weight sync, export, checkpoints), so the gather would have to be forced there anyway and
+    a reader that forgot would publish stale weights. CPU (gloo) keeps everything synchronous."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, check_for_nan_in_grad=False,
+        use_distributed_optimizer=bool(gpu and cfg.parallel.use_distributed_optimizer),
+        overlap_grad_reduce=gpu, overlap_param_gather=False,
+        bucket_size=max(40_000_000, 1_000_000 * dp) if gpu else None)
 
 
 def _has_te() -> bool:
