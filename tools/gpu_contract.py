@@ -175,7 +175,7 @@ class SourceTree:
     def parse(self, mod: str) -> ast.Module | None:
         if mod not in self._ast:
             p = self.path(mod)
-            self._ast[mod] = ast.parse(p.read_text(encoding="utf-8")) if p else None
+            self._ast[mod] = _parse_file(p) if p else None
         return self._ast[mod]
 
     def is_package(self, mod: str) -> bool:
@@ -441,6 +441,17 @@ class SourceTree:
                 target, _, name = str(b[1]).rpartition(".")
                 return self.literal_options(ast.Name(name), target, depth + 1) if self.path(target) else None
         return None
+
+
+_PARSED: dict[tuple[str, int], ast.Module] = {}
+
+
+def _parse_file(path: Path) -> ast.Module:
+    """Parsed once per process and file version: the trees are only read, and a check parses ~150 modules."""
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _PARSED:
+        _PARSED[key] = ast.parse(path.read_text(encoding="utf-8"))
+    return _PARSED[key]
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -723,7 +734,10 @@ class Checker:
             if k.arg is None:
                 continue
             given.add(k.arg)
-            if k.arg not in sig.positional[npos:] + sig.kwonly and not sig.varkw:
+            if k.arg in sig.positional[:npos]:
+                self.bad(site, f"{what}({k.arg}=...)", f"got multiple values for {k.arg!r}: "
+                         f"{npos} positional arguments fill {sig.positional[:npos]}{note}")
+            elif k.arg not in sig.positional[npos:] + sig.kwonly and not sig.varkw:
                 self.bad(site, f"{what}({k.arg}=...)", f"no parameter {k.arg!r}{note}")
             elif isinstance(k.value, ast.Constant) and isinstance(k.value.value, str) and k.arg in sig.annotations:
                 opts = self.t.literal_options(sig.annotations[k.arg], sig.module)
