@@ -74,7 +74,7 @@ class TrainerWorker:
         cfg.validate_model_shape(self.arch.num_heads, self.arch.num_kv_heads, self.arch.num_layers)
         self.dtype = getattr(torch, cfg.model.dtype)
         sp = p.sequence_parallel and self.gpu
-        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp)
+        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, on_gpu=self.gpu)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, check_for_nan_in_grad=False,
@@ -82,7 +82,8 @@ class TrainerWorker:
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
         self.opt, self.sched = build_optimizer([self.model], cfg, on_gpu=self.gpu)
         if cfg.algorithm.kl_coef > 0:
-            self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp)
+            self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp,
+                                         on_gpu=self.gpu)
             load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
             self.ref_model.eval().requires_grad_(False)
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
