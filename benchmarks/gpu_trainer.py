@@ -45,9 +45,9 @@ sys.path.insert(0, str(REPO / "tools"))
 # Dense bf16 tensor-core peaks (FLOP/s) by a substring of the device name, most specific first.
 PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12),
              ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12), ("B200", 2250e12))
-QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1e6,
+             "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
 
 
 def peak_flops(name: str) -> float | None:
@@ -105,10 +105,13 @@ class Baseline:
 
     def __init__(self, model_dir: Path, lr: float, clip: float):
         import torch
+        import transformers
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                          attn_implementation="sdpa").cuda().train()
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # older versions ignore `dtype=`
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa",
+                                                          **{key: torch.bfloat16}).cuda().train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)
         self.clip = clip
 
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(dt)
             losses[name].append(float(loss))
     mem_peak_gib = torch.cuda.max_memory_allocated() / 2**30
-    del baseline
+    baseline = None  # frees its weights and optimizer state before the sampled loop
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -252,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "mfu": {"megatron": flops / meg["median"] / peak, "baseline": flops / base["median"] / peak} if peak else None,
         "peak_memory_gib": mem_peak_gib,
         "losses": losses,
-        "nvml": {"sampler": overhead, "ms_per_sample": overhead.get("ms_per_tick"),
+        "nvml": {"sampler": overhead,  # ms per sampled GPU row, measured inside the sampling thread
+                 "ms_per_sample": 1000 * overhead["busy_s"] / overhead["rows"] if overhead["rows"] else None,
                  "train_step_s_sampled": stats(loop_times) if loop_times else None,
                  "sampled_vs_unsampled_step": statistics.median(loop_times) / meg["median"] if loop_times else None,
                  "report": report_summary},
@@ -273,7 +277,8 @@ def plot(result: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = ["megatron", "baseline"]
     data = [result["step_s"][n]["all"] for n in names]
-    ax1.boxplot(data, labels=["our trainer", "transformers + AdamW"])
+    ax1.boxplot(data)
+    ax1.set_xticks([1, 2], ["our trainer", "transformers + AdamW"])
     ax1.set_ylabel("seconds per optimizer step")
     ax1.set_title(f"{result['workload']['tokens_per_step']} tokens/step, {result['environment']['device']}")
     tps = [result["workload"]["tokens_per_step"] / x for x in (result["step_s"][n]["median"] for n in names)]

@@ -51,10 +51,10 @@ def test_our_gpu_code_matches_the_pinned_packages(report):
         "AsyncEngineArgs(weight_transfer_config=...)",
         "AsyncEngineArgs.weight_transfer_config['backend']",
         "SpeculativeConfig(method=...)",
-        "transfer_init payload ['master_address', 'master_port', 'packed', 'rank_offset', 'world_size'] -> "
-        "vllm.distributed.weight_transfer.nccl_common.NCCLWeightTransferInitInfo (nccl)",
-        "transfer_update payload ['dtype_names', 'ipc_handles', 'names', 'shapes'] -> "
-        "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferUpdateInfo (ipc)",
+        ("transfer_init payload ['master_address', 'master_port', 'packed', 'rank_offset', 'world_size'] -> "
+         "vllm.distributed.weight_transfer.nccl_common.NCCLWeightTransferInitInfo (nccl)"),
+        ("transfer_update payload ['dtype_names', 'ipc_handles', 'names', 'shapes'] -> "
+         "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferUpdateInfo (ipc)"),
         "call vllm.v1.engine.async_llm.AsyncLLM.pause_generation",
         "vllm.v1.worker.gpu_worker.Worker.model_runner",
         "HistoSpecProposer.propose called by vllm:vllm.v1.worker.gpu_model_runner",
@@ -122,7 +122,7 @@ def test_an_altered_module_fails_naming_the_name_and_our_call_site(roots, tmp_pa
 
 def test_the_gpu_extra_pins_what_is_checked():
     text = (REPO / "pyproject.toml").read_text()
-    gpu = re.search(r"^gpu = \[(.*)\]$", text, re.M).group(1)
+    gpu = re.search(r"^gpu = \[(.*)\]$", text, re.MULTILINE).group(1)
     assert f'"vllm=={gc.PINS["vllm"]}"' in gpu
     assert f'"transformer-engine[pytorch]=={gc.PINS["transformer-engine"]}"' in gpu
 

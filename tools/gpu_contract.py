@@ -104,7 +104,7 @@ def fetch_sources(dist: str, version: str, cache: Path | None = None) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
            "-d", str(wheels), f"{dist}=={version}"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, check=False)
     found = sorted(wheels.glob("*.whl"))
     if res.returncode != 0 or not found:
         if not _registry_reachable():
@@ -126,7 +126,7 @@ def default_roots() -> dict[str, Path]:
         raise RuntimeError("megatron-core is not installed (it is a base dependency; run `make setup`)")
     return {"vllm": fetch_sources("vllm", PINS["vllm"]),
             "transformer_engine": fetch_sources("transformer-engine", PINS["transformer-engine"]),
-            "megatron": Path(list(spec.submodule_search_locations)[0]).parent}
+            "megatron": Path(next(iter(spec.submodule_search_locations))).parent}
 
 
 # ------------------------------------------------------------------------------------ the foreign side
@@ -670,8 +670,7 @@ class Checker:
         for node in ast.walk(rmod):
             if isinstance(node, ast.If) and any(isinstance(c, ast.Constant) and c.value == "custom_class"
                                                 for c in ast.walk(node.test)):
-                for c in [x for s in node.body for x in ast.walk(s) if isinstance(x, ast.Call)]:
-                    calls.append(c)
+                calls += [x for s in node.body for x in ast.walk(s) if isinstance(x, ast.Call)]
             if isinstance(node, ast.If) and isinstance(node.test, ast.Call) and _name_of(node.test.func) == "hasattr" \
                     and "drafter" in ast.unparse(node.test):
                 calls += [x for s in node.body for x in ast.walk(s) if isinstance(x, ast.Call)]
