@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -63,6 +65,41 @@ def test_the_doc_section_is_rewritten_in_place(tmp_path):
     assert "NVIDIA H100 80GB HBM3" in section and "megatron-core 0.16.1" in section and "vllm" not in section
     assert "| `test_rollout_gpu::test_y` | skipped | 0.0 | could not import 'ray' |" in section
     assert "51234 tokens/s, MFU 35.1 %, 1.31x a transformers + AdamW loop" in section
+
+
+def _probe_wheel(dest: Path, name: str = "msrl_carried_probe") -> Path:
+    """A minimal pure-Python wheel (what `pip install --no-index` accepts offline)."""
+    import zipfile
+
+    whl = dest / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}.py": "VALUE = 42\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+    return whl
+
+
+def test_carried_wheels_fill_only_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _probe_wheel(wheels)
+    # A wheel of an installed distribution is left alone (here: the pytest that runs this test).
+    (wheels / f"pytest-{pytest.__version__}-py3-none-any.whl").write_bytes(b"not read")
+    assert gpu_check.install_carried(wheels, site) == ["msrl-carried-probe"]
+    assert (site / "msrl_carried_probe.py").is_file() and not (site / "pytest").exists()
+    assert sys.path[0] == str(site) and str(site) in os.environ["PYTHONPATH"].split(os.pathsep)
+    assert gpu_check.install_carried(wheels, site) == []  # now installed (in site): nothing to do
+
+
+def test_every_file_with_gpu_tests_is_run():
+    assert gpu_check.gpu_test_files() == ["tests/test_rollout_gpu.py", "tests/test_telemetry_nvml.py",
+                                          "tests/test_trainer_gpu.py"]
 
 
 def test_benchmark_model_is_the_05b_shape_and_flops_follow_the_formula():

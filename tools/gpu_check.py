@@ -9,8 +9,8 @@ mistake must not count that as a pass (2 is also what the CLI returns for a mach
 
 On a GPU machine it:
 1. makes missing pure dependencies importable from carried wheels: GPU machines may have only PyTorch,
-   transformers and pytest, and no package index. `--fetch-wheels` fills `wheels/` (megatron-core and the
-   few pure-Python packages our trainer and report import; ~25 MB, carried with the checkout) for the
+   transformers and pytest, and no package index. `--fetch-wheels` fills `wheels/` (megatron-core, psutil
+   and the few packages our config and report import; ~27 MB, carried with the checkout) for the
    target Python; at check time each wheel whose distribution is not installed goes into
    `.gpu-check/site` (`pip install --no-deps --no-index --target`), which is put on the path;
 2. runs every `gpu`-marked test file with pytest (`tests/test_trainer_gpu.py`: single-rank trainer without
@@ -44,14 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / "wheels"
 SITE = REPO / ".gpu-check" / "site"
-GPU_TESTS = ["tests/test_trainer_gpu.py", "tests/test_telemetry_nvml.py", "tests/test_rollout_gpu.py"]
 DOC = REPO / "docs" / "gpu.md"
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
-# What a bare GPU machine (PyTorch, transformers, triton, nvidia-ml-py, pytest) lacks for the trainer, the
-# config and the report: (requirement, binary-only?). megatron-core is pinned to the installed version.
-CARRY = [("megatron-core", True), ("omegaconf", True), ("antlr4-python3-runtime==4.9.3", False),
-         ("matplotlib", True), ("contourpy", True), ("cycler", True), ("fonttools", True),
-         ("kiwisolver", True), ("pyparsing", True), ("python-dateutil", True), ("pillow", True)]
+# What a bare GPU machine (PyTorch, transformers, triton, nvidia-ml-py, pytest) lacks for the trainer, its
+# checkpoints, the config and the report; each pinned to the version installed here (what the CPU suite runs).
+CARRY = ("megatron-core", "psutil",  # psutil: megatron-core's torch_dist checkpoint writer imports it
+         "omegaconf", "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",
+         "python-dateutil", "tzdata", "six", "pillow")
 VERSIONS = ("torch", "megatron-core", "transformer-engine", "vllm", "transformers", "triton", "nvidia-ml-py",
             "omegaconf", "matplotlib")
 
@@ -90,18 +89,13 @@ def environment() -> dict:
 # ------------------------------------------------------------------------------------------ wheels
 
 def fetch_wheels(python_version: str, dest: Path = WHEELS) -> int:
-    """Downloads (or builds, for sdist-only pure packages) the carried wheels for `python_version`."""
+    """Downloads the carried wheels (manylinux x86_64) for `python_version`."""
     dest.mkdir(parents=True, exist_ok=True)
-    pyv = python_version.replace(".", "")
-    for req, binary in CARRY:
-        if req == "megatron-core":
-            req = f"megatron-core=={_version('megatron-core')}"
-        if binary:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest),
-                   "--python-version", pyv, "--platform", "manylinux_2_28_x86_64", "--platform",
-                   "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64", req]
-        else:
-            cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dest), req]
+    for dist in CARRY:
+        req = f"{dist}=={_version(dist)}" if _version(dist) else dist
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest),
+               "--python-version", python_version, "--platform", "manylinux_2_28_x86_64", "--platform",
+               "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", req]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             print(f"gpu-check: cannot fetch {req} for Python {python_version}: {res.stderr.strip()[-300:]}")
@@ -130,16 +124,23 @@ def install_carried(wheels: Path = WHEELS, site: Path = SITE) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- runs
 
+def gpu_test_files(tests: Path = REPO / "tests") -> list[str]:
+    """Test files that mark anything `gpu`. Collecting only these keeps modules that import Ray or vLLM at
+    the top (absent on bare GPU machines) from failing the collection."""
+    return [p.relative_to(REPO).as_posix() for p in sorted(tests.glob("test_*.py")) if "mark.gpu" in p.read_text()]
+
+
 def run_tests(out: Path, timeout_s: int) -> list[dict]:
     junit = out / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-q", "-rs", "-s", "-p", "no:cacheprovider",
+    files = gpu_test_files()
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *files, "-q", "-rs", "-s", "-p", "no:cacheprovider",
            f"--junitxml={junit}"]
     try:
         subprocess.run(cmd, cwd=REPO, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return [{"test": " ".join(GPU_TESTS), "outcome": "failed", "detail": f"timed out after {timeout_s} s"}]
+        return [{"test": " ".join(files), "outcome": "failed", "detail": f"timed out after {timeout_s} s"}]
     if not junit.is_file():
-        return [{"test": " ".join(GPU_TESTS), "outcome": "failed", "detail": "pytest wrote no report"}]
+        return [{"test": " ".join(files), "outcome": "failed", "detail": "pytest wrote no report"}]
     results = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         outcome, detail = "passed", ""
