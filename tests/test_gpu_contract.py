@@ -101,8 +101,9 @@ ALTERATIONS = {
                               "cast(Any, self.drafter).propose(\n                num_spec_tokens_to_schedule,\n",
                               "HistoSpecProposer.propose(slot_mappings=...) - got multiple values",
                               "speculative/proposer.py:"),
-    "removed TE class": ("transformer_engine.pytorch", "from transformer_engine.pytorch.module import LayerNormLinear\n",
-                         "", "TELayerNormColumnParallelLinear(te.pytorch.LayerNormLinear)",
+    "removed TE class": ("transformer_engine.pytorch",
+                         "from transformer_engine.pytorch.module import LayerNormLinear\n", "",
+                         "TELayerNormColumnParallelLinear(te.pytorch.LayerNormLinear)",
                          "megatron:megatron.core.extensions.transformer_engine:"),
 }
 

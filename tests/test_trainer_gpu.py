@@ -226,8 +226,8 @@ def test_gpu_checkpoint_loads_on_cpu_and_back(tiny_dir, tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core is not importable")
     a, b = tmp_path / "gpu_ckpt", tmp_path / "cpu_ckpt"
     lp = {}
-    for phase, ckpt_in, ckpt_out, extra_env in [("gpu-save", "-", a, {}), ("cpu-roundtrip", a, b, {"CUDA_VISIBLE_DEVICES": ""}),
-                                                ("gpu-load", b, "-", {})]:
+    phases = [("gpu-save", "-", a, {}), ("cpu-roundtrip", a, b, {"CUDA_VISIBLE_DEVICES": ""}), ("gpu-load", b, "-", {})]
+    for phase, ckpt_in, ckpt_out, extra_env in phases:
         out = tmp_path / f"{phase}.json"
         env = {**os.environ, **extra_env, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
                                                                          os.environ.get("PYTHONPATH", "")])}

@@ -118,7 +118,8 @@ def install_carried(wheels: Path = WHEELS, site: Path = SITE) -> list[str]:
                         *map(str, missing)], check=True)
     if site.is_dir():
         sys.path.insert(0, str(site))
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(site), os.environ.get("PYTHONPATH", "")) if p)
+        paths = (str(REPO), str(site), os.environ.get("PYTHONPATH", ""))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return [_dist_of(w) for w in missing]
 
 
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
               "minutes": round((time.monotonic() - t0) / 60, 1)}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     update_doc(result)
-    failed = [t["test"] for t in tests if t["outcome"] == "failed"] + (["benchmark"] if bench["outcome"] == "failed" else [])
+    failed = [t["test"] for t in tests if t["outcome"] == "failed"]
+    failed += ["benchmark"] if bench["outcome"] == "failed" else []
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "skipped", "failed")}
     print(f"gpu-check: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed; benchmark "
           f"{bench['outcome']}; {result['minutes']} min; docs/benchmarks/gpu_check.json and docs/gpu.md updated")
