@@ -3,6 +3,7 @@ PyTorch loop on the same model, and NVML sampling of the training loop (sampler 
 
     python benchmarks/gpu_trainer.py                       # one NVIDIA GPU; `make gpu-check` runs it
     python benchmarks/gpu_trainer.py --layers 4 --steps 3  # a quicker, smaller run
+    python benchmarks/gpu_trainer.py --cpu-smoke --out-dir /tmp/x   # the script itself, tiny, on CPU
 
 What it does, in one process on one GPU (world size 1, NCCL, no Ray):
 1. writes a randomly initialised Qwen2 with Qwen2.5-0.5B's shape (24 layers, hidden 896, GQA 14/2 heads,
@@ -11,7 +12,8 @@ What it does, in one process on one GPU (world size 1, NCCL, no Ray):
    clipping; Transformer Engine spec when TE is installed, the local spec otherwise) on `--seqs` sequences
    of `--seq-len` tokens, one sequence per micro-batch (supervised loss: the RL loss costs the same
    forward/backward), interleaved step by step with the baseline: transformers' Qwen2ForCausalLM in bf16
-   (SDPA attention) with torch's fused AdamW, the same micro-batches and gradient clipping;
+   (SDPA attention) with torch's fused AdamW, the same micro-batches and gradient clipping (its loss covers
+   every position, ours the response: the same FLOPs);
 3. runs a short training loop (log-probs + train step per iteration, as the RL loop does) under the NVML
    sampler with timeline phases, renders the utilization report, and compares step time with the
    sampler on against the timed steps without it.
@@ -78,11 +80,16 @@ def flops_per_step(cfg: dict, seqs: int, seq_len: int) -> float:
     return 3.0 * seqs * seq_len * (2 * linear + attention)
 
 
-def write_model(out: Path, layers: int) -> dict:
+# --cpu-smoke: a shape that runs the whole script in about a minute on a CPU (no figures about speed).
+SMOKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "vocab_size": 512}
+
+
+def write_model(out: Path, layers: int, smoke: bool = False) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = {**QWEN2_05B, "num_hidden_layers": layers}
+    cfg = {**QWEN2_05B, "num_hidden_layers": layers, **(SMOKE if smoke else {})}
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**cfg, torch_dtype="bfloat16")).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
@@ -103,7 +110,7 @@ def free_port() -> int:
 class Baseline:
     """transformers' Qwen2 in bf16 with fused AdamW: the plain PyTorch loop we compare against."""
 
-    def __init__(self, model_dir: Path, lr: float, clip: float):
+    def __init__(self, model_dir: Path, lr: float, clip: float, device: str, dtype: str):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -111,8 +118,8 @@ class Baseline:
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
         key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # older versions ignore `dtype=`
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa",
-                                                          **{key: torch.bfloat16}).cuda().train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)
+                                                          **{key: getattr(torch, dtype)}).to(device).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=device == "cuda")
         self.clip = clip
 
     def step(self, batches) -> float:
@@ -139,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loop-steps", type=int, default=5, help="iterations of the sampled training loop")
     ap.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"))
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny model, short sequences, CPU allowed: checks the script, measures nothing")
     args = ap.parse_args(argv)
 
     import torch
 
-    if not torch.cuda.is_available():
+    if args.cpu_smoke:
+        args.seq_len, args.seqs, args.steps, args.warmup, args.loop_steps = 64, 2, 1, 1, 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.cpu_smoke:
         print("gpu_trainer: no NVIDIA GPU visible (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     from gpu_check import environment
@@ -158,34 +170,39 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_trainer_"))
     t0 = time.monotonic()
-    model_cfg = write_model(work / "model", args.layers)
+    model_cfg = write_model(work / "model", args.layers, smoke=args.cpu_smoke)
     print(f"model written in {time.monotonic() - t0:.0f} s", flush=True)
 
     cfg = RunConfig()
     cfg.model.path = str(work / "model")
-    cfg.model.dtype = "bfloat16"
-    cfg.cluster.device = "gpu"
-    cfg.parallel.use_distributed_optimizer = True
+    dtype = "bfloat16" if device == "cuda" else "float32"  # megatron-core's bf16 optimizer needs CUDA
+    cfg.model.dtype = dtype
+    cfg.cluster.device = "gpu" if device == "cuda" else "cpu"
+    cfg.parallel.use_distributed_optimizer = device == "cuda"  # megatron-core refuses it on CPU
     cfg.trainer.micro_batch_tokens = args.seq_len
     cfg.trainer.grad_clip = 1.0
     cfg.trainer.warmup_sft_lr = 1e-5
     worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", free_port())
     info = worker.setup()
-    baseline = Baseline(work / "model", lr=1e-5, clip=1.0)
+    baseline = Baseline(work / "model", lr=1e-5, clip=1.0, device=device, dtype=dtype)
 
     g = torch.Generator().manual_seed(0)
     vocab = model_cfg["vocab_size"]
     seqs = [torch.randint(0, vocab, (args.seq_len,), generator=g) for _ in range(args.seqs)]
-    prompt = 64
+    prompt = min(64, args.seq_len // 4)  # the loss covers the response tokens
     items = [{"prompt": s[:prompt].tolist(), "response": s[prompt:].tolist()} for s in seqs]
-    gpu_seqs = [s.cuda() for s in seqs]
+    gpu_seqs = [s.to(device) for s in seqs]
     tokens = args.seqs * args.seq_len
 
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     def timed(fn) -> tuple[float, float]:
-        torch.cuda.synchronize()
+        sync()
         a = time.perf_counter()
         loss = fn()
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - a, loss
 
     times: dict[str, list[float]] = {"megatron": [], "baseline": []}
@@ -198,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             if i >= args.warmup:
                 times[name].append(dt)
             losses[name].append(float(loss))
-    mem_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    mem_peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     baseline = None  # frees its weights and optimizer state before the sampled loop
     gc.collect()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
     # The training loop under the NVML sampler, with phase events so the report draws its bands.
     run = out_dir / "gpu_trainer_nvml"
@@ -215,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             a = time.perf_counter()
             tl.write(Event(clock.now(), "phase", "start", step, phase="logprob"))
             worker.logprobs(items)
-            torch.cuda.synchronize()
+            sync()
             tl.write(Event(clock.now(), "phase", "end", step, phase="logprob"))
             tl.write(Event(clock.now(), "phase", "start", step, phase="train"))
             b = time.perf_counter()
             worker.train_step(items, "sft")
-            torch.cuda.synchronize()
+            sync()
             loop_times.append(time.perf_counter() - b)
             tl.write(Event(clock.now(), "phase", "end", step, phase="train"))
             print(f"loop {step}: {time.perf_counter() - a:.3f} s", flush=True)
@@ -236,13 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     worker.shutdown()
 
     meg, base = stats(times["megatron"]), stats(times["baseline"])
-    peak = peak_flops(torch.cuda.get_device_name())
+    peak = peak_flops(torch.cuda.get_device_name()) if device == "cuda" else None
     flops = flops_per_step(model_cfg, args.seqs, args.seq_len)
     result = {
         "benchmark": "gpu_trainer",
         "environment": environment(),
-        "trainer": {"layer_spec": "transformer_engine" if info["use_te"] else "local", "dtype": "bfloat16",
-                    "distributed_optimizer": True, "grad_clip": 1.0},
+        "trainer": {"layer_spec": "transformer_engine" if info["use_te"] else "local", "dtype": dtype,
+                    "distributed_optimizer": device == "cuda", "grad_clip": 1.0, "device": info["device"]},
+        "cpu_smoke": args.cpu_smoke,
         "model": {**model_cfg, "params": num_params(model_cfg)},
         "workload": {"seqs_per_step": args.seqs, "seq_len": args.seq_len, "tokens_per_step": tokens,
                      "warmup_steps": args.warmup, "timed_steps": args.steps},
@@ -280,7 +299,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.boxplot(data)
     ax1.set_xticks([1, 2], ["our trainer", "transformers + AdamW"])
     ax1.set_ylabel("seconds per optimizer step")
-    ax1.set_title(f"{result['workload']['tokens_per_step']} tokens/step, {result['environment']['device']}")
+    ax1.set_title(f"{result['workload']['tokens_per_step']} tokens/step, {result['environment'].get('device', 'CPU')}")
     tps = [result["workload"]["tokens_per_step"] / x for x in (result["step_s"][n]["median"] for n in names)]
     ax2.bar(["our trainer", "transformers + AdamW"], tps, color=["tab:blue", "tab:gray"])
     ax2.set_ylabel("tokens/s (median)")

@@ -112,3 +112,21 @@ def test_benchmark_model_is_the_05b_shape_and_flops_follow_the_formula():
     assert gpu_trainer.flops_per_step(tiny, seqs=2, seq_len=4) == 3 * 2 * 4 * (2 * 656 + 64)
     assert gpu_trainer.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert gpu_trainer.peak_flops("NVIDIA H100 PCIe") == 756e12 and gpu_trainer.peak_flops("Some GPU") is None
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_script_runs_end_to_end_on_cpu(tmp_path):
+    """`--cpu-smoke`: the whole script (model, our trainer vs the baseline, sampled loop, JSON, figure) at a
+    tiny size, so a broken script is not first found on a lent GPU. Measures nothing."""
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_trainer.py"), "--cpu-smoke",
+                          "--out-dir", str(tmp_path)], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    data = json.loads((tmp_path / "gpu_trainer.json").read_text())
+    assert data["cpu_smoke"] and data["trainer"]["device"] == "cpu" and data["mfu"] is None
+    assert all(x > 0 for x in data["tokens_per_s"].values())
+    assert data["losses"]["megatron"][0] > 1.0  # log(512) = 6.2 for a random model: the loss covers tokens
+    assert data["nvml"]["report"]["sampled"] is False and data["nvml"]["report"]["reason"]
+    assert (tmp_path / "gpu_trainer.png").stat().st_size > 10_000
