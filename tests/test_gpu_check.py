@@ -97,6 +97,29 @@ def test_carried_wheels_fill_only_what_is_missing(tmp_path, monkeypatch):
     assert gpu_check.install_carried(wheels, site) == []  # now installed (in site): nothing to do
 
 
+def test_a_run_records_each_gpu_test_and_its_outcome(tmp_path, monkeypatch):
+    """The whole command past the GPU probe, here where every gpu test skips: the JSON lists each test
+    with its outcome and reason, the page gets the table, and skips alone are not a failure."""
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the probe in this process
+    monkeypatch.setattr(gpu_check, "environment", lambda: {"time_utc": "t", "python": "3", "versions": {}})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the pytest it starts sees no GPU
+    doc = tmp_path / "gpu.md"
+    doc.write_text((REPO / "docs" / "gpu.md").read_text())
+    rc = gpu_check.main(["--skip-bench", "--out-dir", str(tmp_path), "--doc", str(doc)])
+    assert rc == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    tests = result["tests"]
+    assert {t["outcome"] for t in tests} == {"skipped"} and all(t["detail"] for t in tests)
+    names = {t["test"] for t in tests}
+    assert "test_trainer_gpu::test_single_rank_bf16_logprobs_match_transformers" in names
+    assert "test_telemetry_nvml::test_sampler_sees_a_matmul_load_on_a_real_gpu" in names
+    assert len(tests) >= 7 and "| skipped |" in doc.read_text()
+
+
 def test_every_file_with_gpu_tests_is_run():
     assert gpu_check.gpu_test_files() == ["tests/test_rollout_gpu.py", "tests/test_telemetry_nvml.py",
                                           "tests/test_trainer_gpu.py"]

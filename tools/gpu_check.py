@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests-timeout", type=int, default=600)
     ap.add_argument("--bench-timeout", type=int, default=480)
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks", help="where gpu_check.json goes")
+    ap.add_argument("--doc", type=Path, default=DOC, help="the page whose gpu-check section is rewritten")
     args = ap.parse_args(argv)
     if args.fetch_wheels:
         return fetch_wheels(args.python_version)
@@ -214,19 +216,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.monotonic()
     installed = install_carried()
-    out = REPO / "docs" / "benchmarks"
+    out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     tests = run_tests(out, args.tests_timeout)
     bench = {"outcome": "skipped", "detail": "--skip-bench"} if args.skip_bench else run_benchmark(args.bench_timeout)
     result = {"environment": environment(), "installed_from_wheels": installed, "tests": tests, "benchmark": bench,
               "minutes": round((time.monotonic() - t0) / 60, 1)}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    update_doc(result)
+    update_doc(result, args.doc)
     failed = [t["test"] for t in tests if t["outcome"] == "failed"]
     failed += ["benchmark"] if bench["outcome"] == "failed" else []
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "skipped", "failed")}
     print(f"gpu-check: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed; benchmark "
-          f"{bench['outcome']}; {result['minutes']} min; docs/benchmarks/gpu_check.json and docs/gpu.md updated")
+          f"{bench['outcome']}; {result['minutes']} min; {out / 'gpu_check.json'} and {args.doc} updated")
     return 1 if failed else 0
 
 
