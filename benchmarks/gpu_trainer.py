@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import socket
 import statistics
 import sys
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out_dir / "gpu_trainer.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     plot(result, out_dir / "gpu_trainer.png")
+    shutil.rmtree(work, ignore_errors=True)  # the written model (about 1 GB at the 0.5B shape)
     print(json.dumps({k: result[k] for k in ("tokens_per_s", "speedup_vs_baseline", "mfu")}, default=str))
     return 0
 
