@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make run    set up .venv and run the built-in default job on configs/tiny_cpu.yaml
 #   make test   set up .venv and run the default (CPU) test suite
-# Variables: ACCEL=auto|cpu|gpu (setup extra), CONFIG=<yaml> (run), PYTEST_ARGS (test).
+#   make gpu-check  on a machine with an NVIDIA GPU: the gpu-marked tests and GPU benchmark (docs/gpu.md)
+# Variables: ACCEL=auto|cpu|gpu (setup extra), CONFIG=<yaml> (run), PYTEST_ARGS (test), GPU_PY (gpu-check).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny_cpu.yaml
@@ -9,7 +10,10 @@ PYTEST_ARGS ?= -m "not gpu and not slow"
 # The main job: the RL run of the built-in default (`smoke` only generates and scores a few prompts).
 RUN_COMMAND ?= train
 
-.PHONY: setup run test test-all clean
+# GPU machines may have no .venv (and no package index): use it when present, else the system Python.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+
+.PHONY: setup run test test-all gpu-check clean
 
 setup:
 	@VENV=$(VENV) bash tools/setup_env.sh
@@ -23,5 +27,9 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -m "not gpu"
 
+# No `setup` prerequisite: it needs a package index. Exits 2 after one line where there is no GPU.
+gpu-check:
+	@$(GPU_PY) tools/gpu_check.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .gpu-check

@@ -52,7 +52,10 @@ def _sharded_state(model, opt, is_loading: bool) -> dict:
     if opt is None:  # model-only checkpoint (written by the HF -> Megatron converter)
         return {"model": model_sd}
     if not is_loading and not opt.state_dict().get("state"):
-        opt.init_state_fn(opt.optimizer, opt.config)  # fresh Adam state is all zeros; saves a uniform layout
+        # Fresh Adam state is all zeros; saves a uniform layout. megatron-core may wrap the optimizer in a
+        # ChainedOptimizer (no init_state_fn of its own), e.g. when saving right after a model-only load.
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            o.init_state_fn(o.optimizer, o.config)
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 

@@ -237,14 +237,18 @@ def layer_spec(use_te: bool, config):
 
 
 def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: bool = False,
-                sequence_parallel: bool = False, recompute=None):
-    """One GPTModel chunk for this rank's pipeline stage (parallel_state must be initialised)."""
+                sequence_parallel: bool = False, recompute=None, on_gpu: bool | None = None):
+    """One GPTModel chunk for this rank's pipeline stage (parallel_state must be initialised).
+
+    `on_gpu` (default: `use_te`) places the model on the current CUDA device; a GPU without Transformer
+    Engine runs the local spec there."""
+    on_gpu = use_te if on_gpu is None else on_gpu
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=use_te,
+    config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=on_gpu,
                                 recompute=recompute)
     model = GPTModel(
         config=config,
@@ -261,6 +265,6 @@ def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: boo
     # Megatron only knows llama3 scaling with fixed factors; HF's exact frequencies cover every case.
     inv = rope_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.inv_freq = inv
-    if use_te:
+    if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model.to(dtype)

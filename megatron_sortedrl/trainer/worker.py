@@ -76,7 +76,8 @@ class TrainerWorker:
         # Sequence parallelism and recompute run on both paths (on CPU through cpu_compat); Megatron only
         # turns sequence parallelism on at TP > 1.
         sp, rc = p.sequence_parallel, p.recompute
-        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc)
+        model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc,
+                            on_gpu=self.gpu)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
         ddp_cfg = ddp_config(cfg, self.gpu, ps.get_data_parallel_world_size())
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
@@ -91,7 +92,7 @@ class TrainerWorker:
             # Same layout and recompute as the policy; the reference only runs forward (no_grad), where
             # Megatron recomputes nothing, so this only keeps the two configs identical.
             self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp,
-                                         recompute=rc)
+                                         recompute=rc, on_gpu=self.gpu)
             load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
             self.ref_model.eval().requires_grad_(False)
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
