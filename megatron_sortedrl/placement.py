@@ -21,7 +21,7 @@ order (TP fastest, then DP, then PP; `parallel_state` order "tp-cp-ep-dp-pp") th
 consecutive, so DP groups stay inside a node where they fit and pipeline stages are what crosses nodes.
 Every trainer actor then reports its node and `check_groups` fails in one line if a TP group is split.
 
-Every wait (nodes joining, placement group ready, actors answering) is bounded by `timeout_s`
+Every wait (placement group ready, actors answering) is bounded by `timeout_s`
 (`cluster.startup_timeout_s`); on timeout a `ClusterError` names what was asked, what is missing and
 the visible nodes with their free resources.
 
@@ -32,7 +32,6 @@ nodes, colocating trainer and rollout on the same GPUs, and moving a group once 
 from __future__ import annotations
 
 import ipaddress
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,19 +116,16 @@ def describe_nodes() -> str:
     return f"visible nodes ({len(nodes)}): " + ("; ".join(cells) or "none")
 
 
-def layout_nodes(count: int, timeout_s: float, what: str) -> list[NodeView]:
-    """The first `count` GPU nodes in layout order, waiting up to `timeout_s` for enough of them to join."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        nodes = cluster_nodes(gpu_only=True)
-        if len(nodes) >= count:
-            return nodes[:count]
-        if time.monotonic() >= deadline:
-            raise ClusterError(
-                f"{what} needs {count} GPU nodes (layout nodes 0-{count - 1}) but only {len(nodes)} joined the Ray "
-                f"cluster within {timeout_s:g}s (cluster.startup_timeout_s); {describe_nodes()}; check "
-                f"cluster.num_nodes and that every node ran `ray start --num-gpus=...`")
-        time.sleep(0.5)
+def layout_nodes(count: int, what: str) -> list[NodeView]:
+    """The first `count` GPU nodes in layout order. No waiting: the Slurm bring-up (`ray-check`) has already
+    waited for every node to join, so a missing node is an error now rather than after a long timeout."""
+    nodes = cluster_nodes(gpu_only=True)
+    if len(nodes) < count:
+        raise ClusterError(
+            f"{what} needs {count} GPU nodes (layout nodes 0-{count - 1}) but the Ray cluster has {len(nodes)}; "
+            f"{describe_nodes()}; lower cluster.num_nodes or the layout, or start the missing nodes with "
+            f"`ray start --num-gpus=...`")
+    return nodes[:count]
 
 
 # ------------------------------------------------------------------------------------------------ bundles
@@ -245,7 +241,7 @@ def reserve(bundles: Sequence[Bundle], what: str, timeout_s: float) -> Reservati
 
     pinned = [b.node for b in bundles if b.node is not None]
     if pinned:
-        nodes = layout_nodes(max(pinned) + 1, timeout_s, what)
+        nodes = layout_nodes(max(pinned) + 1, what)
         selector = [{NODE_LABEL: nodes[b.node].node_id} if b.node is not None else {} for b in bundles]
     else:
         nodes, selector = cluster_nodes(), None

@@ -118,11 +118,17 @@ def test_bundles_follow_the_layout_plan():
         bundles = P.engine_bundles(len(engines), tp, gpu=True, gpus_per_node=GPUS, first_gpu=rollout_first_gpu(cfg))
         assert [b.node for b in bundles] == [e.node for e in engines]
         assert all(b.resources == {"GPU": tp, "CPU": 1.0} for b in bundles)
+    # what the rollout pool is given from the config: GPUs per node, its first GPU, the start-up timeout
+    from megatron_sortedrl.rollout.pool import engine_placement_from
+
+    assert engine_placement_from(cfg) == (GPUS, 8, 900.0)
 
 
 def test_colocate_is_refused_at_config_load():
     with pytest.raises(ConfigError, match=r"cluster.colocate=True is not allowed; expected false: .*not implemented"):
         ClusterConfig(colocate=True)
+    with pytest.raises(ConfigError, match=r"cluster.startup_timeout_s=0 "):
+        ClusterConfig(startup_timeout_s=0)
 
 
 # ------------------------------------------------------------------------------------ emulated cluster
@@ -132,7 +138,7 @@ def test_scaled_32b_layout_keeps_groups_on_their_nodes(cluster):
 
     cfg = scaled_32b()
     plan = plan_layout(cfg)
-    nodes = P.layout_nodes(NODES, 30, "test")
+    nodes = P.layout_nodes(NODES, "test")
     trainer_res = P.reserve(P.trainer_bundles(8, 2, gpu=True, cpus_per_rank=0.25, gpus_per_node=GPUS),
                             "trainer", 60)
     actors, rank_nodes = _probes(trainer_res, 8, 2, num_cpus=0.25, num_gpus=1)
@@ -185,17 +191,17 @@ def test_fragmented_cluster_per_gpu_pack_splits_groups_per_group_bundles_do_not(
 
 
 def test_more_gpus_than_the_cluster_fails_in_one_line(cluster):
-    # 6 nodes' worth of trainer on a 4-node cluster: named at once (after the short join wait), not a hang.
+    # 6 nodes' worth of trainer on a 4-node cluster: named at once, not after the start-up timeout.
     with pytest.raises(ClusterError) as info:
-        P.reserve(P.trainer_bundles(24, 4, gpu=True, gpus_per_node=GPUS), "trainer", 1)
+        P.reserve(P.trainer_bundles(24, 4, gpu=True, gpus_per_node=GPUS), "trainer", 900)
     msg = str(info.value)
-    assert "\n" not in msg and "needs 6 GPU nodes" in msg and "only 4 joined" in msg
+    assert "\n" not in msg and "trainer needs 6 GPU nodes (layout nodes 0-5) but the Ray cluster has 4" in msg
     assert "visible nodes (4)" in msg
     # Unpinned: an engine wider than any node, and more GPUs than all nodes together, fail before waiting.
     with pytest.raises(ClusterError, match="needs 8 GPUs on one node but the largest node has 4"):
-        P.reserve(P.engine_bundles(1, 8, gpu=True), "rollout", 1)
+        P.reserve(P.engine_bundles(1, 8, gpu=True), "rollout", 900)
     with pytest.raises(ClusterError, match="needs 20 GPUs .* but the cluster has 16"):
-        P.reserve(P.engine_bundles(10, 2, gpu=True), "rollout", 1)
+        P.reserve(P.engine_bundles(10, 2, gpu=True), "rollout", 900)
 
 
 def test_resources_held_elsewhere_time_out_naming_what_is_free(cluster):
