@@ -270,7 +270,7 @@ def wait_ready(refs: Sequence[Any], what: str, timeout_s: float, labels: Sequenc
     import ray
 
     refs = list(refs)
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     if pending:
         labels = list(labels) if labels is not None else [f"#{i}" for i in range(len(refs))]
         missing = [labels[i] for i, r in enumerate(refs) if r in set(pending)]

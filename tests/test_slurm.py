@@ -16,8 +16,15 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted((REPO / "slurm").glob("*.sh"))
 
 
+SLURM_RESOURCE_VARS = ("SLURM_CPUS_ON_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+
+
 def _env(tmp_path, job_id: int, **extra) -> dict:
-    return slurm_env(tmp_path, job_id, tempfile.mkdtemp(prefix="msrl", dir="/tmp"), **extra)
+    env = slurm_env(tmp_path, job_id, tempfile.mkdtemp(prefix="msrl", dir="/tmp"), **extra)
+    for var in SLURM_RESOURCE_VARS:  # only what the test sets, even when the suite itself runs under Slurm
+        if var not in extra:
+            env.pop(var, None)
+    return env
 
 
 def test_scripts_parse():
