@@ -292,8 +292,11 @@ class ClusterConfig:
     ray_address: str = help_field("Ray cluster address; empty starts a local Ray instance.", "")
     num_nodes: int = help_field("Nodes in the allocation.", 1)
     gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0)
-    cpus_per_node: int = help_field("CPUs Ray may use per node (0: all).", 0)
-    colocate: bool = help_field("Trainer and rollout share the same GPUs (time-sliced) instead of separate pools.", False)
+    cpus_per_node: int = help_field("CPUs `ray start` declares per node under Slurm (0: Slurm's SLURM_CPUS_ON_NODE).", 0)
+    colocate: bool = help_field("Trainer and rollout on the same GPUs: not implemented yet, must stay false.", False)
+    startup_timeout_s: float = help_field(
+        "Seconds to wait for each cluster start-up step (placement groups, trainer set-up, engine start) before "
+        "failing with what is missing.", 900.0)
     gpu_memory_gib: float = help_field("Memory of one GPU in GiB (80 GB cards: 80); the launch planner checks against it.", 80.0)
     host_memory_gib: float = help_field(
         "Host memory of one node in GiB for the launch planner; 0: this machine's RAM (right when the check runs "
@@ -308,8 +311,16 @@ class ClusterConfig:
             raise ConfigError("cluster.host_memory_gib", self.host_memory_gib, "a number of GiB >= 0 (0: this machine's RAM)")
         if self.num_nodes < 1:
             raise ConfigError("cluster.num_nodes", self.num_nodes, "an integer >= 1")
-        if self.gpus_per_node < 0 or self.cpus_per_node < 0:
+        if self.gpus_per_node < 0:
             raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
+        if self.cpus_per_node < 0:
+            raise ConfigError("cluster.cpus_per_node", self.cpus_per_node, "an integer >= 0")
+        if self.colocate:
+            # Engines would ask for GPUs the trainer's placement group holds and wait forever.
+            raise ConfigError("cluster.colocate", self.colocate,
+                              "false: trainer/rollout colocation is not implemented; give rollout its own nodes")
+        if not self.startup_timeout_s > 0:
+            raise ConfigError("cluster.startup_timeout_s", self.startup_timeout_s, "a number of seconds > 0")
 
 
 @dataclass

@@ -31,3 +31,8 @@ class DatasetError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, truncated or does not fit the model."""
+
+
+class ClusterError(UserError):
+    """The Ray cluster cannot host the layout (too few nodes or GPUs, a group split across nodes, a start-up
+    step past `cluster.startup_timeout_s`); the message names what is missing and which nodes are visible."""

@@ -3,15 +3,18 @@
     python -m megatron_sortedrl layout configs/qwen32b_128gpu.yaml      # prints the plan, starts nothing
 
 The trainer takes TP x PP x DP GPUs from the first nodes, ranks in Megatron's order (TP fastest, then
-DP, then PP), so a TP group always sits inside one node. Rollout engines take the GPUs after the trainer
-(or the same GPUs when `cluster.colocate`), for both layouts of elastic parallelism: the short-round
-layout (`rollout.num_workers` engines at `rollout.tensor_parallel_size`) and the long-round layout (the
-same GPUs regrouped at `rollout.long_round_tensor_parallel_size`). An engine never spans two nodes.
+DP, then PP), so a TP group always sits inside one node. Rollout engines take the GPUs after the trainer,
+for both layouts of elastic parallelism: the short-round layout (`rollout.num_workers` engines at
+`rollout.tensor_parallel_size`) and the long-round layout (the same GPUs regrouped at
+`rollout.long_round_tensor_parallel_size`). An engine never spans two nodes.
 
 `check_layout` raises a `ConfigError` naming the key to change when the arithmetic does not work out;
-`RunConfig` calls it for every config that declares GPUs (`cluster.gpus_per_node > 0`).
+`RunConfig` calls it for every config that declares GPUs (`cluster.gpus_per_node > 0`). On a running
+Ray cluster `megatron_sortedrl.placement` pins trainer TP groups and engines to the nodes named here
+(`layout_node`, `rollout_first_gpu`) and checks where they landed.
 
-Left out: heterogeneous nodes and multi-node TP (neither Megatron's nor vLLM's TP should cross nodes).
+Left out: heterogeneous nodes, multi-node TP (neither Megatron's nor vLLM's TP should cross nodes) and
+colocated trainer and rollout (`cluster.colocate` is refused at config load).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def plan_layout(cfg) -> LayoutPlan:
         node, gpu = divmod(rank, c.gpus_per_node)
         detail = f"tp={rank % tp} dp={(rank // tp) % dp} pp={rank // (tp * dp)}"
         plan.trainer.append(Placement("trainer", rank, node, [gpu], detail))
-    first = 0 if c.colocate else _rollout_start(cfg)
+    first = rollout_first_gpu(cfg)
     rollout_gpus = r.num_workers * r.tensor_parallel_size
     for role, engine_tp, out in (("rollout-short", r.tensor_parallel_size, plan.rollout_short),
                                  ("rollout-long", r.long_round_tensor_parallel_size, plan.rollout_long)):
@@ -91,7 +94,12 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _rollout_start(cfg) -> int:
+def layout_node(gpu: int, gpus_per_node: int) -> int:
+    """The layout's node index of global GPU number `gpu` (GPUs are numbered node by node)."""
+    return gpu // gpus_per_node
+
+
+def rollout_first_gpu(cfg) -> int:
     """First GPU of the rollout pool: after the trainer, aligned to the largest engine TP so no engine
     straddles a node boundary (gpus_per_node is a multiple of every TP, checked below)."""
     r = cfg.rollout
@@ -115,11 +123,11 @@ def check_layout(cfg) -> None:
             f"a divisor of the rollout GPUs (num_workers x tensor_parallel_size = {rollout_gpus}) so both layouts use the same GPUs",
         )
     total = c.num_nodes * c.gpus_per_node
-    needed = max(p.world_size, rollout_gpus) if c.colocate else _rollout_start(cfg) + rollout_gpus
+    needed = rollout_first_gpu(cfg) + rollout_gpus
     if needed > total:
         raise ConfigError(
             "cluster.num_nodes", c.num_nodes,
-            f"enough nodes for trainer (TPxPPxDP = {p.world_size} GPUs) {'and' if c.colocate else 'plus'} rollout "
+            f"enough nodes for trainer (TPxPPxDP = {p.world_size} GPUs) plus rollout "
             f"({r.num_workers} engines x TP {r.tensor_parallel_size} = {rollout_gpus} GPUs): {needed} GPUs, "
             f"have {c.num_nodes} x {c.gpus_per_node} = {total}",
         )

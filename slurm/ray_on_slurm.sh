@@ -12,7 +12,11 @@
 #   MSRL_RAY_PORT      GCS port (default: derived from the job id so two jobs on a node do not clash)
 #   MSRL_JOIN_TIMEOUT  seconds to wait for every node to join (default 300)
 #   MSRL_DRY_RUN=1     print the node list, ports and GPU layout, start nothing
-#   MSRL_RAY_START_ARGS extra `ray start` arguments for every node (e.g. "--num-cpus=32")
+#   MSRL_RAY_START_ARGS extra `ray start` arguments for every node (they come last, so they win)
+# Resources: every node's `ray start` gets --num-gpus from cluster.gpus_per_node (which must match Slurm's
+# SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE when those are set; 0 in the config takes Slurm's count) and
+# --num-cpus from cluster.cpus_per_node (0: Slurm's SLURM_CPUS_ON_NODE), so Ray reserves what the job
+# was given rather than what it detects. Values are read on the batch host: nodes are assumed alike.
 # Ports: the ports Ray would otherwise take from fixed defaults (GCS, client server, dashboard agent) come
 # from a per-job block and are passed explicitly; the rest Ray picks free itself. Temp dirs are per job.
 set -euo pipefail
@@ -39,7 +43,28 @@ msrl_ray_start_args() {
     # which picks free ones itself.
     local node_index=$1
     echo --dashboard-agent-listen-port="$((RAY_PORT_BASE + 2 + node_index))" --disable-usage-stats --block \
-        "${MSRL_RAY_START_ARGS:-}"
+        "${MSRL_RAY_RESOURCES:-}" "${MSRL_RAY_START_ARGS:-}"
+}
+
+msrl_ray_resources() {
+    # Sets MSRL_RAY_RESOURCES ("--num-cpus=N --num-gpus=M") from the config's cluster section and Slurm.
+    local out cfg_cpus cfg_gpus
+    out=$("$MSRL_PYTHON" -m megatron_sortedrl layout --ray-resources "$@") || exit 2  # it printed why
+    read -r cfg_cpus cfg_gpus <<< "$out"
+    local slurm_gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}
+    slurm_gpus=${slurm_gpus##*:}  # --gpus-per-node=a100:8 gives "a100:8"
+    local gpus=$cfg_gpus
+    if ((cfg_gpus > 0)); then
+        if [[ -n "$slurm_gpus" && "$slurm_gpus" != "$cfg_gpus" ]]; then
+            msrl_die "cluster.gpus_per_node=$cfg_gpus but Slurm gives $slurm_gpus GPUs per node; set cluster.gpus_per_node=$slurm_gpus or ask sbatch for --gpus-per-node=$cfg_gpus"
+        fi
+    else
+        gpus=${slurm_gpus:-0}
+    fi
+    local cpus=$cfg_cpus
+    ((cpus > 0)) || cpus=${SLURM_CPUS_ON_NODE:-0}
+    MSRL_RAY_RESOURCES="--num-gpus=$gpus"
+    if ((cpus > 0)); then MSRL_RAY_RESOURCES="--num-cpus=$cpus $MSRL_RAY_RESOURCES"; fi
 }
 
 msrl_cleanup() {
@@ -75,11 +100,13 @@ msrl_launch() {
     local address="$head_ip:$RAY_PORT"
     local tmp="${MSRL_RAY_TMP:-/tmp}/ray_msrl_${SLURM_JOB_ID}"
     echo "ray_on_slurm: job $SLURM_JOB_ID, ${#MSRL_NODES[@]} nodes (${MSRL_NODES[*]}), head $head ($address)"
+    [[ -x "$MSRL_PYTHON" ]] || msrl_die "no python at $MSRL_PYTHON: run 'bash tools/setup_env.sh' in $MSRL_HOME or set MSRL_PYTHON"
+    msrl_ray_resources "$config" "cluster.num_nodes=${#MSRL_NODES[@]}" "$@"
+    echo "ray_on_slurm: each node: ray start $MSRL_RAY_RESOURCES"
     if [[ "${MSRL_DRY_RUN:-0}" == 1 ]]; then
         "$MSRL_PYTHON" -m megatron_sortedrl layout "$config" "$@"
         return 0
     fi
-    [[ -x "$MSRL_PYTHON" ]] || msrl_die "no python at $MSRL_PYTHON: run 'bash tools/setup_env.sh' in $MSRL_HOME or set MSRL_PYTHON"
     # Ray's token authentication stays on: one random token per job, exported to every node through
     # srun's environment propagation and inherited by the driver.
     export RAY_AUTH_MODE=token

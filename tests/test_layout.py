@@ -38,8 +38,7 @@ def recipe_env(tmp_path, monkeypatch):
 
 def _check_plan(plan, cfg):
     used = [(p.node, g) for group in (plan.trainer, plan.rollout_short) for p in group for g in p.gpus]
-    if not cfg.cluster.colocate:
-        assert len(used) == len(set(used))  # no GPU given twice
+    assert len(used) == len(set(used))  # no GPU given twice
     assert all(0 <= n < cfg.cluster.num_nodes and 0 <= g < cfg.cluster.gpus_per_node for n, g in used)
     for group in (plan.rollout_short, plan.rollout_long):
         # an engine's GPUs are consecutive on one node, and both layouts cover the same GPUs

@@ -19,7 +19,10 @@ Guarantees the scheduler relies on:
   (`restart_failed`) or its slot stays dead and `submit` to it raises `WorkerUnavailable`.
 * A layout switch (`set_layout`) stops every engine and starts the new ones with dummy weights, then
   replays the last synced weights, so outputs and the policy version carry over. Each engine is one actor
-  holding all TP ranks' devices, so a TP group never spans nodes.
+  holding all TP ranks' devices in one placement-group bundle of its own, so a TP group never spans nodes;
+  with `gpus_per_node` declared on GPU the bundles are pinned to the layout's rollout nodes
+  (`megatron_sortedrl.placement`). Reserving the bundles and starting the engines are each bounded by
+  `startup_timeout_s`; a timeout raises `ClusterError` naming the engines or resources missing.
 
 Deliberately left out: choosing the layout and the placement (the scheduler's planner does), queueing
 beyond the engines' own waiting queues, and resubmission policy.
@@ -75,6 +78,11 @@ class PoolOptions:
     # (the caller must hold a CUDA device); auto: object_store on CPU, ipc when colocated, else nccl.
     weight_transport: str = "auto"
     colocate: bool = False
+    # Placement: with gpus_per_node > 0 on GPU, engine e of TP t sits on layout GPUs first_gpu + e*t onwards,
+    # i.e. on the nodes `python -m megatron_sortedrl layout` names; 0 places engines anywhere Ray packs them.
+    gpus_per_node: int = 0
+    first_gpu: int = 0
+    startup_timeout_s: float = 900.0
     engine_extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs keywords
 
     @classmethod
@@ -91,9 +99,18 @@ class PoolOptions:
                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
                    speculative_config=speculative_config_from(cfg.speculative),
                    request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate)
+        opts.gpus_per_node, opts.first_gpu, opts.startup_timeout_s = engine_placement_from(cfg)
         for key, value in overrides.items():
             setattr(opts, key, value)
         return opts
+
+
+def engine_placement_from(cfg) -> tuple[int, int, float]:
+    """(gpus_per_node, first rollout GPU, start-up timeout) of a RunConfig, as the layout plans them."""
+    from megatron_sortedrl.layout import rollout_first_gpu
+
+    gpn = cfg.cluster.gpus_per_node
+    return gpn, (rollout_first_gpu(cfg) if gpn else 0), cfg.cluster.startup_timeout_s
 
 
 def speculative_config_from(spec) -> dict | None:
@@ -134,6 +151,7 @@ class RolloutPool:
         self._ready: list[Completion] = []  # lost records waiting for the next poll
         self._weights: list[Any] = []  # bucket refs of the last sync (replayed into new engines)
         self._gpu_sync: GpuWeightSync | None = None  # built lazily per layout
+        self._placement: Any = None  # the current layout's placement group (one bundle per engine)
         if start:
             self.set_layout(opts.num_engines, opts.tp)
 
@@ -151,14 +169,35 @@ class RolloutPool:
             self._stop(slot)
         t1 = time.monotonic()
         self._gpu_sync = None
+        self.slots = []
+        self._reserve(num_engines, tp)
         self.slots = [self._launch(_Slot(i, tp)) for i in range(num_engines)]
-        self._wait_started(self.slots)
+        try:
+            self._wait_started(self.slots)
+        except BaseException:
+            self.shutdown()  # no half-started layout left holding its GPUs
+            raise
         t2 = time.monotonic()
         report = {"num_engines": num_engines, "tp": tp, "stop_s": t1 - t0, "start_s": t2 - t1, "total_s": t2 - t0,
                   "engine_start_s": max(s.info.get("engine_start_s", 0.0) for s in self.slots),
                   "weight_load_s": max(s.info.get("weight_load_s", 0.0) for s in self.slots)}
         self.events.append({"event": "layout", "time": t2, **report})
         return report
+
+    def _reserve(self, num_engines: int, tp: int) -> None:
+        """One bundle per engine (all its TP devices), replacing the previous layout's placement group."""
+        from megatron_sortedrl import placement as P
+
+        o = self.opts
+        self._release_placement()
+        bundles = P.engine_bundles(num_engines, tp, gpu=o.device == "gpu", cpus_per_rank=o.cpus_per_rank,
+                                   gpus_per_node=o.gpus_per_node, first_gpu=o.first_gpu)
+        self._placement = P.reserve(bundles, f"rollout ({num_engines} engines x TP {tp})", o.startup_timeout_s)
+
+    def _release_placement(self) -> None:
+        if self._placement is not None:
+            self._placement.release()
+            self._placement = None
 
     def _launch(self, slot: _Slot) -> _Slot:
         import ray
@@ -180,17 +219,21 @@ class RolloutPool:
             cpu_ids = ([[(slot.index * slot.tp + r) % ncpu] for r in range(slot.tp)]
                        if o.cpu_bind == "spread" else None)
         env = engine_env(device=o.device, kv_cache_gib=o.kv_cache_gib, cpu_ids=cpu_ids)
-        actor_cls = ray.remote(EngineWorker).options(max_concurrency=1000, runtime_env={"env_vars": env}, **resources)
+        actor_cls = ray.remote(EngineWorker).options(max_concurrency=1000, runtime_env={"env_vars": env},
+                                                     scheduling_strategy=self._placement.strategy(slot.index), **resources)
         slot.actor = actor_cls.remote(slot.index, kw, self.version)
         slot.start_ref = slot.actor.start.remote(self.version, list(self._weights) if self._weights else None)
         slot.state, slot.poll_ref, slot.generated = "starting", None, 0
         return slot
 
     def _wait_started(self, slots: list[_Slot]) -> None:
-        import ray
+        from megatron_sortedrl.placement import wait_ready
 
-        for slot in slots:
-            self._finish_start(slot, ray.get(slot.start_ref))
+        infos = wait_ready([s.start_ref for s in slots], "rollout engine start", self.opts.startup_timeout_s,
+                           labels=[f"engine {s.index} (TP {s.tp}) on node {self._placement.node_of(s.index)[:8]}"
+                                   for s in slots])
+        for slot, info in zip(slots, infos):
+            self._finish_start(slot, info)
 
     def _finish_start(self, slot: _Slot, info: dict[str, Any]) -> None:
         slot.info, slot.pid, slot.state, slot.start_ref = info, info["pid"], "ready", None
@@ -216,6 +259,7 @@ class RolloutPool:
         for slot in self.slots:
             self._stop(slot)
         self.slots = []
+        self._release_placement()
 
     def worker_pids(self) -> list[int]:
         return [s.pid for s in self.slots]

@@ -9,10 +9,13 @@
     group.shutdown()
 
 The group starts a local Ray instance when none is running (and stops it in `shutdown`), reserves one
-placement-group bundle per rank (1 CPU, or 1 GPU + 1 CPU with `cluster.device=gpu`), asks rank 0's actor
-for its address and a free port, and passes both to every rank, which then forms the
-`torch.distributed` world (gloo on CPU, NCCL on GPU) and Megatron's TP x PP x DP groups. Every method
-fans out to all ranks and returns the reporting rank's answer; ranks are never addressed individually.
+placement-group bundle per TP group (TP CPUs, or TP GPUs + TP CPUs with `cluster.device=gpu`, pinned to
+the layout's trainer nodes when `cluster.gpus_per_node` is declared; see `megatron_sortedrl.placement`),
+starts rank r in the bundle of TP group r // TP in node order, checks that every TP group reports one node,
+asks rank 0's actor for its address and a free port, and passes both to every rank, which then forms the
+`torch.distributed` world (gloo on CPU, NCCL on GPU) and Megatron's TP x PP x DP groups. Each of these
+waits is bounded by `cluster.startup_timeout_s`. Every method fans out to all ranks and returns the
+reporting rank's answer; ranks are never addressed individually.
 
 Samples travel as small dicts (tokens and per-token floats), not as `Sample` objects.
 
@@ -44,6 +47,11 @@ class TrainerActor:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.worker: TrainerWorker | None = None
 
+    def node_id(self) -> str:
+        from megatron_sortedrl.placement import node_id
+
+        return node_id()
+
     def address(self) -> tuple[str, int]:
         import ray
 
@@ -67,8 +75,8 @@ class TrainerActor:
 class TrainerGroup:
     def __init__(self, cfg, *, num_cpus_per_rank: float = 1.0):
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from megatron_sortedrl import placement as P
 
         cfg = copy.deepcopy(cfg)
         # Ray workers need not share the driver's working directory: send absolute paths only.
@@ -82,20 +90,26 @@ class TrainerGroup:
             ray.init(address=cfg.cluster.ray_address or "local", include_dashboard=False,
                      num_cpus=None if cfg.cluster.ray_address else max(int(self.world_size * num_cpus_per_rank), 1))
         gpu = on_gpu(cfg)
-        bundle = {"CPU": num_cpus_per_rank, **({"GPU": 1} if gpu else {})}
-        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        ray.get(self._pg.ready())
-        cls = ray.remote(TrainerActor)
-        self.actors = [
-            cls.options(num_cpus=num_cpus_per_rank, num_gpus=1 if gpu else 0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
-                        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-                        ).remote(cfg, r, self.world_size)
-            for r in range(self.world_size)
-        ]
+        p, timeout = cfg.parallel, cfg.cluster.startup_timeout_s
+        tp = p.tensor_model_parallel_size
+        layout = f"TP={tp} x PP={p.pipeline_model_parallel_size} x DP={p.data_parallel_size}"
+        self.actors = []
         try:
-            addr, port = ray.get(self.actors[0].address.remote())
-            self.info = ray.get([a.setup.remote(addr, port) for a in self.actors])
+            self._placement = P.reserve(
+                P.trainer_bundles(self.world_size, tp, gpu=gpu, cpus_per_rank=num_cpus_per_rank,
+                                  gpus_per_node=cfg.cluster.gpus_per_node), f"trainer ({layout})", timeout)
+        except BaseException:
+            if self._owns_ray:
+                ray.shutdown()
+            raise
+        try:
+            self.actors, self.rank_nodes = P.start_group(
+                ray.remote(TrainerActor), lambda r: (cfg, r, self.world_size), self._placement, tp, "trainer", timeout,
+                layout=layout, num_cpus=num_cpus_per_rank, num_gpus=1 if gpu else 0,
+                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            addr, port = P.wait_ready([self.actors[0].address.remote()], "trainer rank 0 address", timeout)[0]
+            self.info = P.wait_ready([a.setup.remote(addr, port) for a in self.actors], "trainer set-up", timeout,
+                                     labels=[f"rank {r}" for r in range(self.world_size)])
         except BaseException:
             self._release()  # no half-started group left behind holding CPUs/GPUs
             raise
@@ -220,11 +234,10 @@ class TrainerGroup:
 
     def _release(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for a in self.actors:
             ray.kill(a)
         self.actors = []
-        remove_placement_group(self._pg)
+        self._placement.release()
         if self._owns_ray:
             ray.shutdown()
