@@ -245,7 +245,7 @@ class TrainerConfig:
     micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096)
     logprob_chunk_tokens: int = help_field(
         "Tokens per chunk of the log-prob / entropy computation: bounds its float32 working set to "
-        "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 1024)
+        "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 512)
     warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
     warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10)

@@ -2,7 +2,7 @@
 
     from megatron_sortedrl.trainer.logprobs import make_microbatches, token_logprobs
     mbs = make_microbatches(seqs, budget_tokens=4096)       # length-sorted, padded per micro-batch
-    logp = token_logprobs(logits, labels)                   # logits [b, s, V/tp] from GPTModel
+    logp, ent = token_logprobs_and_entropy(logits, labels, vocab, Sampling(0.7, 0.9), chunk_tokens=512)
 
 A sequence is `prompt + response`; the model reads tokens[:-1] and predicts tokens[1:], so response token
 j sits at label position `len(prompt) - 1 + j`. Sequences are sorted by length and packed greedily into
@@ -10,12 +10,18 @@ micro-batches whose padded size (rows x longest row) stays within the token budg
 right-padded only to its own longest row (rounded up to `multiple`), so no micro-batch pays for the
 longest sample of the whole batch. Right padding under a causal mask never leaks into real tokens.
 
-`token_logprobs` uses Megatron's `vocab_parallel_cross_entropy` (each TP rank holds a vocabulary slice);
-`token_entropy` reduces the softmax statistics over the TP group. Columns past the real vocabulary (TP
-padding) are masked out.
+`token_logprobs_and_entropy` scores the distribution the engines sampled from (`Sampling`: logits divided by
+the temperature, then vLLM's top-k and top-p cut, renormalised) on vocabulary-parallel logits (each TP rank
+holds a vocabulary slice; columns past the real vocabulary, TP padding, are masked out). It is one autograd
+function written here rather than Megatron's `vocab_parallel_cross_entropy`, which keeps a float32 softmax
+of the whole micro-batch for its backward: this one works on `chunk_tokens` rows at a time, saves only
+the per-token log-normaliser and recomputes each chunk's softmax in the backward pass, and gives the
+entropy from the same reductions. The nucleus is recomputed from the logits as vLLM does (ascending sort,
+cumulative probability), on an all-gather of one chunk when TP > 1.
 
 Deliberately left out: THD packing (`PackedSeqParams`), which only the Transformer Engine attention
-supports; padding per micro-batch keeps one code path for CPU and GPU.
+supports; padding per micro-batch keeps one code path for CPU and GPU. Logits processors other than
+temperature / top-k / top-p (min-p, penalties, bad words): the rollout never sets them.
 """
 
 from __future__ import annotations
@@ -91,6 +97,11 @@ def _collate(rows: list[SeqItem], multiple: int) -> MicroBatch:
     return MicroBatch([r.index for r in rows], tokens, pos, labels, loss_mask, extras, slices)
 
 
+# Sorting the whole vocabulary for the nucleus needs values and int64 indices: at most this many elements
+# at a time (about 200 MB), whatever the chunk size.
+SORT_ELEMENTS = 1 << 24
+
+
 @dataclass(frozen=True)
 class Sampling:
     """The distribution the engines sample from, as the trainer must reproduce it: logits / temperature, then
@@ -110,13 +121,13 @@ class Sampling:
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                   sampling: Sampling = Sampling(), chunk_tokens: int = 1024) -> torch.Tensor:
+                   sampling: Sampling = Sampling(), chunk_tokens: int = 512) -> torch.Tensor:
     """log p(label) under `sampling` from vocab-parallel logits [b, s, V/tp]; differentiable; float32 [b, s]."""
     return token_logprobs_and_entropy(logits, labels, vocab_size, sampling, chunk_tokens, with_entropy=False)[0]
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                               sampling: Sampling = Sampling(), chunk_tokens: int = 1024,
+                               sampling: Sampling = Sampling(), chunk_tokens: int = 512,
                                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-prob of the label and entropy of the sampled distribution, both float32 [b, s] and both
     differentiable (the entropy gradient is only computed when the entropy reaches the loss).
@@ -134,7 +145,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab
 
 
 def token_entropy(logits: torch.Tensor, vocab_size: int, sampling: Sampling = Sampling(),
-                  chunk_tokens: int = 1024) -> torch.Tensor:
+                  chunk_tokens: int = 512) -> torch.Tensor:
     """Entropy of the sampled next-token distribution at every position, reduced over the TP group."""
     labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
     return token_logprobs_and_entropy(logits, labels, vocab_size, sampling, chunk_tokens, with_entropy=True)[1]
@@ -170,18 +181,23 @@ def _threshold(z: torch.Tensor, sampling: Sampling, tp: int, group) -> torch.Ten
             full = torch.cat(parts, dim=-1)
         else:
             full = z
-        srt = full.sort(dim=-1).values
-        thr = torch.full(z.shape[:1], float("-inf"), dtype=z.dtype, device=z.device)
-        v = srt.shape[-1]
-        if 0 < sampling.top_k < v:
-            thr = srt[:, v - sampling.top_k]
-            srt = srt.masked_fill(srt < thr[:, None], float("-inf"))
-        if sampling.top_p < 1.0:
-            cum = srt.softmax(dim=-1).cumsum(dim=-1)
-            drop = cum <= 1 - sampling.top_p
-            drop[:, -1] = False
-            thr = torch.maximum(thr, srt.gather(1, drop.sum(dim=-1, keepdim=True))[:, 0])
-        return thr
+        rows = max(1, SORT_ELEMENTS // full.shape[-1])
+        return torch.cat([_row_threshold(full[i:i + rows], sampling) for i in range(0, full.shape[0], rows)])
+
+
+def _row_threshold(full: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    srt = full.sort(dim=-1).values
+    thr = torch.full(full.shape[:1], float("-inf"), dtype=full.dtype, device=full.device)
+    v = srt.shape[-1]
+    if 0 < sampling.top_k < v:
+        thr = srt[:, v - sampling.top_k]
+        srt = srt.masked_fill(srt < thr[:, None], float("-inf"))
+    if sampling.top_p < 1.0:
+        cum = srt.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - sampling.top_p
+        drop[:, -1] = False  # the most likely token always stays
+        thr = torch.maximum(thr, srt.gather(1, drop.sum(dim=-1, keepdim=True))[:, 0])
+    return thr
 
 
 def _scaled_chunk(ctx, logits, i, j, labels, thr):
