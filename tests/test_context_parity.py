@@ -23,9 +23,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
 
-from megatron_sortedrl.config import RunConfig, TinyModelConfig  # noqa: E402
-from megatron_sortedrl.tiny_model import build_tiny_model  # noqa: E402
-from megatron_sortedrl.trainer.logprobs import Sampling, token_logprobs  # noqa: E402
+from megatron_sortedrl.config import RunConfig, TinyModelConfig
+from megatron_sortedrl.tiny_model import build_tiny_model
+from megatron_sortedrl.trainer.logprobs import Sampling, token_logprobs
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 PROMPT, RESPONSE = 20, 160

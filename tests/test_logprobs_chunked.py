@@ -18,7 +18,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_sortedrl.trainer.logprobs import Sampling, token_logprobs, token_logprobs_and_entropy  # noqa: E402
+from megatron_sortedrl.trainer.logprobs import (
+    Sampling,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 
 VOCAB, PADDED, B, S, CHUNK = 37, 38, 3, 7, 5
 CASES = [Sampling(), Sampling(0.7, 0.9), Sampling(0.7, 0.9, 5), Sampling(1.3, 1.0, 4)]

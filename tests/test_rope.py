@@ -18,7 +18,11 @@ import torch
 from megatron_sortedrl.config import RunConfig, load_config
 from megatron_sortedrl.errors import ConfigError, UserError
 from megatron_sortedrl.rope import resolve_rope
-from megatron_sortedrl.trainer.model import read_hf_config, rope_attention_factor, rope_inv_freq
+from megatron_sortedrl.trainer.model import (
+    read_hf_config,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 SCALINGS = [

@@ -33,10 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sortedrl.errors import ConfigError, UserError
-from megatron_sortedrl.rope import SUPPORTED_ROPE_TYPES, resolve_rope
+from megatron_sortedrl.rope import resolve_rope
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-__all__ = ["SUPPORTED_ROPE_TYPES", "HFArch", "read_hf_config", "rope_inv_freq", "build_model"]
 
 
 @dataclass

@@ -28,8 +28,13 @@ import torch
 
 from megatron_sortedrl import algorithms as A
 from megatron_sortedrl.trainer import cpu_compat
-from megatron_sortedrl.trainer.logprobs import Sampling, SeqItem, make_microbatches, token_logprobs, \
-    token_logprobs_and_entropy
+from megatron_sortedrl.trainer.logprobs import (
+    Sampling,
+    SeqItem,
+    make_microbatches,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 
 METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
 
@@ -192,7 +197,8 @@ class TrainerWorker:
 
     def _sft_loss(self, n_tok, n_seq, scale, mb, logits):
         # Supervised targets: the model's own distribution, not the engines' sampling one.
-        lp = token_logprobs(logits, mb.labels, self.arch.vocab_size, chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+        lp = token_logprobs(logits, mb.labels, self.arch.vocab_size,
+                            chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         w = A.token_weights(mb.loss_mask, "token", n_tok, n_seq)
         loss = -(lp * w).sum()
         return loss * scale, {"loss": loss.detach(), "n_tokens": mb.loss_mask.sum()}
