@@ -52,7 +52,7 @@ class HFArch:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # positions the model supports under its rope scaling (see rope.py)
     tie_word_embeddings: bool
     qkv_bias: bool
     rope_scaling: dict[str, Any] = field(default_factory=dict)
