@@ -274,8 +274,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             g = torch.zeros_like(p)
             if grad_lp is not None:
                 g.sub_(p * grad_lp[i:j, None])
-                hit = owned[i:j]
-                g[hit.nonzero()[:, 0], local[i:j][hit]] += grad_lp[i:j][hit]
+                # + grad at the label's column, on the rank that owns it (no host sync, unlike indexing)
+                g.scatter_add_(1, local[i:j, None], (grad_lp[i:j] * owned[i:j])[:, None])
             if grad_ent is not None:
                 # dH/dz = -p (log p + H); masked columns have p = 0 and contribute nothing.
                 logp = torch.nan_to_num(z - lse[i:j, None], neginf=0.0)
