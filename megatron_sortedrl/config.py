@@ -342,8 +342,8 @@ class RunConfig:
         elif self.model.build_tiny_if_missing:
             tiny = self.model.tiny
             self.validate_model_shape(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers)
-            # The context is checked once the model exists (trainer group and rollout pool check it before
-            # starting anything): scheduler simulations describe models they never build with tiny shapes.
+            # The context is checked once the model exists (the rollout pool checks it before any engine
+            # starts): scheduler simulations describe models they never build with tiny shapes.
         s, r = self.scheduler, self.rollout
         samples_per_round = s.rollout_batch_size * r.n_samples_per_prompt
         if samples_per_round < s.update_batch_size:

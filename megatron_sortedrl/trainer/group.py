@@ -75,7 +75,6 @@ class TrainerGroup:
         cfg.model.path = str(Path(cfg.model.path).resolve())
         arch = read_hf_config(cfg.model.path, cfg.model.rope_scaling)  # fail fast, before any actor starts
         cfg.validate_model_shape(arch.num_heads, arch.num_kv_heads, arch.num_layers)
-        cfg.validate_context(arch.raw)  # prompt + response fit the model's positions under its rope scaling
         self.cfg = cfg
         self.world_size = cfg.parallel.world_size
         self._owns_ray = not ray.is_initialized()
