@@ -73,10 +73,18 @@ class ModelConfig:
     build_tiny_if_missing: bool = help_field("Build the tiny CPU model at `path` when the directory does not exist.", True)
     tiny: TinyModelConfig = help_field("Shape of the built-in tiny model.", factory=TinyModelConfig)
     dtype: str = help_field("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32")
+    rope_scaling: dict[str, Any] = help_field(
+        "RoPE scaling applied to trainer and engines instead of config.json's (empty: config.json's). Types: "
+        "default | linear | llama3 | yarn, e.g. {rope_type: yarn, factor: 4.0, original_max_position_embeddings: "
+        "32768} to run Qwen2.5 past 32k tokens.", factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("model.dtype", self.dtype, "one of float32, bfloat16, float16")
+        if self.rope_scaling:
+            from megatron_sortedrl.rope import check_rope_scaling
+
+            check_rope_scaling(dict(self.rope_scaling), "model.rope_scaling")
 
 
 @dataclass
@@ -136,7 +144,8 @@ class RolloutConfig:
     long_round_tensor_parallel_size: int = help_field("Rollout TP of the long-round layout (elastic parallelism).", 1)
     n_samples_per_prompt: int = help_field("Responses per prompt (the GRPO group).", 4)
     temperature: float = help_field("Sampling temperature.", 1.0)
-    top_p: float = help_field("Nucleus sampling threshold.", 1.0)
+    top_p: float = help_field("Nucleus sampling threshold (the trainer scores the same truncated distribution).", 1.0)
+    top_k: int = help_field("Sample among the k most likely tokens (0: off); the trainer scores the same.", 0)
     max_response_length: int = help_field("Longest response in tokens.", 256)
     max_num_seqs: int = help_field("Concurrent sequences per engine (continuous batching).", 64)
     kv_cache_gib: float = help_field("CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).", 1.0)
@@ -153,6 +162,8 @@ class RolloutConfig:
             raise ConfigError("rollout.temperature", self.temperature, "a float >= 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError("rollout.top_p", self.top_p, "a float in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("rollout.top_k", self.top_k, "an integer >= 0 (0: off)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]")
         if self.kv_cache_gib <= 0:
@@ -234,12 +245,15 @@ class TrainerConfig:
     weight_decay: float = help_field("AdamW weight decay.", 0.0)
     grad_clip: float = help_field("Gradient norm clip (0 disables).", 1.0)
     micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096)
+    logprob_chunk_tokens: int = help_field(
+        "Tokens per chunk of the log-prob / entropy computation: bounds its float32 working set to "
+        "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 512)
     warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
     warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10)
 
     def __post_init__(self) -> None:
-        for key in ("total_steps", "micro_batch_tokens"):
+        for key in ("total_steps", "micro_batch_tokens", "logprob_chunk_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 1")
         for key in ("warmup_sft_steps", "eval_interval"):
@@ -374,9 +388,12 @@ class RunConfig:
             shape = json.loads(hf_config.read_text())
             heads = shape.get("num_attention_heads", 1)
             self.validate_model_shape(heads, shape.get("num_key_value_heads", heads), shape.get("num_hidden_layers", 1))
+            self.validate_context(shape)
         elif self.model.build_tiny_if_missing:
             tiny = self.model.tiny
             self.validate_model_shape(tiny.num_attention_heads, tiny.num_key_value_heads, tiny.num_layers)
+            # The context is checked once the model exists (the rollout pool checks it before any engine
+            # starts): scheduler simulations describe models they never build with tiny shapes.
         s, r = self.scheduler, self.rollout
         samples_per_round = s.rollout_batch_size * r.n_samples_per_prompt
         if samples_per_round < s.update_batch_size:
@@ -395,6 +412,24 @@ class RunConfig:
         if self.algorithm.advantage in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
             raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt, f">= 2 for {self.algorithm.advantage}")
         check_layout(self)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence an engine must hold: the longest prompt plus the longest response."""
+        return self.data.max_prompt_length + self.rollout.max_response_length
+
+    def validate_context(self, hf_config: dict[str, Any]) -> None:
+        """Checks prompt + response length against the positions the model supports under its rope scaling."""
+        from megatron_sortedrl.rope import resolve_rope
+
+        rope = resolve_rope(hf_config, dict(self.model.rope_scaling), source=f"{self.model.path}/config.json")
+        if self.max_model_len > rope.max_positions:
+            raise ConfigError(
+                "rollout.max_response_length", self.rollout.max_response_length,
+                f"at most {rope.max_positions - self.data.max_prompt_length}: data.max_prompt_length "
+                f"({self.data.max_prompt_length}) + rollout.max_response_length = {self.max_model_len} tokens exceeds "
+                f"the model's {rope.max_positions} positions ({rope.describe()}); {rope.suggest(self.max_model_len)}, "
+                f"or lower rollout.max_response_length")
 
     def validate_model_shape(self, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
         """Checks the trainer layout against a model's shape (also called with a real HF config)."""

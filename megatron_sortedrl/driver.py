@@ -215,7 +215,7 @@ class Driver:
     def _sampling(self, max_tokens: int, greedy: bool = False) -> dict[str, Any]:
         r = self.cfg.rollout
         return {"max_tokens": max_tokens, "temperature": 0.0 if greedy else r.temperature, "top_p": r.top_p,
-                "stop_token_ids": [self.eos]}
+                "top_k": r.top_k, "stop_token_ids": [self.eos]}
 
     def generate(self, rnd):
         """Streams the round: submits up to the engine batch per worker, scores completions as they land, and

@@ -17,9 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Shapes of the real models (from their Hugging Face config.json), enough for the validator.
 SHAPES = {
-    "qwen32b_128gpu": {"num_attention_heads": 40, "num_key_value_heads": 8, "num_hidden_layers": 64},
-    "qwen7b_16gpu": {"num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28},
-    "llama8b_logic_8gpu": {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32},
+    "qwen32b_128gpu": {"num_attention_heads": 40, "num_key_value_heads": 8, "num_hidden_layers": 64,
+                       "max_position_embeddings": 32768, "rope_theta": 1000000.0},
+    "qwen7b_16gpu": {"num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28,
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0},
+    "llama8b_logic_8gpu": {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+                           "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
 }
 
 

@@ -8,8 +8,10 @@
 
 What it does:
 * `submit` starts one asyncio task per request; each streams DELTA outputs from vLLM and appends the
-  sampled tokens and their log-probs (`logprobs=0` asks vLLM for exactly the sampled token's log-prob)
-  to a `Completion`, tagging them with the policy version the engine held when they were produced.
+  sampled tokens and their log-probs (`logprobs=0` asks vLLM for exactly the sampled token's log-prob;
+  `logprobs_mode="processed_logprobs"` makes it the log-prob under the sampling distribution: after
+  temperature, top-k and top-p, renormalised) to a `Completion`, tagging them with the policy version the
+  engine held when they were produced.
 * `poll(wait_s)` long-polls: it returns as soon as at least one request has finished, so the driver sees
   short requests first. A request leaves the worker exactly once: through `poll` or through `abort`.
 * `abort(ids)` returns the partial `Completion` (finish_reason "abort") of each request still running,
@@ -60,6 +62,10 @@ def engine_kwargs(model_path: str, *, tp: int = 1, dtype: str = "float32", max_n
         # group can never span nodes, and no nested Ray placement is needed.
         distributed_executor_backend="mp",
         max_logprobs=1,
+        # Log-probs of the distribution the token was sampled from (after temperature, top-k and top-p,
+        # renormalised), which is what the trainer computes for importance ratios; vLLM's default
+        # (raw_logprobs) would report the untempered, untruncated model distribution instead.
+        logprobs_mode="processed_logprobs",
     )
     if max_model_len:
         kw["max_model_len"] = max_model_len

@@ -87,19 +87,35 @@ class PoolOptions:
 
     @classmethod
     def from_config(cls, cfg, **overrides: Any) -> PoolOptions:
-        """Options from a `RunConfig` (short-round layout); `overrides` replace single fields."""
+        """Options from a `RunConfig` (short-round layout); `overrides` replace single fields.
+
+        `max_model_len` is the longest prompt plus the longest response (checked against the model's positions
+        when the config was loaded), not the model's `max_position_embeddings`, so a response is only ever cut
+        by `max_tokens`; the rope scaling the trainer uses reaches the engines through `hf_overrides`."""
+        import json
+        from pathlib import Path
+
         import torch
+
+        from megatron_sortedrl.rope import resolve_rope
 
         device = cfg.cluster.device
         if device == "auto":
             device = "gpu" if torch.cuda.is_available() else "cpu"
+        hf_config = Path(cfg.model.path) / "config.json"
+        shape = json.loads(hf_config.read_text()) if hf_config.is_file() else {}
+        if shape:
+            cfg.validate_context(shape)  # the model directory may have been built or replaced since loading
+        rope = resolve_rope(shape, dict(cfg.model.rope_scaling), source=str(hf_config)) if shape else None
         opts = cls(model_path=cfg.model.path, device=device, num_engines=cfg.rollout.num_workers,
                    tp=cfg.rollout.tensor_parallel_size, dtype=cfg.model.dtype, max_num_seqs=cfg.rollout.max_num_seqs,
-                   seed=cfg.seed, enforce_eager=cfg.rollout.enforce_eager,
+                   max_model_len=cfg.max_model_len, seed=cfg.seed, enforce_eager=cfg.rollout.enforce_eager,
                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
                    speculative_config=speculative_config_from(cfg.speculative),
                    request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate)
         opts.gpus_per_node, opts.first_gpu, opts.startup_timeout_s = engine_placement_from(cfg)
+        if rope is not None and rope.hf_overrides():
+            opts.engine_extra["hf_overrides"] = rope.hf_overrides()
         for key, value in overrides.items():
             setattr(opts, key, value)
         return opts

@@ -81,7 +81,7 @@ class TrainerGroup:
         cfg = copy.deepcopy(cfg)
         # Ray workers need not share the driver's working directory: send absolute paths only.
         cfg.model.path = str(Path(cfg.model.path).resolve())
-        arch = read_hf_config(cfg.model.path)  # fail fast, before any actor starts
+        arch = read_hf_config(cfg.model.path, cfg.model.rope_scaling)  # fail fast, before any actor starts
         cfg.validate_model_shape(arch.num_heads, arch.num_kv_heads, arch.num_layers)
         self.cfg = cfg
         self.world_size = cfg.parallel.world_size

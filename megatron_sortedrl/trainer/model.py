@@ -11,14 +11,21 @@ Megatron's fused kernels on GPU only) and picks the layer spec: the local spec (
 torch, sequence parallelism allowed) on CPU and the Transformer Engine spec on GPU. The two specs name
 parameters differently; `weights.py` knows both.
 
-Deliberately left out: MoE, sliding-window attention, YaRN attention scaling and learned absolute
-positions (none of the target families need them); rope types other than default/linear/llama3 are
-rejected with a clear error.
+RoPE: the frequencies are Hugging Face's (`rope_inv_freq` reproduces `transformers.modeling_rope_utils` for
+default, linear, llama3 and yarn; a test compares them) and replace Megatron's after the model is built.
+YaRN also scales cos/sin by its attention factor (0.1 ln(factor) + 1 unless the config states one); Megatron's
+attention applies that factor when the config carries `yarn_*` fields, which `build_model` sets. The rope
+comes from config.json unless `model.rope_scaling` overrides it (`megatron_sortedrl.rope`), the same
+dictionary the engines get.
+
+Deliberately left out: MoE, sliding-window attention and learned absolute positions (none of the target
+families need them); dynamic NTK and other rope types are rejected with a clear error (see `rope.py`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_sortedrl.errors import UserError
+from megatron_sortedrl.errors import ConfigError, UserError
+from megatron_sortedrl.rope import resolve_rope
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -46,14 +53,15 @@ class HFArch:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # positions the model supports under its rope scaling (see rope.py)
     tie_word_embeddings: bool
     qkv_bias: bool
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)  # the full config.json, for rope init functions
 
 
-def read_hf_config(model_dir: str | Path) -> HFArch:
+def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None = None) -> HFArch:
+    """The architecture of a HF model directory; `rope_override` (model.rope_scaling) replaces its rope scaling."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
@@ -61,12 +69,10 @@ def read_hf_config(model_dir: str | Path) -> HFArch:
     model_type = cfg.get("model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"{path}: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    # transformers >= 5 moves rope settings into `rope_parameters`; older files use rope_theta/rope_scaling.
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UserError(f"{path}: rope type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    try:  # transformers >= 5 writes `rope_parameters`; older files rope_theta / rope_scaling
+        rope = resolve_rope(cfg, dict(rope_override or {}), source=str(path))
+    except ConfigError as err:
+        raise UserError(str(err)) from None
     heads = cfg["num_attention_heads"]
     return HFArch(
         model_type=model_type,
@@ -78,11 +84,11 @@ def read_hf_config(model_dir: str | Path) -> HFArch:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope_theta=rope.rope_theta,
+        max_position_embeddings=rope.max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        rope_scaling={**rope, "rope_type": rope_type},
+        rope_scaling=dict(rope.params),
         raw=cfg,
     )
 
@@ -93,7 +99,7 @@ def padded_vocab_size(arch: HFArch, tp: int) -> int:
 
 
 def rope_inv_freq(arch: HFArch) -> torch.Tensor:
-    """Inverse RoPE frequencies exactly as Hugging Face computes them (base, linear or llama3 scaling)."""
+    """Inverse RoPE frequencies exactly as Hugging Face computes them (base, linear, llama3 or yarn scaling)."""
     dim = arch.head_dim
     inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rs = arch.rope_scaling
@@ -109,6 +115,8 @@ def rope_inv_freq(arch: HFArch) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(arch, inv)
     return inv
 
 
@@ -162,6 +170,46 @@ def kernel_fusions(on_gpu: bool) -> dict[str, bool]:
         "persist_layer_norm": False,
         "cross_entropy_loss_fusion": False,
     }
+
+
+def _yarn_inv_freq(arch: HFArch, inv_extra: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as `transformers` computes it: interpolate (divide by `factor`) the dimensions
+    that rotate fewer than `beta_slow` times over the original context, keep those that rotate more than
+    `beta_fast` times, and blend linearly between the two correction dimensions."""
+    rs, dim, base = arch.rope_scaling, arch.head_dim, arch.rope_theta
+    factor = float(rs["factor"])
+    original = float(rs["original_max_position_embeddings"])
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    return (inv_extra / factor) * (1 - keep) + inv_extra * keep
+
+
+def rope_attention_factor(arch: HFArch) -> float:
+    """The factor YaRN multiplies cos/sin by (1.0 for the other types), as `transformers` computes it."""
+    rs = arch.rope_scaling
+    if rs.get("rope_type") != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor = float(rs["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(factor, float(rs["mscale"])) / mscale(factor, float(rs["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
@@ -265,6 +313,30 @@ def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: boo
     # Megatron only knows llama3 scaling with fixed factors; HF's exact frequencies cover every case.
     inv = rope_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
     model.rotary_pos_emb.inv_freq = inv
+    _set_attention_factor(config, rope_attention_factor(arch))
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model.to(dtype)
+
+
+def _set_attention_factor(config, factor: float) -> None:
+    """Make Megatron's attention multiply cos/sin by `factor` (YaRN's attention scaling).
+
+    Megatron's attention reads `_yarn_get_concentration_factor_from_config(config)`, i.e.
+    mscale(f, yarn_mscale) / mscale(f, yarn_mscale_all_dim) with mscale(f, m) = 0.1 m ln f + 1, whenever the
+    config carries `yarn_rotary_scaling_factor`. With f = e and mscale_all_dim = 0 that ratio is
+    0.1 m + 1, so m = 10 (factor - 1) gives exactly `factor`, whatever form the HF config stated it in
+    (the rotary frequencies themselves stay HF's, set on `rotary_pos_emb`). The layers share this config
+    object, so setting it after construction reaches every attention module."""
+    if factor == 1.0:
+        return
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config,
+    )
+
+    config.yarn_rotary_scaling_factor = math.e
+    config.yarn_mscale = 10.0 * (factor - 1.0)
+    config.yarn_mscale_all_dim = 0.0
+    got = _yarn_get_concentration_factor_from_config(config)
+    if abs(got - factor) > 1e-9 * max(1.0, factor):
+        raise RuntimeError(f"Megatron applies attention factor {got}, expected {factor}")

@@ -28,7 +28,13 @@ import torch
 
 from megatron_sortedrl import algorithms as A
 from megatron_sortedrl.trainer import cpu_compat
-from megatron_sortedrl.trainer.logprobs import SeqItem, make_microbatches, token_entropy, token_logprobs
+from megatron_sortedrl.trainer.logprobs import (
+    Sampling,
+    SeqItem,
+    make_microbatches,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 
 METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
 
@@ -70,7 +76,7 @@ class TrainerWorker:
         p = cfg.parallel
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
         cpu_compat.seed_model_parallel(cfg.seed)
-        self.arch = read_hf_config(cfg.model.path)
+        self.arch = read_hf_config(cfg.model.path, cfg.model.rope_scaling)
         cfg.validate_model_shape(self.arch.num_heads, self.arch.num_kv_heads, self.arch.num_layers)
         self.dtype = getattr(torch, cfg.model.dtype)
         # Sequence parallelism and recompute run on both paths (on CPU through cpu_compat); Megatron only
@@ -98,14 +104,18 @@ class TrainerWorker:
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        temp = cfg.rollout.temperature
-        self.temperature = temp if temp > 0 else 1.0
         return {"rank": self.rank, "dp_rank": self.dp_rank, "reporter": self.reporter, "use_te": self.use_te,
                 "device": "cuda" if self.gpu else "cpu"}
 
     @property
     def module(self):
         return self.model.module
+
+    @property
+    def sampling(self) -> Sampling:
+        """The engines' sampling distribution: log-probs, ratios and entropy are all taken under it."""
+        r = self.cfg.rollout
+        return Sampling(r.temperature, r.top_p, r.top_k)
 
     # ------------------------------------------------------------------------------------ batching
 
@@ -150,10 +160,10 @@ class TrainerWorker:
         if model is None:
             raise RuntimeError("no reference model (algorithm.kl_coef is 0)")
         mbs = self._microbatches(self._shard(items))
-        vocab, temp = self.arch.vocab_size, self.temperature
+        vocab, sampling, chunk = self.arch.vocab_size, self.sampling, self.cfg.trainer.logprob_chunk_tokens
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb.labels, vocab, temp)
+            lp = token_logprobs(logits, mb.labels, vocab, sampling, chunk)
             return lp.sum() * 0.0, {"lp": lp.detach().cpu(), "mb": mb}
 
         model.eval()
@@ -178,13 +188,12 @@ class TrainerWorker:
 
     def _rl_loss(self, n_tok, n_seq, scale, mb, logits):
         a = self.cfg.algorithm
-        vocab, temp = self.arch.vocab_size, self.temperature
-        lp = token_logprobs(logits, mb.labels, vocab, temp)
-        if a.entropy_coef > 0:
-            ent = token_entropy(logits, vocab, temp)
-        else:
-            with torch.no_grad():
-                ent = token_entropy(logits.detach(), vocab, temp)
+        # One chunked pass gives both: the entropy (a logged metric) costs one more reduction per chunk and no
+        # memory; its backward only runs when entropy_coef puts it into the loss.
+        lp, ent = token_logprobs_and_entropy(logits, mb.labels, self.arch.vocab_size, self.sampling,
+                                             self.cfg.trainer.logprob_chunk_tokens)
+        if a.entropy_coef == 0:
+            ent = ent.detach()
         ex = mb.extras
         old = ex["old_logprobs"] if "old_logprobs" in ex else lp.detach()
         per_tok, terms = A.policy_loss_per_token(
@@ -198,7 +207,9 @@ class TrainerWorker:
         return loss * scale, sums
 
     def _sft_loss(self, n_tok, n_seq, scale, mb, logits):
-        lp = token_logprobs(logits, mb.labels, self.arch.vocab_size)
+        # Supervised targets: the model's own distribution, not the engines' sampling one.
+        lp = token_logprobs(logits, mb.labels, self.arch.vocab_size,
+                            chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         w = A.token_weights(mb.loss_mask, "token", n_tok, n_seq)
         loss = -(lp * w).sum()
         return loss * scale, {"loss": loss.detach(), "n_tokens": mb.loss_mask.sum()}
