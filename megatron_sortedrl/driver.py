@@ -427,7 +427,9 @@ class Driver:
                "rollout/tokens_per_s": tokens / max(step_s, 1e-9), "rollout/bubble_ratio": self._bubble(),
                "rollout/staleness_mean": sum(stale) / max(1, len(stale)), "rollout/staleness_hist": hist,
                "policy/version": self.version,
-               "time/step_s": step_s}
+               "time/step_s": step_s,
+               # the policy's own per-round decision log (twotier: prompts carried in/out, harvest target)
+               **{f"scheduler/{k}": v for k, v in harvest_stats.get("decision", {}).items()}}
         for part in parts:
             row.update(part)
         row = self.metrics.log(self.step, row)

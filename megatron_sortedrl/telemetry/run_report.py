@@ -333,6 +333,8 @@ _STEP_COLUMNS = (
     ("rollout/tokens_per_s", "tokens/s", "{:.0f}"), ("time/step_s", "step s", "{:.2f}"),
     ("worker_bubble", "worker bubble", "{:.3f}"), ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
+    ("scheduler/carried", "carried in", "{:.0f}"), ("scheduler/trained", "prompts trained", "{:.0f}"),
+    ("scheduler/carry_next", "carried out", "{:.0f}"),
 )
 
 
