@@ -17,7 +17,10 @@ same way: add it with `--replay NAME=PATH`). The committed 32B, 128-GPU scenario
 Writes docs/benchmarks/regime_grid.json (one row per regime and policy: `throughput_vs_sync`,
 `throughput_vs_best` against the best of sync, sorted and tail in that regime, `worker_bubble`,
 `slot_bubble`, `waste_ratio` = wasted / trained response tokens, `max_staleness`, the staleness
-histogram, and twotier's logged round decisions summarised), regime_grid.md (the table and whether the
+histogram, `rounds` = optimizer updates, and twotier's logged round decisions summarised). One more row
+per regime, `sync_same_updates`, is a reference and not a baseline: sync with `rollout_batch_size` set to
+twotier's mean update (prompts trained per update), so it makes as many optimizer updates as twotier; it
+shows how much of twotier's gain its larger updates alone would buy), regime_grid.md (the table and whether the
 targets hold) and regime_grid.png.
 
 `held_out` marks the regimes that were not looked at while the default's rules were designed (the
@@ -134,6 +137,14 @@ def run_regime(name: str, path: str, overrides: list[str]) -> list[dict]:
                                 "max_carried": max(d.get("carried", 0) for d in decisions),
                                 "mean_trained_prompts": sum(d.get("trained", 0) for d in decisions) / len(decisions)}
         rows.append(row)
+    # Reference, not a baseline: sync with twotier's window as its batch. twotier trains fewer, larger updates
+    # than sync at rollout_batch_size; this row shows how much of its gain that alone would buy.
+    tw = next(r for r in rows if r["policy"] == "twotier")
+    batch = max(1, round(tw["samples"] / run.rollout.n_samples_per_prompt / tw["rounds"]))
+    sim_w, run_w = load_sim_config(ROOT / path, overrides + [f"run.scheduler.rollout_batch_size={batch}"])
+    ref = summarize(simulate(sim_w, run_w, "sync"))
+    ref.update(policy="sync_same_updates", waste_ratio=0.0, sim_wall_s=0.0, rollout_batch_size=batch)
+    rows.append(ref)
     by = {r["policy"]: r for r in rows}
     best = max(by[p]["samples_per_s"] for p in BASELINES)
     for r in rows:
@@ -183,7 +194,7 @@ def plot(rows: list[dict], path: Path) -> None:
     by = {(r["regime"], r["policy"]): r for r in rows}
     fig, ax = plt.subplots(3, 1, figsize=(13, 11))
     width = 0.8 / len(POLICIES)
-    for i, p in enumerate(POLICIES):
+    for i, p in enumerate(POLICIES):  # sync_same_updates is in the table and JSON, not the bars
         xs = [j + i * width for j in range(len(regimes))]
         ax[0].bar(xs, [by[(g, p)]["throughput_vs_sync"] for g in regimes], width, label=p)
         ax[1].bar(xs, [min(3.0, by[(g, p)]["waste_ratio"]) for g in regimes], width, label=p)
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     keep = ("regime", "description", "reconstructed", "held_out", "policy", "throughput_vs_sync", "throughput_vs_best",
             "worker_bubble", "slot_bubble", "waste_ratio", "max_staleness", "staleness", "samples_per_s", "total_s",
-            "rounds", "long_rounds", "wasted_tokens", "tokens_trained", "preemptions", "decisions", "sim_wall_s")
+            "rounds", "rollout_batch_size", "long_rounds", "wasted_tokens", "tokens_trained", "preemptions", "decisions", "sim_wall_s")
     slim = [{k: r[k] for k in keep if k in r} for r in rows]
     (out / "regime_grid.json").write_text(json.dumps({"base_config": BASE, "targets": TARGETS, "baselines": list(BASELINES),
                                                       "grid_wall_s": round(wall, 1), "rows": slim}, indent=1))
