@@ -170,6 +170,9 @@ def write_md(rows: list[dict], path: Path, wall_s: float) -> None:
              f"Targets for `twotier` in every regime: throughput vs best of sync/sorted/tail >= "
              f"{TARGETS['throughput_vs_best']}, vs sync >= {TARGETS['throughput_vs_sync']}, wasted / trained tokens "
              f"<= {TARGETS['waste_ratio']}. Whole grid: {wall_s:.0f} s of simulation on a shared 2-core machine.", "",
+             "`sync_same_updates` is a reference, not a baseline: sync with its rollout batch set to twotier's mean "
+             "update, so it makes as many updates as twotier. `stale share`: trained samples holding tokens of an "
+             "older policy version. `updates`: optimizer updates (all policies train the same samples).", "",
              "| regime | policy | x sync | x best | worker bubble | slot bubble | waste | max stale | stale share | updates | held out |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
