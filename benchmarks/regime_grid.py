@@ -1,7 +1,7 @@
 """Regime grid: every tier-1 policy on a grid of workloads and clusters, simulated; the evidence that the
 default (`twotier`) is the right choice everywhere, not only on the scenario it was designed on.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/regime_grid.py               # about 5 minutes on 2 CPU cores
+    PYTHONPATH=. .venv/bin/python benchmarks/regime_grid.py   # 16 min on the shared 2-core machine (load ~15); the 32B row is half
     PYTHONPATH=. .venv/bin/python benchmarks/regime_grid.py --only light,heavy --no-32b   # a quick subset
 
 Each regime is `configs/sim_regime_base.yaml` (the committed 32B engine and trainer costs on a 16-GPU
