@@ -100,7 +100,9 @@ class RunRecords:
                **_driver_idle(events, step), **_phase_seconds(events, step),
                "rollout/staleness_mean": sum(stale) / max(1, len(stale)), "rollout/staleness_hist": hist,
                "policy/version": version,
-               "time/step_s": step_s}
+               "time/step_s": step_s,
+               # the policy's own per-round decision log (twotier: prompts carried in/out, harvest target)
+               **{f"scheduler/{k}": v for k, v in harvest_stats.get("decision", {}).items()}}
         for part in parts:
             row.update(part)
         row = self.metrics.log(step, row)

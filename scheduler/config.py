@@ -27,7 +27,7 @@ class SchedulerConfig:
     rollout_batch_size: int = field(default=16, metadata={"help": "Prompts per rollout round (x n samples each)."})
     update_batch_size: int = field(default=32, metadata={"help": "Samples per optimizer update (harvest size)."})
     group_size: int = field(
-        default=32, metadata={"help": "sorted/twotier: prompts per group; no new prompt loads before the group is consumed."}
+        default=32, metadata={"help": "sorted: prompts per group (no new prompt loads before the group is consumed); twotier: prompts in flight at once."}
     )
     max_staleness: int = field(
         default=1, metadata={"help": "partial mode: drop cached samples older than this many policy versions."}
@@ -37,7 +37,7 @@ class SchedulerConfig:
     )
     long_round_threshold: float = field(
         default=0.75,
-        metadata={"help": "twotier: prompts predicted longer than this fraction of max_response_length go to long rounds."},
+        metadata={"help": "tail: prompts whose history predicts longer than this fraction of max_response_length are deferred to long rounds."},
     )
     predictor: str = field(default="prev_max", metadata={"help": "Length predictor: prev_max | prev_mean | quantile."})
     predictor_quantile: float = field(default=0.9, metadata={"help": "Quantile used when predictor=quantile."})

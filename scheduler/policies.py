@@ -15,11 +15,20 @@
   queue. Prompts whose history predicts a long response are deferred before they run. A long round runs
   the first P0 queued prompts x n at full length (no over-provisioning) when the queue holds P0 of them, or
   whatever is queued once the data is exhausted.
-- `twotier` (ours): `sorted`'s groups, harvest and staleness control, plus routing: prompts predicted
-  (from their history, or from a partial aborted in a short round) longer than `long_round_threshold *
-  max_response_length` go to the group's long round, which runs once the group's short
-  prompts are consumed, in the long-round engine layout, and is harvested whole. Leftover short prompts too
-  few for an update batch join the long round (or, if it is empty, form a final round that waits for all).
+- `twotier` (ours, the default): carry-over rounds. Up to `group_size` prompts x n run at once (enough to
+  fill the engines, as SortedRL's group); a round is harvested once every prompt *carried* into it is
+  complete and at least max(`rollout_batch_size`, half the round's prompts) are: the carried ones plus the
+  earliest to complete are trained. Everything else is carried: running samples are aborted and resumed in
+  the next round as partials (tokens, log-probs and versions kept), which then tops up the window with
+  fresh prompts and must train every carried prompt. So every sample spans at most two policy versions
+  (staleness <= 1), nothing is over-provisioned or restarted, and no token is thrown away in partial mode
+  (in on_policy mode the carried partials restart). Whatever the tail, the slower half of the window is
+  carried: its long responses finish in the next round while fresh prompts keep the engines full (the
+  price: about half or more of the trained samples are one version stale). Tier 2 places
+  each round's requests by predicted length (history, `placement`). An update trains between
+  `rollout_batch_size` and `group_size` prompts (the grid reports the number of updates). The group rule
+  is replaced by a stronger per-prompt bound: a prompt is trained in the round it first runs or the next.
+  Per-round decisions are logged (`Harvest.stats["decision"]`).
 
 Left out: asynchronous (overlapping) generation and training.
 """
@@ -123,9 +132,61 @@ class SortedPolicy(PolicyBase):
         self.group_index, self.queue, self.final = state["group_index"], list(state["queue"]), state["final"]
 
 
-class TwoTierPolicy(SortedPolicy):
+class TwoTierPolicy(PolicyBase):
+    """Ours: carry-over rounds over a window of `group_size` prompts; see the module docstring.
+
+    Every round logs one small dict (`decision`, also `Harvest.stats["decision"]` and `stats["decisions"]`):
+    what it carried in, what it loaded, the harvest target and what it trained and carried out. The rules
+    read only the policy's own state, so the same events give the same decisions.
+    """
+
     name = "twotier"
-    route_long = True
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.carry: list[str] = []  # keys of prompts that ran in the last round and were not trained: due now
+        self.target = 0  # prompts the current round trains at least
+        self.decision: dict[str, Any] = {}
+
+    def compose_round(self, clock: Clock) -> Round | None:
+        carried = [self.live[k] for k in self.carry]
+        window = max(self.cfg.rollout_batch_size, self.cfg.group_size)
+        fresh = [self.open_prompt(pid, epoch, self.n) for pid, epoch in self.cursor.take(window - len(carried))]
+        states = carried + fresh
+        if not states:
+            return None
+        # Train at least one rollout batch and at least half of what runs: a cut any earlier would carry more
+        # prompts than the next update can hold, a cut any later waits on the tail.
+        self.target = min(len(states), max(self.cfg.rollout_batch_size, math.ceil(len(states) / 2)))
+        self.decision = {"round": self.round_index, "carried": len(carried), "fresh": len(fresh), "target": self.target}
+        return self.make_round("short", states)
+
+    def harvest(self, clock: Clock) -> Harvest | None:
+        assert self.round is not None, "harvest before compose_round"
+        states = [self.live[k] for k in self.round.prompts]
+        due = set(self.carry)
+        if not all(self.complete(self.live[k]) for k in due):
+            return None  # carried prompts hold tokens of the previous version: trained now, or they would go stale
+        done = [st for st in states if self.complete(st)]
+        if len(done) < self.target:
+            return None
+        rest = sorted((st for st in done if st.key not in due), key=self.completed_at)
+        chosen = [st for st in done if st.key in due] + rest[: max(0, self.target - len(due))]
+        chosen_keys = {st.key for st in chosen}
+        self.carry = [st.key for st in states if st.key not in chosen_keys]
+        for st in states:
+            if st.key not in chosen_keys and st.ids("running"):
+                st.aborted_rounds += 1
+        decision = {**self.decision, "trained": len(chosen), "carry_next": len(self.carry),
+                    "t_harvest": round(clock.now(), 3)}
+        self.stats.setdefault("decisions", []).append(decision)
+        return self.finish_harvest(self.take(chosen), self.running_ids(), decision=decision)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"carry": list(self.carry), "target": self.target, "decision": dict(self.decision)}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.carry, self.target, self.decision = list(state["carry"]), state["target"], dict(state["decision"])
 
 
 class TailPolicy(PolicyBase):

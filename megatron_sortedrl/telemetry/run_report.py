@@ -335,6 +335,8 @@ _STEP_COLUMNS = (
     ("worker_bubble", "worker bubble", "{:.3f}"), ("rollout/driver_idle_share", "driver idle", "{:.3f}"),
     ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
+    ("scheduler/carried", "carried in", "{:.0f}"), ("scheduler/trained", "prompts trained", "{:.0f}"),
+    ("scheduler/carry_next", "carried out", "{:.0f}"),
 )
 
 
