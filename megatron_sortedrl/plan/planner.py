@@ -183,7 +183,7 @@ def host_nodes(cfg, arch: Arch, device: str, trainer: list[dict], engines: dict,
     """Host memory per node (bytes by item). GPU run: processes, pinned sync buckets, kept weights in Ray's
     object store; CPU run: also every trainer rank's and engine's memory, all on the one node."""
     proc = _process_gib(cfg, device) * GIB
-    p, r = cfg.parallel, cfg.rollout
+    p = cfg.parallel
     dtype = DTYPE_BYTES[cfg.model.dtype]
     buckets = min(BUCKETS_IN_FLIGHT * BUCKET_BYTES, max(sync["stage_bytes"]))  # a small model is one bucket
     model_bytes = arch.num_params * dtype
