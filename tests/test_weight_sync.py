@@ -161,7 +161,7 @@ def test_stage_senders_push_with_bounded_memory(tmp_path):
     from megatron_sortedrl.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "m", TinyModelConfig(**BIG))
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False)  # never a neighbour's cluster
     group = pool = None
     try:
         group, pairs = _trainer(model_dir)

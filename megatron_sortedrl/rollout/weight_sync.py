@@ -195,7 +195,7 @@ def push_packed(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]]
     all engines have loaded the bucket, which frees the object. Returns counts and the kept (ref, meta)."""
     import ray
 
-    in_flight: list[list[Any]] = []
+    in_flight: list[tuple[list[Any], Meta]] = []
     kept: list[tuple[Any, Meta]] = []
     stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
     for flat, meta in buckets:
@@ -204,14 +204,15 @@ def push_packed(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]]
         stats["num_buckets"] += 1
         ref = ray.put(flat.numpy())
         del flat  # the object store holds the only copy now
-        in_flight.append([e.load_packed_bucket.remote(ref, meta) for e in engines])
+        in_flight.append(([e.load_packed_bucket.remote(ref, meta) for e in engines], meta))
         if keep:
             kept.append((ref, meta))
         del ref
         while len(in_flight) >= max_buckets_in_flight:
-            _check_counts(ray.get(in_flight.pop(0)), meta)
-    for futs in in_flight:
-        _check_counts(ray.get(futs), None)
+            futs, sent = in_flight.pop(0)
+            _check_counts(ray.get(futs), sent)
+    for futs, sent in in_flight:
+        _check_counts(ray.get(futs), sent)
     return stats, kept
 
 
@@ -259,10 +260,9 @@ def replay(actors: list[Any], kept: list[tuple[Any, Meta]], version: int) -> Non
     ray.get([a.finish_weight_update.remote(version) for a in actors])
 
 
-def _check_counts(counts: list[int], meta: Meta | None) -> None:
-    if len(set(counts)) > 1 or (meta is not None and counts and counts[0] != len(meta)):
-        raise RuntimeError(f"engines loaded {counts} tensors from one bucket"
-                           + (f" of {len(meta)}" if meta is not None else ""))
+def _check_counts(counts: list[int], meta: Meta) -> None:
+    if any(c != len(meta) for c in counts):
+        raise RuntimeError(f"engines loaded {counts} tensors from one bucket of {len(meta)}")
 
 
 # ----------------------------------------------------------------------------------------- GPU (NCCL)

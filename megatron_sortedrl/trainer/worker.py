@@ -291,12 +291,17 @@ class TrainerWorker:
                 pass
             return None
         stage = ps.get_pipeline_model_parallel_rank()
-        if transport == "nccl":
-            buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda")
-            stats = ws.nccl_send_buckets(self._nccl_comm(nccl), stage, nccl["plan"], buckets, engines)
-        else:
-            stats, _ = ws.push_packed(engines, ws.iter_packed(tensors, bucket_bytes),
-                                      max_buckets_in_flight=max_buckets_in_flight)
+        try:
+            if transport == "nccl":
+                buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda")
+                stats = ws.nccl_send_buckets(self._nccl_comm(nccl), stage, nccl["plan"], buckets, engines)
+            else:
+                stats, _ = ws.push_packed(engines, ws.iter_packed(tensors, bucket_bytes),
+                                          max_buckets_in_flight=max_buckets_in_flight)
+        except BaseException:
+            for _ in tensors:  # release the TP peers from their gathers, so the group can still shut down
+                pass
+            raise
         return {**stats, "stage": stage, "rank": self.rank}
 
     def weight_bucket_plan(self, bucket_bytes: int) -> list[int] | None:
