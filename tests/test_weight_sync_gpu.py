@@ -35,8 +35,8 @@ def test_stage_senders_over_nccl_match_object_store(tmp_path):
     try:
         group = TrainerGroup(cfg)
         group.sft_step([([5, 6, 7, 8], [9, 10, 11, 12])] * 4)
-        opts = dict(model_path=str(model_dir), device="gpu", max_model_len=256, gpu_memory_utilization=0.3,
-                    bucket_bytes=1 << 20)
+        opts = {"model_path": str(model_dir), "device": "gpu", "max_model_len": 256, "gpu_memory_utilization": 0.3,
+                "bucket_bytes": 1 << 20}
         pool = RolloutPool(PoolOptions(**opts, weight_transport="nccl"))
         report = pool.sync_weights(group, version=1)
         assert report.transport == "nccl" and report.num_buckets > 1
