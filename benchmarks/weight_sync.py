@@ -2,6 +2,9 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py                  # ~200 MB model, TP1 and TP2xPP2
     PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --hidden 256 --layers 4 --repeats 3   # quick
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --layouts 2x2 --repeats 1 --cycles 20 \
+        --variants push --hidden 1536 --heads 24 --kv-heads 8 --intermediate 4096 --layers 10 \
+        --name weight_sync_cycles_250m                                  # 250M params: memory over 20 syncs
 
 Writes docs/benchmarks/weight_sync.json and .png. For each trainer layout (TP1, then TP2 x PP2; one layout
 at a time, each with its own local Ray) it interleaves, `--repeats` times, two variants of one sync:
@@ -132,7 +135,8 @@ def sync_processes(group, pool) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ runs
 
 
-def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0) -> dict:
+def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
+               only: tuple[str, ...] = ("push", "via_driver")) -> dict:
     import ray
 
     from megatron_sortedrl.config import RunConfig
@@ -153,6 +157,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
         variants = {"push": lambda: pool.sync_weights(group, version=pool.version + 1),
                     "via_driver": lambda: pool.sync_weights(iter(group.export_hf_weights().items()),
                                                             version=pool.version + 1)}
+        variants = {k: v for k, v in variants.items() if k in only}
         rows = {v: [] for v in variants}
         for rep in range(repeats):
             for name, fn in variants.items():  # interleaved, so drift on the shared machine hits both alike
@@ -231,6 +236,8 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     ap.add_argument("--cycles", type=int, default=20,
                     help="on the last layout, this many train-step + sync cycles, RSS recorded before each sync")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks"))
+    ap.add_argument("--variants", nargs="+", default=["push", "via_driver"], choices=["push", "via_driver"])
+    ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
     args = ap.parse_args(argv)
 
     from megatron_sortedrl.config import TinyModelConfig
@@ -250,7 +257,8 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     for i, spec in enumerate(args.layouts):
         tp, pp = (int(x) for x in spec.split("x"))
         cycles = args.cycles if i == len(args.layouts) - 1 else 0
-        layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles))
+        layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles,
+                                  tuple(args.variants)))
     result = {
         "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32", "hidden": args.hidden,
                   "layers": args.layers, "intermediate": args.intermediate},
@@ -265,9 +273,9 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "weight_sync.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "weight_sync.png")
-    print(f"wrote {out / 'weight_sync.json'} and .png")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{args.name}.png")
+    print(f"wrote {out / args.name}.json and .png")
     return 0
 
 
