@@ -46,6 +46,11 @@ def test_packing_round_trip_alignment_and_plan():
     assert all(t.dtype == u.dtype and torch.equal(t, u) for (_, t), (_, u) in zip(out, pairs))
     # the byte plan the NCCL senders exchange is exactly what packing produces
     assert bucket_sizes([t.numel() * t.element_size() for _, t in pairs], 160) == [f.numel() for f, _ in buckets]
+    # one reused packing buffer gives the same buckets, each valid until the next is asked for
+    reused = [(f.clone(), m) for f, m in iter_packed(iter(pairs), bucket_bytes=160, reuse_buffer=True)]
+    assert [m for _, m in reused] == [m for _, m in buckets]
+    again = [x for f, meta in reused for x in unpack_tensors(f, meta)]  # (padding bytes are not defined)
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(again, pairs))
     with pytest.raises(ValueError, match="twice"):
         list(iter_packed(iter(pairs[:1] * 2)))
 

@@ -127,13 +127,17 @@ def bucket_sizes(nbytes: Iterable[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     return sizes
 
 
-def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                device: str = "cpu") -> Iterator[tuple[torch.Tensor, Meta]]:
+def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu",
+                reuse_buffer: bool = False) -> Iterator[tuple[torch.Tensor, Meta]]:
     """Packs (name, tensor) pairs into (flat uint8 buffer, metadata) buckets of at most `bucket_bytes`.
 
     Each tensor is copied into the bucket's buffer as soon as it arrives, so the caller may free it (the
     trainer's gathered tensor) before the next one is produced; a tensor larger than `bucket_bytes` gets a
-    bucket of its own. A repeated name is an error (it would load twice, the last one winning)."""
+    bucket of its own. A repeated name is an error (it would load twice, the last one winning).
+
+    `reuse_buffer`: every bucket is packed into the same buffer (grown when a larger one is needed), so
+    the caller must be done with a bucket before asking for the next one (`ray.put` copies; an NCCL
+    broadcast is waited for). It saves an allocation per bucket, which otherwise fragments the heap."""
     buf: torch.Tensor | None = None
     meta: Meta = []
     used = cap = 0
@@ -148,8 +152,10 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         if new:
             if buf is not None:
                 yield buf[:used], meta
-            buf, meta = None, []
-            buf = torch.empty(cap, dtype=torch.uint8, device=device)
+            meta = []
+            if not (reuse_buffer and buf is not None and buf.numel() >= cap):
+                buf = None  # freed before the next allocation
+                buf = torch.empty(cap, dtype=torch.uint8, device=device)
         assert buf is not None
         if nbytes:
             buf[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)

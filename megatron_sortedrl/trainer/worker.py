@@ -33,6 +33,19 @@ from megatron_sortedrl.trainer.logprobs import SeqItem, make_microbatches, token
 METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
 
 
+def _trim_heap() -> None:
+    """Gives freed heap pages back to the OS (glibc only): a sync's gathered tensors come and go, and
+    without this the sender's resident memory drifts upward from sync to sync through fragmentation."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc: nothing to trim
+
+
 def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "gpu" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
@@ -292,16 +305,18 @@ class TrainerWorker:
             return None
         stage = ps.get_pipeline_model_parallel_rank()
         try:
+            # One packing buffer for all buckets: ray.put copies it and the NCCL broadcast is waited for.
             if transport == "nccl":
-                buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda")
+                buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True)
                 stats = ws.nccl_send_buckets(self._nccl_comm(nccl), stage, nccl["plan"], buckets, engines)
             else:
-                stats, _ = ws.push_packed(engines, ws.iter_packed(tensors, bucket_bytes),
+                stats, _ = ws.push_packed(engines, ws.iter_packed(tensors, bucket_bytes, reuse_buffer=True),
                                           max_buckets_in_flight=max_buckets_in_flight)
         except BaseException:
             for _ in tensors:  # release the TP peers from their gathers, so the group can still shut down
                 pass
             raise
+        _trim_heap()
         return {**stats, "stage": stage, "rank": self.rank}
 
     def weight_bucket_plan(self, bucket_bytes: int) -> list[int] | None:
