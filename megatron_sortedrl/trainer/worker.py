@@ -33,19 +33,6 @@ from megatron_sortedrl.trainer.logprobs import SeqItem, make_microbatches, token
 METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
 
 
-def _trim_heap() -> None:
-    """Gives freed heap pages back to the OS (glibc only): a sync's gathered tensors come and go, and
-    without this the sender's resident memory drifts upward from sync to sync through fragmentation."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass  # not glibc: nothing to trim
-
-
 def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "gpu" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
@@ -316,7 +303,6 @@ class TrainerWorker:
             for _ in tensors:  # release the TP peers from their gathers, so the group can still shut down
                 pass
             raise
-        _trim_heap()
         return {**stats, "stage": stage, "rank": self.rank}
 
     def weight_bucket_plan(self, bucket_bytes: int) -> list[int] | None:
