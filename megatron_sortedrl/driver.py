@@ -202,8 +202,9 @@ class Driver:
         self._ship_history()
 
     def _weights(self):
-        # The pool iterates (name, tensor) pairs; the trainer's in-memory export is a dict.
-        return iter(self.trainer.export_hf_weights().items())
+        # The trainer group is the source: its stage senders push packed buckets straight to the engines, so
+        # neither the driver nor any trainer rank holds the whole model (see rollout/weight_sync.py).
+        return self.trainer
 
     def compose_round(self):
         self._phase("rollout", "start")

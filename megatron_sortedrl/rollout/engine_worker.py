@@ -18,7 +18,8 @@ What it does:
   and the finished-but-undelivered ones with their real finish reason.
 * Weight updates (`begin_weight_update`, `load_weight_bucket`, `finish_weight_update`) pause the engine
   ("keep" mode: running requests freeze and later continue under the new weights with a new version
-  span), load safetensors buckets through the worker extension, then clear the prefix cache.
+  span), load packed buckets (`load_packed_bucket`, sent by the trainer's stage senders) or safetensors
+  buckets through the worker extension, then clear the prefix cache.
 * GPU transfer hooks (`transfer_*`) forward to vLLM's built-in weight-transfer engine (NCCL broadcast).
 
 Several engines per node do not clash: vLLM takes OS-assigned free ports for its process group and ZMQ
@@ -240,6 +241,30 @@ class EngineWorker:
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+        return int(counts[0])
+
+    async def load_packed_bucket(self, flat: Any, meta: list) -> int:
+        """Loads one packed bucket (flat uint8 buffer, read zero-copy from Ray's object store, + metadata) into
+        every TP rank: the buffer is written once to a shared-memory file that the workers memory-map."""
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(shm, f"msrl-w{self.worker_id}-{uuid.uuid4().hex}.bin")
+        view = memoryview(flat).cast("B")
+        try:
+            with open(path, "wb") as f:
+                f.write(view)
+            counts = await self.engine.collective_rpc("msrl_load_packed", args=(path, view.nbytes, meta))
+        finally:
+            del view, flat
+            if os.path.exists(path):
+                os.unlink(path)
+        return int(counts[0])
+
+    async def nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Joins the trainer->engines NCCL group (GPU, multi-sender topology; see weight_sync)."""
+        await self.engine.collective_rpc("msrl_nccl_init", args=(master_address, master_port, rank_offset, world_size))
+
+    async def nccl_receive_bucket(self, src: int, nbytes: int, meta: list) -> int:
+        counts = await self.engine.collective_rpc("msrl_nccl_receive", args=(src, nbytes, meta))
         return int(counts[0])
 
     async def finish_weight_update(self, version: int) -> int:

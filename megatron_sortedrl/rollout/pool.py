@@ -6,7 +6,7 @@
     for c in pool.completions():                           # each Completion as soon as it finishes
         ...
     partial = pool.abort(["p0/e0/1"])                      # partial tokens + log-probs
-    pool.sync_weights(export_hf_weights(model, arch), version=1)
+    pool.sync_weights(trainer_group, version=1)           # the trainer's stage senders push to the engines
     pool.set_layout(num_engines=1, tp=2)                   # long round: fewer, wider engines
     pool.shutdown()
 
@@ -18,11 +18,14 @@ Guarantees the scheduler relies on:
   `request_timeout_s`, is killed and reported; it is restarted with the current weights and version
   (`restart_failed`) or its slot stays dead and `submit` to it raises `WorkerUnavailable`.
 * A layout switch (`set_layout`) stops every engine and starts the new ones with dummy weights, then
-  replays the last synced weights, so outputs and the policy version carry over. Each engine is one actor
-  holding all TP ranks' devices in one placement-group bundle of its own, so a TP group never spans nodes;
-  with `gpus_per_node` declared on GPU the bundles are pinned to the layout's rollout nodes
-  (`megatron_sortedrl.placement`). Reserving the bundles and starting the engines are each bounded by
-  `startup_timeout_s`; a timeout raises `ClusterError` naming the engines or resources missing.
+  loads the last synced weights again, so outputs and the policy version carry over. With the trainer as
+  the source they are pulled from the trainer again (no host copy is kept; the pool refuses if the trainer
+  has changed its weights since that sync); a directory is re-read; only a (name, tensor) iterator source
+  is kept, packed in Ray's object store (`keep_weights`, one model copy, replaced at the next sync).
+  Each engine is one actor holding all TP ranks' devices in one placement-group bundle of its own, so a TP
+  group never spans nodes; with `gpus_per_node` declared on GPU the bundles are pinned to the layout's
+  rollout nodes (`megatron_sortedrl.placement`). Reserving the bundles and starting the engines are each
+  bounded by `startup_timeout_s`; a timeout raises `ClusterError` naming the engines or resources missing.
 
 Deliberately left out: choosing the layout and the placement (the scheduler's planner does), queueing
 beyond the engines' own waiting queues, and resubmission policy.
@@ -41,10 +44,13 @@ from megatron_sortedrl.rollout.types import Completion, GenRequest, SyncReport, 
 from megatron_sortedrl.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     GpuWeightSync,
+    WeightPusher,
     WeightSource,
-    iter_buckets,
+    iter_packed,
     iter_source,
+    replay,
     sync_cpu,
+    sync_push,
 )
 
 
@@ -165,7 +171,9 @@ class RolloutPool:
         self.events: list[dict[str, Any]] = []  # failures, restarts, layout switches (for the run timeline)
         self._owner: dict[str, int] = {}  # request id -> slot, for every request not yet returned
         self._ready: list[Completion] = []  # lost records waiting for the next poll
-        self._weights: list[Any] = []  # bucket refs of the last sync (replayed into new engines)
+        # How engines started later get the last synced weights: ("push", trainer, weights epoch) re-pulls from
+        # the trainer, ("dir", path) re-reads, ("kept", [(ref, meta)]) replays kept packed buckets; None: files.
+        self._replay_src: tuple | None = None
         self._gpu_sync: GpuWeightSync | None = None  # built lazily per layout
         self._placement: Any = None  # the current layout's placement group (one bundle per engine)
         if start:
@@ -222,7 +230,7 @@ class RolloutPool:
         kw = engine_kwargs(o.model_path, tp=slot.tp, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
                            max_model_len=o.max_model_len, seed=o.seed, enforce_eager=o.enforce_eager,
                            gpu_memory_utilization=o.gpu_memory_utilization,
-                           load_format="dummy" if self._weights else "auto",
+                           load_format="dummy" if self._replay_src else "auto",
                            speculative_config=o.speculative_config, worker_extension_cls=o.worker_extension_cls,
                            weight_transfer_backend=self.transport if self.transport != "object_store" else None,
                            **o.engine_extra)
@@ -238,7 +246,7 @@ class RolloutPool:
         actor_cls = ray.remote(EngineWorker).options(max_concurrency=1000, runtime_env={"env_vars": env},
                                                      scheduling_strategy=self._placement.strategy(slot.index), **resources)
         slot.actor = actor_cls.remote(slot.index, kw, self.version)
-        slot.start_ref = slot.actor.start.remote(self.version, list(self._weights) if self._weights else None)
+        slot.start_ref = slot.actor.start.remote(self.version)
         slot.state, slot.poll_ref, slot.generated = "starting", None, 0
         return slot
 
@@ -248,6 +256,7 @@ class RolloutPool:
         infos = wait_ready([s.start_ref for s in slots], "rollout engine start", self.opts.startup_timeout_s,
                            labels=[f"engine {s.index} (TP {s.tp}) on node {self._placement.node_of(s.index)[:8]}"
                                    for s in slots])
+        self._reload(slots)
         for slot, info in zip(slots, infos):
             self._finish_start(slot, info)
 
@@ -412,21 +421,59 @@ class RolloutPool:
             t = "object_store" if self.opts.device == "cpu" else ("ipc" if self.opts.colocate else "nccl")
         return t
 
-    def sync_weights(self, source: WeightSource, version: int) -> SyncReport:
-        """Loads full HF-named weights into every engine and sets the policy version samples record."""
+    def sync_weights(self, source: WeightSource | WeightPusher, version: int) -> SyncReport:
+        """Loads new weights into every engine and sets the policy version samples record.
+
+        `source`: the trainer group (it pushes from one sender per pipeline stage; the pool only
+        orchestrates), a (name, tensor) iterator, or a safetensors directory."""
         self._wait_started([s for s in self.slots if s.state == "starting"])
         ready = [s for s in self.slots if s.state == "ready"]
-        if self.transport == "object_store":
-            report, kept = sync_cpu([s.actor for s in ready], source, version, bucket_bytes=self.opts.bucket_bytes,
-                                    keep_buckets=self.opts.keep_weights)
+        actors = [s.actor for s in ready]
+        o = self.opts
+        if hasattr(source, "push_weights"):
+            report = self._push(actors, source, version)
+            replay_src: tuple | None = ("push", source, source.weights_epoch)
+        elif self.transport == "object_store":
+            from pathlib import Path
+
+            is_dir = isinstance(source, (str, Path))
+            report, kept = sync_cpu(actors, source, version, bucket_bytes=o.bucket_bytes,
+                                    keep_buckets=o.keep_weights and not is_dir)
+            replay_src = ("dir", str(source)) if is_dir else (("kept", kept) if kept else None)
         else:
             report, kept = self._sync_gpu(ready, source, version)
+            replay_src = ("kept", kept) if kept else None
         self.version = version
-        self._weights = kept
+        self._replay_src = None  # drop kept buckets of the previous sync before anything else holds them
+        self._replay_src = replay_src
         self.events.append({"event": "sync", "time": time.monotonic(), **report.to_dict()})
         return report
 
+    def _push(self, actors: list[Any], pusher: WeightPusher, version: int) -> SyncReport:
+        # Multi-sender GPU transfer is NCCL only; colocated (ipc) engines get the object-store path.
+        nccl = self.transport == "nccl"
+        return sync_push(actors, pusher, version, bucket_bytes=self.opts.bucket_bytes,
+                         transport="nccl" if nccl else "object_store", nccl={} if nccl else None)
+
+    def _reload(self, slots: list[_Slot]) -> None:
+        """Gives freshly started engines the last synced weights and version (see `_replay_src`)."""
+        if self._replay_src is None or not slots:
+            return
+        actors = [s.actor for s in slots]
+        kind = self._replay_src[0]
+        if kind == "push":
+            _, pusher, epoch = self._replay_src
+            if pusher.weights_epoch != epoch:
+                raise RuntimeError(f"the trainer's weights changed after version {self.version} was synced; "
+                                   "sync again before a layout switch or an engine restart")
+            self._push(actors, pusher, self.version)
+        elif kind == "dir":
+            sync_cpu(actors, self._replay_src[1], self.version, bucket_bytes=self.opts.bucket_bytes)
+        else:
+            replay(actors, self._replay_src[1], self.version)
+
     def _sync_gpu(self, ready: list[_Slot], source: WeightSource, version: int) -> tuple[SyncReport, list[Any]]:
+        """Single-sender GPU path for (name, tensor) sources: this process broadcasts through vLLM's engines."""
         import ray
 
         if self._gpu_sync is None:
@@ -439,15 +486,15 @@ class RolloutPool:
                                            ray.util.get_node_ip_address(), port)
         kept: list[Any] = []
         if self.opts.keep_weights:
-            # Host copies for engines started later (relayout, restart), put into the object store as we go.
-            pending: dict[str, Any] = {}
+            # Host copies for engines started later (relayout, restart), packed into the object store as we go.
+            pending: list[tuple[str, Any]] = []
 
             def tee():
                 for name, t in iter_source(source):
-                    pending[name] = t.detach().to("cpu")
+                    pending.append((name, t.detach().to("cpu")))
                     yield name, t
             report = self._gpu_sync.sync(tee(), version, bucket_bytes=self.opts.bucket_bytes)
-            kept = [ray.put(b) for b in iter_buckets(iter(pending.items()), self.opts.bucket_bytes)]
+            kept = [(ray.put(flat.numpy()), meta) for flat, meta in iter_packed(iter(pending), self.opts.bucket_bytes)]
         else:
             report = self._gpu_sync.sync(source, version, bucket_bytes=self.opts.bucket_bytes)
         return report, kept
@@ -492,7 +539,9 @@ class RolloutPool:
             done, _ = ray.wait([slot.start_ref], timeout=0)
             if done:
                 try:
-                    self._finish_start(slot, ray.get(slot.start_ref))
+                    info = ray.get(slot.start_ref)
+                    self._reload([slot])
+                    self._finish_start(slot, info)
                 except Exception as exc:
                     self._fail(slot, f"restart failed: {type(exc).__name__}: {exc}", restart=False)
 

@@ -1,27 +1,36 @@
-"""Weight sync: full Hugging Face-named tensors from the trainer into every rollout engine, in buckets.
+"""Weight sync: Hugging Face-named tensors from the trainer into every rollout engine, in packed buckets.
 
-    report = pool.sync_weights(export_hf_weights(model, arch), version=step)        # the usual call
-    report = pool.sync_weights("runs/ckpt/hf", version=step)                        # a safetensors directory
+    report = pool.sync_weights(trainer_group, version=step)       # the usual call: the trainer pushes
+    report = pool.sync_weights(iter(state.items()), version=step) # (name, tensor) pairs from this process
+    report = pool.sync_weights("runs/ckpt/hf", version=step)      # a safetensors directory
 
-The source is what the trainer's exporter yields (`megatron_sortedrl.trainer.weights.export_hf_weights`):
-an iterator of (hf_name, full un-sharded tensor) in which TP shards were already gathered and names mapped
-through the shared weight table; or a directory of `*.safetensors` files with the same names.
+Topology (the usual call). The source is a `WeightPusher` (`trainer.group.TrainerGroup`): the pool
+pauses the engines (`begin_weight_update`), hands the engine actor handles to the trainer, and finishes
+with the version. Inside the trainer one *sender per pipeline stage* (TP rank 0 of DP replica 0) gathers
+its stage's TP shards tensor by tensor (a gather on that stage's TP group only; other DP replicas do
+nothing), packs them into buckets and sends each bucket straight to every engine. No process, the driver
+included, ever holds the whole model: a sender holds its own shard plus the bucket being packed plus at
+most `max_buckets_in_flight` (2) buckets on their way.
 
-CPU transport (`sync_cpu`, default on machines without CUDA): tensors are grouped into buckets of about
-`bucket_bytes`; each bucket is put once into Ray's object store (which moves it between nodes) and every
-engine actor loads it into all of its TP ranks through a shared-memory safetensors file and vLLM's
-layerwise reload (see `worker_extension`). At most `max_buckets_in_flight` buckets are held at once, so
-peak extra memory is bounded; the buckets are returned so the pool can replay them into engines started
-later (layout switch, restart) without asking the trainer again.
+Packed buckets. A bucket is one flat contiguous uint8 buffer plus a small metadata list of
+`(name, dtype, shape, offset)` (`pack_tensors` / `unpack_tensors`); offsets are 64-byte aligned so every
+tensor is a zero-copy view of the buffer. One call per bucket per engine, not per tensor.
 
-GPU transports (`GpuWeightSync`, used when the pool's device is gpu and the caller holds a CUDA device):
-"nccl" - one NCCL group spans trainer rank 0 and every rollout GPU; each bucket's metadata goes to the
-engines through Ray while rank 0 broadcasts the tensors; "ipc" - colocated engines open CUDA IPC handles
-of the trainer's tensors. vLLM's built-in weight-transfer engines receive and load them layerwise.
-Written against vLLM's `weight_transfer` API and marked for GPU testing (`tests/test_rollout_gpu.py`);
-nothing here runs them on CPU, and the object-store path remains the fallback on GPUs.
+CPU transport ("object_store"): the sender puts each packed buffer once into Ray's object store (which moves
+it between nodes; the engine actor reads it zero-copy), the engine actor writes it to a shared-memory file
+and every vLLM worker of the engine memory-maps that file and loads the views through vLLM's layerwise
+reload (`worker_extension.WeightSyncExtension.msrl_load_packed`). The sender drops its object ref when the
+engines have loaded the bucket, so nothing stays in the object store after a sync.
 
-Deliberately left out: delta/sparse updates, quantised and packed transfer.
+GPU transport (`GpuWeightSync`, NCCL): one NCCL group spans the stage senders (ranks 0..S-1) and every
+engine GPU (ranks S..); buckets are packed on the sender's GPU and broadcast from it, stage after stage;
+the other senders take part in each broadcast with a scratch buffer (a broadcast is a collective of the
+whole group). Engine workers receive into a flat GPU buffer and load the views with the same layerwise
+reload. `sync_gpu_pairs` keeps the older single-sender path (this process is rank 0) for (name, tensor)
+sources. Written for GPU testing (`tests/test_weight_sync_gpu.py`, `tests/test_rollout_gpu.py`).
+
+Deliberately left out: delta/sparse updates, quantised transfer, CUDA IPC for colocated engines in the
+multi-sender topology (the single-sender `ipc` path remains for (name, tensor) sources).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -83,37 +92,222 @@ def bucket_nbytes(bucket: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in bucket.values())
 
 
+ALIGN = 64  # bytes; every tensor of a packed bucket starts at a multiple of this (any dtype's alignment)
+Meta = list[tuple[str, str, list[int], int]]  # (name, dtype name, shape, byte offset) per tensor of a bucket
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"packed bucket names an unknown dtype {name!r}")
+    return dt
+
+
+def _place(used: int, cap: int, nbytes: int, bucket_bytes: int) -> tuple[bool, int, int]:
+    """Where the next tensor of `nbytes` goes: (starts a new bucket, byte offset, bucket capacity)."""
+    if cap and _align(used) + nbytes <= cap:
+        return False, _align(used), cap
+    return True, 0, max(bucket_bytes, nbytes)
+
+
+def bucket_sizes(nbytes: Iterable[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[int]:
+    """Byte sizes of the buckets `iter_packed` makes from tensors of these sizes (a plan without the data)."""
+    sizes: list[int] = []
+    used = cap = 0
+    for n in nbytes:
+        new, off, cap = _place(used, cap, n, bucket_bytes)
+        if new:
+            sizes.append(0)
+        used = off + n
+        sizes[-1] = used
+    return sizes
+
+
+def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu",
+                reuse_buffer: bool = False) -> Iterator[tuple[torch.Tensor, Meta]]:
+    """Packs (name, tensor) pairs into (flat uint8 buffer, metadata) buckets of at most `bucket_bytes`.
+
+    Each tensor is copied into the bucket's buffer as soon as it arrives, so the caller may free it (the
+    trainer's gathered tensor) before the next one is produced; a tensor larger than `bucket_bytes` gets a
+    bucket of its own. A repeated name is an error (it would load twice, the last one winning).
+
+    `reuse_buffer`: every bucket is packed into the same buffer (grown when a larger one is needed), so
+    the caller must be done with a bucket before asking for the next one (`ray.put` copies; an NCCL
+    broadcast is waited for). It saves an allocation per bucket, which otherwise fragments the heap."""
+    buf: torch.Tensor | None = None
+    meta: Meta = []
+    used = cap = 0
+    seen: set[str] = set()
+    for name, tensor in iter_source(source):
+        if name in seen:
+            raise ValueError(f"weight {name!r} appears twice in the sync source")
+        seen.add(name)
+        t = tensor.detach()
+        nbytes = t.numel() * t.element_size()
+        new, off, cap = _place(used, cap, nbytes, bucket_bytes)
+        if new:
+            if buf is not None:
+                yield buf[:used], meta
+            meta = []
+            if not (reuse_buffer and buf is not None and buf.numel() >= cap):
+                buf = None  # freed before the next allocation
+                buf = torch.empty(cap, dtype=torch.uint8, device=device)
+        assert buf is not None
+        if nbytes:
+            buf[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        meta.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
+        used = off + nbytes
+    if buf is not None:
+        yield buf[:used], meta
+
+
+def unpack_tensors(flat: torch.Tensor, meta: Meta) -> list[tuple[str, torch.Tensor]]:
+    """Views of the tensors of a packed bucket (no copy)."""
+    out = []
+    for name, dtype, shape, off in meta:
+        dt = _dtype(dtype)
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        out.append((name, flat[off:off + n].view(dt).view(shape)))
+    return out
+
+
+def packed_nbytes(meta: Meta) -> int:
+    """Tensor bytes of a bucket (without alignment padding)."""
+    return sum(_dtype(d).itemsize * int(torch.Size(s).numel()) for _, d, s, _ in meta)
+
+
+class WeightPusher(Protocol):
+    """A source that sends its weights to the engines itself (the trainer group: one sender per stage)."""
+
+    def push_weights(self, engines: list[Any], *, bucket_bytes: int, max_buckets_in_flight: int,
+                     transport: str = "object_store", nccl: dict | None = None) -> dict[str, Any]: ...
+
+    @property
+    def weights_epoch(self) -> int: ...
+
+
+def push_packed(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]], *, max_buckets_in_flight: int = 2,
+                keep: bool = False) -> tuple[dict[str, int], list[tuple[Any, Meta]]]:
+    """Sends packed buckets to engine actors through Ray's object store, at most `max_buckets_in_flight` at once.
+
+    Runs wherever the buckets are made (a trainer stage sender, or the driver for (name, tensor) sources).
+    Each buffer is put once; every engine reads it zero-copy. Unless `keep`, the ref is dropped as soon as
+    all engines have loaded the bucket, which frees the object. Returns counts and the kept (ref, meta)."""
+    import ray
+
+    in_flight: list[tuple[list[Any], Meta]] = []
+    kept: list[tuple[Any, Meta]] = []
+    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
+    for flat, meta in buckets:
+        stats["num_tensors"] += len(meta)
+        stats["bytes"] += packed_nbytes(meta)
+        stats["num_buckets"] += 1
+        ref = ray.put(flat.numpy())
+        del flat  # the object store holds the only copy now
+        in_flight.append(([e.load_packed_bucket.remote(ref, meta) for e in engines], meta))
+        if keep:
+            kept.append((ref, meta))
+        del ref
+        while len(in_flight) >= max_buckets_in_flight:
+            futs, sent = in_flight.pop(0)
+            _check_counts(ray.get(futs), sent)
+    for futs, sent in in_flight:
+        _check_counts(ray.get(futs), sent)
+    return stats, kept
+
+
 def sync_cpu(actors: list[Any], source: WeightSource, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-             max_buckets_in_flight: int = 2, keep_buckets: bool = True) -> tuple[SyncReport, list[Any]]:
-    """Streams `source` into every engine actor; returns the report and the bucket refs (empty unless kept)."""
+             max_buckets_in_flight: int = 2, keep_buckets: bool = False) -> tuple[SyncReport, list[tuple[Any, Meta]]]:
+    """Streams a (name, tensor) or directory source from this process into every engine actor.
+
+    Returns the report and, with `keep_buckets`, the packed (ref, meta) buckets for a later `replay`."""
     import ray
 
     t0 = time.monotonic()
     ray.get([a.begin_weight_update.remote() for a in actors])
-    kept, in_flight = [], []
-    n_tensors = n_bytes = n_buckets = 0
-    for bucket in iter_buckets(source, bucket_bytes):
-        n_tensors += len(bucket)
-        n_bytes += bucket_nbytes(bucket)
-        n_buckets += 1
-        ref = ray.put(bucket)
-        del bucket
-        in_flight.append([a.load_weight_bucket.remote(ref) for a in actors])
-        if keep_buckets:
-            kept.append(ref)
-        if len(in_flight) >= max_buckets_in_flight:
-            _check_counts(ray.get(in_flight.pop(0)))
-    for futs in in_flight:
-        _check_counts(ray.get(futs))
+    stats, kept = push_packed(actors, iter_packed(source, bucket_bytes), max_buckets_in_flight=max_buckets_in_flight,
+                              keep=keep_buckets)
     ray.get([a.finish_weight_update.remote(version) for a in actors])
-    report = SyncReport(version=version, num_tensors=n_tensors, bytes=n_bytes, num_buckets=n_buckets,
-                        num_engines=len(actors), seconds=time.monotonic() - t0, transport="object_store+shm")
-    return report, kept
+    return SyncReport(version=version, num_engines=len(actors), seconds=time.monotonic() - t0,
+                      transport="object_store+shm", **stats), kept
 
 
-def _check_counts(counts: list[int]) -> None:
-    if len(set(counts)) > 1:
-        raise RuntimeError(f"engines loaded different numbers of tensors from one bucket: {counts}")
+def sync_push(actors: list[Any], pusher: WeightPusher, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              max_buckets_in_flight: int = 2, transport: str = "object_store", nccl: dict | None = None) -> SyncReport:
+    """The driver's part of a sync: pause and prepare the engines, let the trainer's stage senders push, finish.
+
+    The driver never touches a tensor. `nccl` (GPU): {"master_address", "master_port"} for the transfer
+    group the senders and engines form."""
+    import ray
+
+    t0 = time.monotonic()
+    ray.get([a.begin_weight_update.remote() for a in actors])
+    stats = pusher.push_weights(actors, bucket_bytes=bucket_bytes, max_buckets_in_flight=max_buckets_in_flight,
+                                transport=transport, nccl=nccl)
+    ray.get([a.finish_weight_update.remote(version) for a in actors])
+    return SyncReport(version=version, num_tensors=stats["num_tensors"], bytes=stats["bytes"],
+                      num_buckets=stats["num_buckets"], num_engines=len(actors), seconds=time.monotonic() - t0,
+                      transport="object_store+shm" if transport == "object_store" else transport)
+
+
+def replay(actors: list[Any], kept: list[tuple[Any, Meta]], version: int) -> None:
+    """Loads buckets kept by an earlier `sync_cpu(..., keep_buckets=True)` into (new) engine actors."""
+    import ray
+
+    ray.get([a.begin_weight_update.remote() for a in actors])
+    for ref, meta in kept:
+        _check_counts(ray.get([a.load_packed_bucket.remote(ref, meta) for a in actors]), meta)
+    ray.get([a.finish_weight_update.remote(version) for a in actors])
+
+
+def _check_counts(counts: list[int], meta: Meta) -> None:
+    if any(c != len(meta) for c in counts):
+        raise RuntimeError(f"engines loaded {counts} tensors from one bucket of {len(meta)}")
+
+
+# ----------------------------------------------------------------------------------------- GPU (NCCL)
+
+
+def nccl_ranks(num_senders: int, engine_tps: list[int]) -> tuple[int, list[int]]:
+    """World size of the transfer group and each engine's first rank: senders first, then engine GPUs."""
+    offsets = [num_senders + sum(engine_tps[:k]) for k in range(len(engine_tps))]
+    return num_senders + sum(engine_tps), offsets
+
+
+def nccl_send_buckets(comm: Any, my_rank: int, plan: list[tuple[int, int]], buckets: Iterator[tuple[torch.Tensor, Meta]],
+                      engines: list[Any]) -> dict[str, int]:
+    """One stage sender's part of an NCCL sync (GPU only).
+
+    `plan` is every sender's (sender rank, bucket bytes) in broadcast order, the same list on all senders;
+    this rank broadcasts its own buckets (first telling the engines what to receive) and joins the others'
+    broadcasts with a scratch buffer. `comm` is vLLM's PyNcclCommunicator over senders + engine GPUs."""
+    import ray
+
+    stream = torch.cuda.current_stream()
+    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
+    for src, nbytes in plan:
+        if src == my_rank:
+            flat, meta = next(buckets)
+            futs = [e.nccl_receive_bucket.remote(src, flat.numel(), meta) for e in engines]
+            comm.broadcast(flat, src=src, stream=stream)
+            stream.synchronize()
+            _check_counts(ray.get(futs), meta)
+            stats["num_tensors"] += len(meta)
+            stats["bytes"] += packed_nbytes(meta)
+            stats["num_buckets"] += 1
+            del flat
+        else:
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            comm.broadcast(scratch, src=src, stream=stream)
+            stream.synchronize()
+            del scratch
+    return stats
 
 
 class GpuWeightSync:

@@ -4,11 +4,14 @@ vLLM mixes this class into its Worker when the engine is built with
 `worker_extension_cls="megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension"`; the engine
 worker calls the methods through `AsyncLLM.collective_rpc("msrl_...", args=...)`, which runs them on every
 TP rank. Arguments cross a process boundary as plain Python values (tensors arrive as nested lists), so a
-weight bucket travels as the path of a safetensors file in shared memory (/dev/shm), never as tensors.
+weight bucket travels as the path of a file in shared memory (/dev/shm), never as tensors: a packed bucket
+(one flat buffer + a (name, dtype, shape, offset) list, see `weight_sync.iter_packed`) that every TP rank
+memory-maps, or a safetensors file.
 
 Weight updates use vLLM's layerwise reload in three steps, so a model is streamed bucket by bucket and
 never held twice: `msrl_begin_weight_update` (restore kernel-format layers to checkpoint format),
-`msrl_load_weights_file` per bucket (each TP rank shards the full tensors with vLLM's own weight loaders),
+`msrl_load_packed` (or `msrl_load_weights_file`, `msrl_nccl_receive` on GPU) per bucket (each TP rank
+shards the full tensors with vLLM's own weight loaders),
 `msrl_finish_weight_update` (re-run kernel processing such as the CPU backend's weight prepacking).
 
 Composition: when `speculative.vllm_extension.HistoSpecWorkerMixin` is importable it is put in front of
@@ -16,8 +19,11 @@ the bases, so one extension class serves weight sync and HistoSpec history updat
 be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted path as
 `worker_extension_cls` to `EngineWorker`.
 
-Deliberately left out: GPU transports (NCCL broadcast, CUDA IPC). On GPU the engine is configured with
-vLLM's own `weight_transfer_config` and driven by `weight_sync.GpuWeightSync` instead.
+GPU: `msrl_nccl_init` joins the trainer->engines NCCL group (stage senders first, then engine GPUs) and
+`msrl_nccl_receive` takes one broadcast bucket into a flat GPU buffer, then loads it the same way.
+
+Deliberately left out: CUDA IPC; the single-sender GPU path for (name, tensor) sources uses vLLM's own
+`weight_transfer_config`, driven by `weight_sync.GpuWeightSync`.
 """
 
 from __future__ import annotations
@@ -62,22 +68,51 @@ class WeightSyncExtension:
 
         # Read to host memory: during a layerwise reload the parameters sit on the meta device, and vLLM's
         # weight loaders copy (and shard) host tensors onto whatever device the layer is restored to.
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return self._msrl_load([(n, f.get_tensor(n)) for n in f.keys()])
+
+    def msrl_load_packed(self, path: str, nbytes: int, meta: list) -> int:
+        """Loads a packed bucket (flat buffer file of `nbytes` + (name, dtype, shape, offset) list); returns
+        how many tensors. The file is memory-mapped, so every TP rank of the engine reads the same pages and
+        nothing is copied before vLLM's weight loaders copy (and shard) each view into its parameter."""
+        from megatron_sortedrl.rollout.weight_sync import unpack_tensors
+
+        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) if nbytes else torch.empty(0,
+                                                                                                         dtype=torch.uint8)
+        return self._msrl_load(unpack_tensors(flat, meta))
+
+    def msrl_nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Joins the trainer->engines NCCL group (GPU only): stage senders first, then every engine GPU."""
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        self._msrl_comm = stateless_init_process_group(master_address, master_port, rank_offset + int(self.rank),
+                                                        world_size, device=torch.cuda.current_device())
+
+    def msrl_nccl_receive(self, src: int, nbytes: int, meta: list) -> int:
+        """Receives one packed bucket broadcast by stage sender `src` and loads it (GPU only)."""
+        from megatron_sortedrl.rollout.weight_sync import unpack_tensors
+
+        flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        stream = torch.cuda.current_stream()
+        self._msrl_comm.broadcast(flat, src=src, stream=stream)
+        stream.synchronize()
+        return self._msrl_load(unpack_tensors(flat, meta))
+
+    def _msrl_load(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
         model = self._msrl_model()
         aliases = getattr(self, "_msrl_aliases", {})
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            model.load_weights((n, f.get_tensor(n)) for n in names)
-            # A tied output layer (lm_head sharing the embedding) is skipped by load_weights, but on CPU it
-            # holds its own prepacked GEMM copy; feeding it the same tensor makes the reload re-pack it.
-            for name in names:
-                for alias in aliases.get(name, ()):
-                    module_name, _, param_name = alias.rpartition(".")
-                    param = getattr(model.get_submodule(module_name), param_name)
-                    loader = getattr(param, "weight_loader", None)
-                    if loader is None:
-                        from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
-                    loader(param, f.get_tensor(name))
-        return len(names)
+        model.load_weights(iter(pairs))
+        # A tied output layer (lm_head sharing the embedding) is skipped by load_weights, but on CPU it holds
+        # its own prepacked GEMM copy; feeding it the same tensor makes the reload re-pack it.
+        for name, tensor in pairs:
+            for alias in aliases.get(name, ()):
+                module_name, _, param_name = alias.rpartition(".")
+                param = getattr(model.get_submodule(module_name), param_name)
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+                loader(param, tensor)
+        return len(pairs)
 
     def msrl_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

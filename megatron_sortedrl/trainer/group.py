@@ -5,7 +5,8 @@
     metrics = group.train_step(samples)                    # advantages from sample.reward (cfg.algorithm)
     metrics = group.sft_step([(prompt_tokens, target_tokens), ...])
     group.save_checkpoint("runs/x/checkpoints/iter_0000010", extra={...}); extra = group.load_checkpoint(path)
-    path = group.export_hf_weights("runs/x/weights/v10")   # HF dir for rollout weight sync
+    path = group.export_hf_weights("runs/x/weights/v10")   # HF model directory (checkpoint export)
+    group.push_weights(engine_actors, bucket_bytes=...)    # weight sync, driven by RolloutPool.sync_weights
     group.shutdown()
 
 The group starts a local Ray instance when none is running (and stops it in `shutdown`), reserves one
@@ -38,6 +39,9 @@ from megatron_sortedrl.sample import Sample
 from megatron_sortedrl.trainer.checkpoint import find_latest_checkpoint
 from megatron_sortedrl.trainer.model import read_hf_config
 from megatron_sortedrl.trainer.worker import TrainerWorker, on_gpu
+
+
+_CHANGES_WEIGHTS = ("train_step", "load")  # methods after which the weights differ from the last push
 
 
 class TrainerActor:
@@ -121,6 +125,8 @@ class TrainerGroup:
     def _all(self, method: str, *args, **kwargs) -> list:
         import ray
 
+        if method in _CHANGES_WEIGHTS:
+            self._epoch = self.weights_epoch + 1
         return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
 
     @staticmethod
@@ -203,11 +209,58 @@ class TrainerGroup:
     # ------------------------------------------------------------------------------ weights and state
 
     def export_hf_weights(self, out_dir: str | Path | None = None, dtype: str | None = None):
-        """With `out_dir`: writes a HF model directory there (atomically) and returns its path, which the
-        rollout workers reload. Without: returns {HF name: full tensor} (small models only)."""
+        """With `out_dir`: writes a HF model directory there (atomically) and returns its path. Without:
+        returns {HF name: full tensor} from rank 0 (tests and small models; weight sync uses `push_weights`)."""
         if out_dir is None:
             return self._all("hf_state_dict")[0]
         return self._all("export_hf", str(Path(out_dir).resolve()), dtype)[0]
+
+    @property
+    def weights_epoch(self) -> int:
+        """Counts calls that may change the weights, so a pool replaying a push can tell it is still current."""
+        return getattr(self, "_epoch", 0)
+
+    def push_weights(self, engines: list, *, bucket_bytes: int, max_buckets_in_flight: int = 2,
+                     transport: str = "object_store", nccl: dict | None = None) -> dict:
+        """Sends the weights straight from the trainer to the rollout engine actors `engines` (Ray handles).
+
+        One sender per pipeline stage (TP rank 0 of DP replica 0) gathers its stage's shards and sends
+        packed buckets to every engine (see `rollout.weight_sync`); nothing comes back through the caller.
+        The engines must be inside `begin_weight_update`. Returns summed counts and one entry per sender.
+        `transport="nccl"` (GPU): the senders and the engines' GPUs form one NCCL group, set up here on the
+        first push to a set of engines (stage 0's sender hosts the rendezvous)."""
+        import ray
+
+        plan_info, init_refs = None, []
+        if transport == "nccl":
+            plan_info = self._nccl_setup(engines, bucket_bytes)
+            init_refs = plan_info.pop("init_refs", [])
+        outs = [o for o in self._all("push_weights", engines, bucket_bytes, max_buckets_in_flight, transport,
+                                     plan_info) if o]
+        ray.get(init_refs)
+        return {"num_tensors": sum(o["num_tensors"] for o in outs), "bytes": sum(o["bytes"] for o in outs),
+                "num_buckets": sum(o["num_buckets"] for o in outs), "senders": outs}
+
+    def _nccl_setup(self, engines: list, bucket_bytes: int) -> dict:
+        import ray
+
+        from megatron_sortedrl.rollout.weight_sync import nccl_ranks
+
+        plans = [p for p in self._all("weight_bucket_plan", bucket_bytes) if p is not None]
+        senders = len(plans)  # one per stage, in stage order (rank order is stage-major for TP rank 0, DP 0)
+        plan = [(stage, n) for stage, sizes in enumerate(plans) for n in sizes]
+        key = tuple(a._actor_id.hex() for a in engines)
+        info = {"plan": plan}
+        if getattr(self, "_nccl_engines", None) != key:
+            tps = ray.get([a.load.remote() for a in engines])
+            world, offsets = nccl_ranks(senders, [w.tp for w in tps])
+            addr, port = ray.get(self.actors[0].address.remote())  # rank 0 is stage 0's sender: it hosts the store
+            self._nccl_rdv = {"master_address": addr, "master_port": port, "world_size": world}
+            # Both sides block in the rendezvous: the engines' half is started before the senders' push.
+            info["init_refs"] = [a.nccl_init.remote(addr, port, off, world) for a, off in zip(engines, offsets)]
+            self._nccl_engines = key
+        info.update(self._nccl_rdv)
+        return info
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> str:
         """Atomic torch_dist checkpoint of model + optimizer + trainer state; `extra` (driver resume state,

@@ -23,7 +23,9 @@ copy of the embedding as `output_layer.weight`.
 
 The export iterator is a collective: every rank of the trainer calls it and consumes it in the same
 order; shards are all-gathered over TP and the owning stage broadcasts over PP, so every rank yields the
-same full tensors. The checkpoint conversion tool and rollout weight sync build on it.
+same full tensors. The checkpoint conversion tool builds on it. Rollout weight sync uses
+`iter_stage_hf_weights` instead: each stage's TP rank 0 gathers only its own stage's tensors
+(`stage_export_plan` says which; every HF tensor comes from exactly one stage), so no rank holds the model.
 
 Deliberately left out: MoE expert tables and learned position embeddings (no target model has them).
 """
@@ -274,6 +276,63 @@ def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype |
                     dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
             for n, t in zip(names, fulls):
                 yield n, t
+
+
+def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(local Megatron name, layout, HF names) of every tensor pipeline stage `stage` exports, in export order.
+
+    Each HF tensor belongs to exactly one stage: layers to their stage, the embedding to the first, the final
+    norm and an untied output layer to the last. A tied output layer (the last stage's copy of the embedding)
+    is not exported: the embedding already carries it."""
+    shapes = hf_shapes(arch)
+    per = arch.num_layers // pp
+    plan = []
+    for mname, hf_names, layout in _rows(use_te):
+        if mname == "output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        for gi in range(arch.num_layers) if "{i}" in mname else [None]:
+            names = [n.format(i=gi) for n in hf_names]
+            if names[0] not in shapes:
+                continue  # e.g. qkv bias of a model without one
+            owner = (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
+            if owner == stage:
+                plan.append((mname.format(i=gi - owner * per) if gi is not None else mname, layout, names))
+    return plan
+
+
+def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's full HF tensors, yielded on the stage's TP rank 0 only (its stage sender).
+
+    A collective on this stage's TP group alone: every TP rank of the stage must iterate it to the end (the
+    others yield nothing); other stages and other DP replicas take no part. Shards are gathered to TP rank 0
+    one tensor at a time, so the sender holds at most one gathered tensor beside its own shard."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    tp_group = ps.get_tensor_model_parallel_group()
+    sender = tp == 1 or ps.get_tensor_model_parallel_rank() == 0
+    dst = dist.get_process_group_ranks(tp_group)[0] if tp > 1 else None
+    params = _local_params(model)
+    out_dtype = dtype or next(iter(params.values())).dtype
+    plan = stage_export_plan(arch, ps.get_pipeline_model_parallel_world_size(),
+                             ps.get_pipeline_model_parallel_rank(), use_te=use_te)
+    for local_name, layout, names in plan:
+        local = params[local_name].detach()
+        if tp > 1 and layout != "replicated":
+            local = local.contiguous()
+            gathered = [torch.empty_like(local) for _ in range(tp)] if sender else None
+            dist.gather(local, gathered, dst=dst, group=tp_group)
+        else:
+            gathered = [local] * tp
+        if not sender:
+            continue
+        fulls = shards_to_full(gathered, layout, arch)
+        del gathered
+        for n, t in zip(names, fulls):
+            yield n, t.to(out_dtype)
+        del fulls
 
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -281,10 +281,79 @@ class TrainerWorker:
     # ----------------------------------------------------------------------------- weights and state
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model as {HF name: tensor} on rank 0 (tests and small models; weight sync uses
+        `push_weights`). The other ranks take part in the collective but keep nothing."""
         from megatron_sortedrl.trainer.weights import export_hf_weights
 
-        out = {n: t.cpu().clone() for n, t in export_hf_weights(self.module, self.arch, use_te=self.use_te)}
+        out = {}
+        for n, t in export_hf_weights(self.module, self.arch, use_te=self.use_te):
+            if self.rank == 0:
+                out[n] = t.cpu().clone()
         return out if self.rank == 0 else None
+
+    def push_weights(self, engines: list, bucket_bytes: int, max_buckets_in_flight: int = 2,
+                     transport: str = "object_store", nccl: dict | None = None) -> dict | None:
+        """Sends this pipeline stage's weights to the rollout engine actors `engines`, bucket by bucket.
+
+        The stage sender (TP rank 0 of DP replica 0) packs the stage's gathered tensors into buckets and
+        sends each one to every engine; the stage's other TP ranks only take part in the gathers; other DP
+        replicas hold the same weights and do nothing. Returns the sender's counts (None elsewhere).
+        `transport`: "object_store" (Ray, any device) or "nccl" (GPU; `nccl` carries the rendezvous and the
+        broadcast plan, see `rollout.weight_sync.nccl_send_buckets`)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_sortedrl.rollout import weight_sync as ws
+        from megatron_sortedrl.trainer.weights import iter_stage_hf_weights
+
+        if ps.get_data_parallel_rank() != 0:
+            return None
+        tensors = iter_stage_hf_weights(self.module, self.arch, use_te=self.use_te)
+        if ps.get_tensor_model_parallel_rank() != 0:
+            for _ in tensors:  # the gathers are collectives of the stage's TP group
+                pass
+            return None
+        stage = ps.get_pipeline_model_parallel_rank()
+        try:
+            # One packing buffer for all buckets: ray.put copies it and the NCCL broadcast is waited for.
+            if transport == "nccl":
+                buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True)
+                stats = ws.nccl_send_buckets(self._nccl_comm(nccl), stage, nccl["plan"], buckets, engines)
+            else:
+                stats, _ = ws.push_packed(engines, ws.iter_packed(tensors, bucket_bytes, reuse_buffer=True),
+                                          max_buckets_in_flight=max_buckets_in_flight)
+        except BaseException:
+            for _ in tensors:  # release the TP peers from their gathers, so the group can still shut down
+                pass
+            raise
+        return {**stats, "stage": stage, "rank": self.rank}
+
+    def weight_bucket_plan(self, bucket_bytes: int) -> list[int] | None:
+        """Byte sizes of the buckets this stage sender will send (the NCCL broadcast plan; None elsewhere)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_sortedrl.rollout.weight_sync import bucket_sizes
+        from megatron_sortedrl.trainer.weights import hf_shapes, stage_export_plan
+
+        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+            return None
+        shapes = hf_shapes(self.arch)
+        plan = stage_export_plan(self.arch, self.pp, ps.get_pipeline_model_parallel_rank(), use_te=self.use_te)
+        return bucket_sizes((torch.Size(shapes[n]).numel() * self.dtype.itemsize for _, _, names in plan
+                             for n in names), bucket_bytes)
+
+    def _nccl_comm(self, nccl: dict):
+        """This sender's endpoint of the trainer->engines NCCL group, created once per rendezvous."""
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        key = (nccl["master_address"], nccl["master_port"])
+        if getattr(self, "_nccl_key", None) != key:
+            from megatron.core import parallel_state as ps
+
+            self._nccl = stateless_init_process_group(nccl["master_address"], nccl["master_port"],
+                                                      ps.get_pipeline_model_parallel_rank(), nccl["world_size"],
+                                                      device=torch.cuda.current_device())
+            self._nccl_key = key
+        return self._nccl
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> str | None:
         from megatron_sortedrl.trainer.weights import export_hf_weights, write_hf_dir

