@@ -22,8 +22,8 @@ Medians with min and max over repeats.
 With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
 process's RSS before each sync (memory must stay flat from sync to sync).
 The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
-under `before_quoted`. `planner_estimate_32b` is filled in by the launch planner's caller
-(`main(planner_estimate_32b=...)`); null here.
+under `before_quoted`. `planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
+(`megatron_sortedrl.plan.engine.weight_sync_estimate`), so the CPU rate can be read against it.
 
 Left out: GPUs (NCCL transport; run `tests/test_weight_sync_gpu.py` there), several engines, multi-node.
 """
@@ -223,6 +223,19 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
+def estimate_32b_sync() -> dict:
+    """What the launch planner expects one sync of the 32B recipe to move and take on its cluster (one sender per
+    pipeline stage, `plan.sync_bandwidth_gbs`), next to which this CPU benchmark's bytes/s are reported."""
+    from megatron_sortedrl.commands.plan import load_for_planning
+    from megatron_sortedrl.plan.arch import Arch
+    from megatron_sortedrl.plan.engine import weight_sync_estimate
+
+    repo = Path(__file__).resolve().parent.parent
+    cfg, _ = load_for_planning(argparse.Namespace(config=str(repo / "configs" / "qwen32b_128gpu.yaml"), overrides=[]))
+    est = weight_sync_estimate(cfg, Arch.from_path(repo / "configs" / "model_shapes" / "qwen2.5-32b-instruct"))
+    return {"recipe": "configs/qwen32b_128gpu.yaml", **{k: v for k, v in est.items() if isinstance(v, (int, float, str, list))}}
+
+
 def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=768)
@@ -238,7 +251,16 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks"))
     ap.add_argument("--variants", nargs="+", default=["push", "via_driver"], choices=["push", "via_driver"])
     ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
+    ap.add_argument("--estimate-only", action="store_true",
+                    help="only (re)write planner_estimate_32b into an existing <name>.json; runs nothing")
     args = ap.parse_args(argv)
+    if args.estimate_only:
+        path = Path(args.out_dir) / f"{args.name}.json"
+        result = json.loads(path.read_text())
+        result["planner_estimate_32b"] = planner_estimate_32b or estimate_32b_sync()
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote planner_estimate_32b into {path}")
+        return 0
 
     from megatron_sortedrl.config import TinyModelConfig
     from megatron_sortedrl.tiny_model import build_tiny_model
@@ -265,7 +287,7 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         "bucket_bytes": args.bucket_mib * MiB, "repeats": args.repeats, "engines": 1,
         "layouts": layouts,
         "before_quoted": BEFORE_QUOTED,
-        "planner_estimate_32b": planner_estimate_32b,
+        "planner_estimate_32b": planner_estimate_32b or estimate_32b_sync(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": load0,
                     "load_avg_end": os.getloadavg(), "wall_s": time.time() - t0,
                     "note": "2 cores shared with other engineers' test runs; timings are noisy, ratios within a run "
