@@ -38,7 +38,7 @@ def _checkpoint(root, policy: str):
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("no_model", "model.path=/nonexistent/model: no such directory"),
+    ("no_model", "/nonexistent/model"),  # the launch planner, which reads config.json first, or preflight
     ("model_without_tokenizer", "has no tokenizer"),
     ("reward_not_importable", "data.reward_fn='no_such_pkg.mod.reward' is not allowed; expected an importable module"),
     ("reward_bad_signature", "expected a function taking (sample, ground_truth); it takes (sample)"),
@@ -52,9 +52,11 @@ def test_train_refuses_before_starting_anything(case, expected, tmp_path):
     if case == "no_model":
         overrides += ["model.path=/nonexistent/model", "model.build_tiny_if_missing=false"]
     elif case == "model_without_tokenizer":
+        from megatron_sortedrl.tiny_model import build_tiny_model
+
         model = tmp_path / "model"
         model.mkdir()
-        (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+        (model / "config.json").write_text((build_tiny_model(tmp_path / "tiny") / "config.json").read_text())
         overrides += [f"model.path={model}"]
     elif case == "reward_not_importable":
         overrides += ["data.reward_fn=no_such_pkg.mod.reward"]
@@ -72,7 +74,8 @@ def test_train_refuses_before_starting_anything(case, expected, tmp_path):
         overrides += [f"model.path={build_tiny_model(tmp_path / 'tiny')}", "data.apply_chat_template=true"]
     rc, err, seconds = _train(*overrides)
     assert rc == 2, err
-    assert expected in err and len(err.splitlines()) == 1, err
+    assert expected in err and "model.path" in err if case == "no_model" else expected in err, err
+    assert len(err.splitlines()) == 1, err
     assert err.startswith("error: ") and "Traceback" not in err
     assert not (run / "metrics.jsonl").exists()  # nothing ran
     assert seconds < 60  # no Ray, trainer or engine start (those alone take longer on this machine)
