@@ -59,16 +59,19 @@ def test_steps_table_has_breakdown_and_bubbles(report):
                                              # worker 0 idle 2 of 4 s, worker 1 busy to the end
                                              "worker_bubble": (4 - 2) / (2 * 4),
                                              # sequence-seconds 1 + 2 + 3 + 4 of 2 slots x 2 workers x 4 s
-                                             "slot_bubble": 1 - 10 / 16})
+                                             "slot_bubble": 1 - 10 / 16,
+                                             # every request ended by the phase end: nothing waited on the driver
+                                             "driver_idle": 0.0})
     assert report.steps[1] == pytest.approx({"rollout": 1.5, "idle": 0.0, "worker_bubble": 0.3 / 3,
-                                             "slot_bubble": 1 - 2.7 / 6})
+                                             "slot_bubble": 1 - 2.7 / 6, "driver_idle": 0.0})
 
 
 def test_breakdown_stacks_seconds_only_and_tables_read_in_phase_order(report):
     from megatron_sortedrl.telemetry.report import step_columns
 
     assert step_columns(report.steps, ratios=False) == ["rollout", "reward", "train", "idle"]
-    assert step_columns(report.steps) == ["rollout", "reward", "train", "idle", "worker_bubble", "slot_bubble"]
+    assert step_columns(report.steps) == ["rollout", "reward", "train", "idle", "worker_bubble", "slot_bubble",
+                                          "driver_idle"]
 
 
 def test_headline_figures(report):

@@ -166,7 +166,7 @@ def plot_bubbles(bubbles: dict[int, dict[str, float]], path: Path, max_width: fl
     return path
 
 
-RATIOS = ("worker_bubble", "slot_bubble")  # per-step ratios kept in the steps table beside phase seconds
+RATIOS = ("worker_bubble", "slot_bubble", "driver_idle")  # per-step ratios kept in the steps table beside phase seconds
 
 
 def step_columns(steps: dict[int, dict[str, float]], ratios: bool = True) -> list[str]:
