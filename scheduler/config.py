@@ -46,7 +46,7 @@ class SchedulerConfig:
     )
     placement: str = field(default="lpt", metadata={"help": "Tier-2 placement: round_robin | lpt (longest predicted first)."})
     layout_planner: str = field(
-        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker) | cost_model."}
+        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker) | cost_model (the last two in `simulate` only; `train` refuses them)."}
     )
 
     def __post_init__(self) -> None:
