@@ -63,9 +63,9 @@ def slurm_env(tmp_path: Path, job_id: int, ray_tmp: str, **extra: str) -> dict:
     return env
 
 
-def tp2_trainer_after_sft(model_dir: Path, sft_steps: int = 3):
-    """A Megatron trainer group at TP=2 on CPU (Ray must be up) after a few supervised steps on random
-    pairs, so its weights differ from the files in `model_dir`. Returns (group, pairs)."""
+def tp2_trainer_after_sft(model_dir: Path, sft_steps: int = 3, pp: int = 1, num_pairs: int = 8):
+    """A Megatron trainer group at TP=2 (x `pp` stages) on CPU (Ray must be up) after a few supervised steps on
+    random pairs, so its weights differ from the files in `model_dir`. Returns (group, pairs)."""
     import torch
 
     from megatron_sortedrl.config import RunConfig
@@ -75,11 +75,12 @@ def tp2_trainer_after_sft(model_dir: Path, sft_steps: int = 3):
     cfg.model.path = str(model_dir)
     cfg.cluster.device = "cpu"
     cfg.parallel.tensor_model_parallel_size = 2
+    cfg.parallel.pipeline_model_parallel_size = pp
     cfg.trainer.warmup_sft_lr = 3e-3
     group = TrainerGroup(cfg)
     g = torch.Generator().manual_seed(0)
     pairs = [(torch.randint(4, 100, (6,), generator=g).tolist(), torch.randint(4, 100, (12,), generator=g).tolist())
-             for _ in range(8)]
+             for _ in range(num_pairs)]
     for _ in range(sft_steps):
         group.sft_step(pairs)
     return group, pairs

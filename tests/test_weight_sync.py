@@ -13,7 +13,6 @@ weights from the trainer.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from megatron_sortedrl.rollout.weight_sync import (
     packed_nbytes,
     unpack_tensors,
 )
+from tests.helpers import tp2_trainer_after_sft
 
 MiB = 2**20
 
@@ -98,24 +98,6 @@ BUCKET = 4 * MiB
 SLACK = 16 * MiB
 
 
-def _trainer(model_dir: Path):
-    from megatron_sortedrl.config import RunConfig
-    from megatron_sortedrl.trainer.group import TrainerGroup
-
-    cfg = RunConfig()
-    cfg.model.path = str(model_dir)
-    cfg.cluster.device = "cpu"
-    cfg.parallel.tensor_model_parallel_size = 2
-    cfg.parallel.pipeline_model_parallel_size = 2
-    cfg.trainer.warmup_sft_lr = 3e-3
-    group = TrainerGroup(cfg)
-    g = torch.Generator().manual_seed(0)
-    pairs = [(torch.randint(4, 100, (6,), generator=g).tolist(), torch.randint(4, 100, (12,), generator=g).tolist())
-             for _ in range(4)]
-    group.sft_step(pairs)  # the weights now differ from the files the engine starts from
-    return group, pairs
-
-
 def _settled_store(baseline: int, timeout_s: float = 10.0) -> int:
     """Object store use once Ray's batched frees have run (returns early when back at `baseline`)."""
     import time
@@ -152,7 +134,8 @@ def test_stage_senders_push_with_bounded_memory(tmp_path):
     ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False)  # never a neighbour's
     group = pool = None
     try:
-        group, pairs = _trainer(model_dir)
+        # The weights now differ from the files the engine starts from.
+        group, pairs = tp2_trainer_after_sft(model_dir, sft_steps=1, pp=2, num_pairs=4)
         full = group.export_hf_weights()  # reference only (rank 0's copy), dropped before any measurement
         model_bytes = sum(t.numel() * t.element_size() for t in full.values())
         largest = max(t.numel() * t.element_size() for t in full.values())
