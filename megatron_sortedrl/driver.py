@@ -84,6 +84,7 @@ class Driver:
         from transformers import AutoTokenizer
 
         from megatron_sortedrl.data import load_prompts
+        from megatron_sortedrl.data.prompting import PromptEncoder
         from megatron_sortedrl.rewards import reward_path
         from megatron_sortedrl.rollout import PoolOptions, RolloutPool
         from megatron_sortedrl.tiny_model import build_tiny_model
@@ -99,6 +100,7 @@ class Driver:
             self.say(f"built tiny model at {cfg.model.path}")
         self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
         self.eos = self.tok.eos_token_id
+        self.encoder = PromptEncoder(self.tok, cfg.data)  # one for train and eval: the template is checked once
         self._ptok: dict[str, list[int]] = {}
         (self.run_dir / "skipped_prompts.jsonl").unlink(missing_ok=True)  # written anew at every start
         self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in self._encoded(load_prompts(cfg.data, "train"))}
@@ -159,10 +161,9 @@ class Driver:
             self.nvml = NodeSamplers.start(self.run_dir, self.clock.epoch, 1.0 / self.cfg.logging.nvml_sample_hz)
 
     def _encoded(self, prompts: list[Prompt]) -> list[Prompt]:
-        from megatron_sortedrl.data.prompting import PromptEncoder, keep_within_limit
+        from megatron_sortedrl.data.prompting import keep_within_limit
 
-        return keep_within_limit(PromptEncoder(self.tok, self.cfg.data), prompts, self._ptok,
-                                 self.run_dir / "skipped_prompts.jsonl", self.say)
+        return keep_within_limit(self.encoder, prompts, self._ptok, self.run_dir / "skipped_prompts.jsonl", self.say)
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         return self._ptok[prompt.prompt_id]
