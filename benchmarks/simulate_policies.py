@@ -1,11 +1,21 @@
-"""Simulation benchmark: every tier-1 policy on two scales, figures committed to docs/benchmarks/.
+"""Simulation benchmark: every tier-1 policy, and sync / twotier with HistoSpec, on two scales, against the
+physical limit; figures committed to docs/benchmarks/.
 
-    .venv/bin/python benchmarks/simulate_policies.py            # about two minutes on 2 CPU cores
+    nice .venv/bin/python benchmarks/simulate_policies.py            # about five minutes on 2 CPU cores
+    nice .venv/bin/python benchmarks/simulate_policies.py qwen32b_128gpu
 
 Scales: the 2-core CPU default (configs/sim_tiny_cpu.yaml) and Qwen2.5-32B on 128 GPUs with 32k-token
-tails (configs/sim_qwen32b_128gpu.yaml). Writes docs/benchmarks/simulation_<scale>.json (one row per
-policy, ratios against sync from the same run) and simulation_<scale>.png.
+tails (configs/sim_qwen32b_128gpu.yaml). Writes docs/benchmarks/simulation_<scale>.json and .png:
 
+- `rows`: one per policy, with `throughput_vs_sync` (samples/s over sync's, same run) and
+  `ratio_to_limit` (time per trained sample over the physical limit's, `scheduler/limit.py`, with the
+  scenario's speculation at its best acceptance, so a lower bound for every row);
+- `limit`: the bound with and without speculation, and its parts;
+- `speculation`: the model's calibration (`speculation:` of the scenario), tokens/s of one engine with and
+  without HistoSpec by number of running sequences (where it pays: few sequences, the long tail), and for
+  each `+histospec` row its rollout time by round kind next to the plain policy's.
+
+The simulator is deterministic: one run per variant (no repeats needed; wall time is the simulator's own).
 Left out: accuracy effects of the policies (the simulator has no model).
 """
 
@@ -19,32 +29,81 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scheduler.limit import add_limit, physical_limit  # noqa: E402
 from scheduler.report import add_ratios, format_table, plot, summarize  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
+from scheduler.speculation_model import HistoSpecSim, SpeculationConfig, chain  # noqa: E402
 
 SCALES = {"tiny_cpu": "configs/sim_tiny_cpu.yaml", "qwen32b_128gpu": "configs/sim_qwen32b_128gpu.yaml"}
-POLICIES = ("sync", "sorted", "tail", "twotier")
+POLICIES = ("sync", "sorted", "tail", "twotier", "sync+histospec", "twotier+histospec")
 
 
-def main() -> int:
+def speedup_by_batch(sim, tp: int, ages: tuple[float, ...] = (0.0, 2.0, 8.0)) -> list[dict]:
+    """One engine's decode tokens/s with and without HistoSpec by running sequences (context ~3k each)."""
+    spec = HistoSpecSim(sim.speculation)
+    out = []
+    for b in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        if b > sim.engine.max_num_seqs:
+            break
+        ctx = b * 3000.0
+        plain = b / sim.engine.decode_step_s(tp, b, ctx)
+        row = {"batch": b, "tp": tp, "plain_tokens_per_s": plain}
+        for age in ages:
+            c: SpeculationConfig = sim.speculation
+            rate, drafted, _ = chain(round(c.alpha(age), 3), c.min_draft_tokens, c.max_draft_tokens)
+            fast = b * rate / spec.step_s(sim.engine, tp, b, b * (1 + drafted), ctx)
+            row[f"speedup_age{age:g}"] = fast / plain
+        out.append(row)
+    return out
+
+
+def by_kind(result) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in result.rounds:
+        out[r["kind"]] = out.get(r["kind"], 0.0) + r["rollout_s"]
+    return out
+
+
+def main(argv: list[str]) -> int:
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     for scale, path in SCALES.items():
+        if argv and scale not in argv:
+            continue
         sim, run = load_sim_config(ROOT / path)
         rows, results = [], []
         for name in POLICIES:
             t0 = time.time()
             result = simulate(sim, run, name)
-            rows.append({**summarize(result), "sim_wall_s": round(time.time() - t0, 1)})
+            row = {**summarize(result), "sim_wall_s": round(time.time() - t0, 1), "rollout_s_by_kind": by_kind(result)}
+            if "speculation" in result.policy_stats:
+                row["speculation"] = result.policy_stats["speculation"]
+            rows.append(row)
             results.append(result)
+            print(f"  {name}: {row['total_s']:.0f} s (simulated in {row['sim_wall_s']} s)", flush=True)
         add_ratios(rows)
-        print(f"== {sim.name}")
+        limit = physical_limit(sim, run, speculation=True)
+        limit_plain = physical_limit(sim, run, speculation=False)
+        add_limit(rows, limit)
+        for r in rows:
+            r["ratio_to_limit_without_speculation"] = r["total_s"] / r["samples"] / limit_plain["s_per_sample"]
+        print(f"== {sim.name}  (limit {limit['s_per_sample'] * 1000:.1f} ms/sample with speculation, "
+              f"{limit_plain['s_per_sample'] * 1000:.1f} without)")
         print(format_table(rows))
-        (out / f"simulation_{scale}.json").write_text(json.dumps({"scenario": sim.name, "config": path, "rows": rows}, indent=1))
+        spec_block = {"config": {k: getattr(sim.speculation, k) for k in sim.speculation.__dataclass_fields__},
+                      "calibration": "docs/benchmarks/histospec_sim_calibration.json",
+                      "speedup_by_batch": {f"tp{tp}": speedup_by_batch(sim, tp) for tp in
+                                           sorted({run.rollout.tensor_parallel_size, run.rollout.long_round_tensor_parallel_size})}}
+        doc = {"scenario": sim.name, "config": path, "rows": rows,
+               "limit": {"with_speculation": limit, "without_speculation": limit_plain,
+                         "definition": "scheduler/limit.py: max(throughput, longest response alone) + train + sync "
+                                       "for the fewest updates; ratio_to_limit uses the bound with speculation"},
+               "speculation": spec_block}
+        (out / f"simulation_{scale}.json").write_text(json.dumps(doc, indent=1))
         plot(rows, results, str(out / f"simulation_{scale}.png"), title=sim.name)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

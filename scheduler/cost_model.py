@@ -13,8 +13,10 @@ per-step overhead, a per-sequence compute term and an all-reduce term that grows
 B = running sequences, C = their total context (prompt + generated tokens). Parameters come from
 `configs/sim_*.yaml` (`engine:` section) or `fit_decode_from_timeline`.
 
-Left out: speculative decoding (a speedup factor on tokens per step would go here), chunked-prefill
-interleaving details, and pipeline parallelism inside an engine.
+Speculative decoding: `verify_step_s` is one step that verifies several positions per sequence (the
+simulator's HistoSpec model, `scheduler/speculation_model.py`, supplies how many).
+
+Left out: chunked-prefill interleaving details, and pipeline parallelism inside an engine.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class EngineCostModel:
         bytes_read = self.weight_gib * GIB + context_tokens * self.kv_bytes_per_token
         return (self.step_overhead_s + self.tp_comm_s * math.log2(tp) + bytes_read / (tp * self.hbm_gbs * 1e9)
                 + self.per_seq_s * batch / tp)
+
+    def verify_step_s(self, tp: int, positions: float, context_tokens: float) -> float:
+        """A decode step over `positions` query positions (k + 1 per sequence with a k-token draft): weights
+        and KV are read once, the per-position compute is paid for every position."""
+        return self.decode_step_s(tp, positions, context_tokens)
 
     def prefill_s(self, tp: int, tokens: float) -> float:
         return tokens / (self.prefill_tokens_per_s * tp)

@@ -88,7 +88,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 COLUMNS = [("policy", "policy", "{}"), ("worker_bubble", "worker bubble", "{:.1%}"), ("slot_bubble", "slot bubble", "{:.1%}"),
            ("rollout_s", "rollout s", "{:.0f}"), ("step_s", "step s", "{:.1f}"), ("samples_per_s", "samples/s", "{:.2f}"),
-           ("throughput_vs_sync", "x sync", "{:.2f}"), ("samples_per_update", "samples/upd", "{:.0f}"),
+           ("throughput_vs_sync", "x sync", "{:.2f}"), ("ratio_to_limit", "x limit", "{:.2f}"),
+           ("samples_per_update", "samples/upd", "{:.0f}"),
            ("rounds", "rounds", "{}"), ("long_rounds", "long", "{}"), ("max_staleness", "max stale", "{}"),
            ("preemptions", "preempt", "{}")]
 

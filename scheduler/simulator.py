@@ -21,14 +21,19 @@ worker (`WorkerQueues`, work stealing on), and runs every engine as a continuous
 Every request, phase and worker transition is written as a `megatron_sortedrl.telemetry.timeline` event,
 so the bubble ratios come from the same functions as for a real run (see `scheduler/report.py`).
 
-Left out: asynchronous RL (overlapping rollout and training), speculative decoding, stragglers and
-failures, and network contention during weight sync.
+HistoSpec (`<policy>+histospec`, `scheduler/speculation_model.py`): each request advances `rate` tokens
+per engine step (expected tokens per target forward at its history's age) and a step verifies `pos`
+positions per sequence; without it both are 1 and the engine is the plain decoder above.
+
+Left out: asynchronous RL (overlapping rollout and training), stragglers and failures, and network
+contention during weight sync.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +49,7 @@ from scheduler.placement import WorkerQueues
 from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
+from scheduler.speculation_model import HistoSpecSim, split_policy
 from scheduler.workload import make_workload
 
 
@@ -52,13 +58,14 @@ class SimulationError(RuntimeError):
 
 
 class _Seq:
-    __slots__ = ("req", "target", "gen0", "gen", "prompt", "first")
+    __slots__ = ("req", "target", "gen0", "gen", "prompt", "first", "rate", "pos")
 
     def __init__(self, req: Request, target: int) -> None:
         self.req, self.target = req, target
         self.gen0 = self.gen = req.sample.response_length  # tokens at submission / now
         self.prompt = max(1, len(req.sample.prompt_tokens))
         self.first = self.gen == 0  # no token yet: a first_token event is due after prefill
+        self.rate, self.pos = 1, 1  # tokens per engine step, positions verified per step (HistoSpec)
 
     @property
     def context(self) -> int:
@@ -85,10 +92,15 @@ class SimEngine:
             self.chunk = (0, 0.0)
             return
         b = len(self.running)
-        steps = min(s.target - s.gen for s in self.running)
-        room = (self.cap - self.ctx) // b
+        if self.sim.spec is None:
+            steps = min(s.target - s.gen for s in self.running)
+            rates = pos = b
+        else:
+            steps = min(math.ceil((s.target - s.gen) / s.rate - 1e-9) for s in self.running)
+            rates, pos = sum(s.rate for s in self.running), sum(s.pos for s in self.running)
+        room = int((self.cap - self.ctx) // rates)
         steps = max(1, min(steps, room)) if room >= 1 else 1
-        dt = steps * self.model.decode_step_s(self.tp, b, self.ctx + b * steps / 2)
+        dt = steps * self.sim.step_s(self.tp, b, pos, self.ctx + rates * steps / 2)
         self.chunk = (steps, dt)
         self.sim.push(self.t + dt, self)
 
@@ -99,21 +111,22 @@ class SimEngine:
             return
         done = min(steps, int(steps * (t - self.t) / dt))
         for s in self.running:
-            s.gen += done
-        self.ctx += done * len(self.running)
+            s.gen += done * s.rate
+            self.ctx += done * s.rate
         self.t = t
 
     # events -----------------------------------------------------------------------------------------------
     def on_event(self) -> None:
         steps, dt = self.chunk
         for s in self.running:
-            s.gen += steps
-        self.ctx += steps * len(self.running)
+            s.gen += steps * s.rate
+            self.ctx += steps * s.rate
         self.t += dt
         still = []
         for s in self.running:
-            if s.gen >= s.target:
+            if s.gen >= s.target - 1e-6:
                 self.ctx -= s.context
+                s.gen = s.target  # a speculative step may overshoot in expectation: EOS ends it
                 self.sim.finished(self, s)
             else:
                 still.append(s)
@@ -197,6 +210,7 @@ class Simulator:
         self.where: dict[str, SimEngine] = {}
         self.step = 0
         self.preemptions = 0
+        self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
 
     # plumbing ---------------------------------------------------------------------------------------------
     def emit(self, kind: str, event: str, t: float, **kw: Any) -> None:
@@ -205,6 +219,11 @@ class Simulator:
 
     def push(self, t: float, item: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), (item, item.token) if isinstance(item, SimEngine) else item))
+
+    def step_s(self, tp: int, batch: int, positions: float, context: float) -> float:
+        if self.spec is None:
+            return self.sim.engine.decode_step_s(tp, batch, context)
+        return self.spec.step_s(self.sim.engine, tp, batch, positions, context)
 
     def start(self, engine: SimEngine, req: Request) -> _Seq:
         s = req.sample
@@ -215,13 +234,15 @@ class Simulator:
             self.targets[sid] = self.workload.length(s.prompt_id, s.epoch, s.index, attempt)
         target = min(self.targets[sid], s.response_length + req.max_tokens)
         seq = _Seq(req, max(target, s.response_length + 1))
+        if self.spec is not None:
+            seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
         self.where[sid] = engine
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
 
     def _commit(self, seq: _Seq, version: int) -> Sample:
         s = seq.req.sample
-        k = seq.gen - s.response_length
+        k = min(int(seq.gen + 1e-6), seq.target) - s.response_length
         if k > 0:  # the simulator's tokens are placeholders; lengths and versions are what matter
             s.append([0] * k, [0.0] * k, version)
         return s
@@ -230,6 +251,8 @@ class Simulator:
         s = self._commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
         s.finish_time, s.worker_id = engine.t, engine.wid
+        if self.spec is not None:
+            self.spec.record(s.prompt_id, s.epoch, self.policy.version)
         self.where.pop(s.sample_id, None)
         self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
         self.push(engine.t + self.sim.cluster.reward_latency_s, s)
@@ -253,6 +276,8 @@ class Simulator:
     def run_round(self, rnd: Round) -> dict[str, Any]:
         self.step = rnd.index
         self.set_layout(rnd.layout)
+        if self.spec is not None:
+            self.spec.publish()  # the driver ships the last round's finished samples to the drafters
         t0 = self.clock.t
         self.emit("phase", "start", t0, phase="rollout")
         self.preemptions = 0
@@ -368,8 +393,16 @@ def build_policy(sim: SimConfig, run: RunConfig, policy_name: str | None = None,
 
 def simulate(sim: SimConfig, run: RunConfig, policy_name: str | None = None, record: bool = True) -> SimResult:
     """Runs one policy over the whole workload (every prompt x n samples x epochs) and returns the result."""
-    policy, workload = build_policy(sim, run, policy_name)
+    base, speculative = split_policy(policy_name or run.scheduler.policy)
+    policy, workload = build_policy(sim, run, base)
     if sim.engine.kv_capacity(sim.engine.min_tp()) <= 0 or sim.engine.min_tp() > sim.cluster.gpus_per_node:
         raise UserError(f"engine: the model ({sim.engine.weight_gib} GiB) does not fit a node of "
                         f"{sim.cluster.gpus_per_node} x {sim.engine.gpu_mem_gib} GiB GPUs")
-    return Simulator(sim, run, policy, workload, record=record).run_all()
+    simulator = Simulator(sim, run, policy, workload, record=record)
+    if speculative:
+        simulator.spec = HistoSpecSim(sim.speculation, seed=sim.workload.seed)
+    result = simulator.run_all()
+    result.policy = policy_name or result.policy
+    if simulator.spec is not None:
+        result.policy_stats["speculation"] = simulator.spec.stats()
+    return result

@@ -22,7 +22,8 @@ from megatron_sortedrl.errors import UserError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="simulator scenario YAML, e.g. configs/sim_tiny_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (run.* for the run config)")
-    parser.add_argument("--policies", default="sync,sorted,tail,twotier", help="comma-separated tier-1 policies")
+    parser.add_argument("--policies", default="sync,sorted,tail,twotier",
+                        help="comma-separated tier-1 policies, each optionally with +histospec (speculation model)")
     parser.add_argument("--out", default="runs/simulate", help="directory for simulation.json and simulation.png")
     parser.add_argument("--timelines", default="", help="also write each policy's timeline JSONL into this directory")
 
@@ -34,9 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from scheduler.simulator import simulate
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
+    from scheduler.speculation_model import split_policy
+
+    bad = [p for p in names if split_policy(p)[0] not in POLICIES]
     if bad or not names:
-        raise UserError(f"--policies: unknown {bad or 'empty list'}; choose from {', '.join(POLICIES)}")
+        raise UserError(f"--policies: unknown {bad or 'empty list'}; choose from {', '.join(POLICIES)} "
+                        "(each optionally with +histospec)")
     sim, run_cfg = load_sim_config(args.config, args.overrides)
     rows, results = [], []
     for name in names:
