@@ -12,8 +12,9 @@ tails (configs/sim_qwen32b_128gpu.yaml). Writes docs/benchmarks/simulation_<scal
   scenario's speculation at its best acceptance, so a lower bound for every row);
 - `limit`: the bound with and without speculation, and its parts;
 - `speculation`: the model's calibration (`speculation:` of the scenario), tokens/s of one engine with and
-  without HistoSpec by number of running sequences (where it pays: few sequences, the long tail), and for
-  each `+histospec` row its rollout time by round kind next to the plain policy's.
+  without HistoSpec by number of running sequences (where it pays: few sequences, the long tail), and
+  `tail` with and without HistoSpec, rollout time by round kind (its long rounds run few sequences per
+  engine). `--evidence-only` recomputes just that block into an existing JSON.
 
 The simulator is deterministic: one run per variant (no repeats needed; wall time is the simulator's own).
 Left out: accuracy effects of the policies (the simulator has no model).
@@ -65,9 +66,33 @@ def by_kind(result) -> dict[str, float]:
     return out
 
 
+def long_round_evidence(sim, run) -> dict:
+    """`tail` runs explicit long rounds (few sequences per engine): its rollout time by round kind with and
+    without HistoSpec shows where speculation pays."""
+    out = {}
+    for name in ("tail", "tail+histospec"):
+        result = simulate(sim, run, name, record=False)
+        out[name] = {"rollout_s_by_kind": by_kind(result), "total_s": result.total_s}
+        print(f"  {name}: {result.total_s:.0f} s {out[name]['rollout_s_by_kind']}", flush=True)
+    plain, spec = out["tail"]["rollout_s_by_kind"], out["tail+histospec"]["rollout_s_by_kind"]
+    out["rollout_speedup_by_kind"] = {k: plain[k] / spec[k] for k in plain if spec.get(k)}
+    return out
+
+
 def main(argv: list[str]) -> int:
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
+    if "--evidence-only" in argv:  # adds the long-round evidence to an existing JSON without rerunning the rows
+        argv = [a for a in argv if a != "--evidence-only"]
+        for scale, path in SCALES.items():
+            if argv and scale not in argv:
+                continue
+            sim, run = load_sim_config(ROOT / path)
+            f = out / f"simulation_{scale}.json"
+            doc = json.loads(f.read_text())
+            doc["speculation"]["long_round_evidence"] = long_round_evidence(sim, run)
+            f.write_text(json.dumps(doc, indent=1))
+        return 0
     for scale, path in SCALES.items():
         if argv and scale not in argv:
             continue
@@ -95,6 +120,7 @@ def main(argv: list[str]) -> int:
                       "calibration": "docs/benchmarks/histospec_sim_calibration.json",
                       "speedup_by_batch": {f"tp{tp}": speedup_by_batch(sim, tp) for tp in
                                            sorted({run.rollout.tensor_parallel_size, run.rollout.long_round_tensor_parallel_size})}}
+        spec_block["long_round_evidence"] = long_round_evidence(sim, run)
         doc = {"scenario": sim.name, "config": path, "rows": rows,
                "limit": {"with_speculation": limit, "without_speculation": limit_plain,
                          "definition": "scheduler/limit.py: max(throughput, longest response alone) + train + sync "
