@@ -116,3 +116,14 @@ def test_limit_is_never_above_any_policy(seed, sigma, prompts, share, alpha):
         assert result.total_s / samples >= limit["s_per_sample"]
         if "+" not in policy:
             assert result.total_s / samples >= plain_limit["s_per_sample"]
+
+
+def test_simulate_command_takes_histospec_variants(tmp_path, capsys):
+    from megatron_sortedrl.cli import main
+
+    rc = main(["simulate", "configs/sim_tiny_cpu.yaml", "workload.num_prompts=8", "workload.num_epochs=2",
+               "--policies", "sync,twotier+histospec", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "twotier+histospec" in out and "x limit" in out and "physical limit" in out
+    assert main(["simulate", "configs/sim_tiny_cpu.yaml", "--policies", "twotier+magic"]) == 2

@@ -1,8 +1,8 @@
 """`python -m megatron_sortedrl simulate <sim.yaml> [key=value ...] --policies sync,sorted,tail,twotier`
 
 Runs the real scheduling policies on the discrete-event cluster simulator (`scheduler/simulator.py`),
-prints a table (bubble ratios, rollout and step time, throughput and its ratio to sync, samples per
-update, staleness) and writes a plot and a JSON of the figures. Overrides starting with `run.` change
+prints a table (bubble ratios, rollout and step time, throughput and its ratio to sync and to the
+scenario's physical limit, samples per update, staleness) and writes a plot and a JSON of the figures. Overrides starting with `run.` change
 the run config the scenario points to (e.g. `run.scheduler.max_staleness=2`), others the scenario
 (e.g. `workload.persistence=0.5`). Timelines per policy are written with `--timelines DIR`.
 
@@ -58,12 +58,17 @@ def run(args: argparse.Namespace) -> int:
                 for e in result.events:
                     w.write(e)
     add_ratios(rows)
+    from scheduler.limit import add_limit, physical_limit
+
+    limit = physical_limit(sim, run_cfg)
+    add_limit(rows, limit)  # "x limit": time per trained sample over the scenario's physical limit
     print(f"{sim.name}: {sim.workload.num_prompts} prompts x {run_cfg.rollout.n_samples_per_prompt} x "
           f"{sim.workload.num_epochs} epochs on {sim.cluster.gpus} GPUs")
     print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "simulation.json").write_text(json.dumps({"scenario": sim.name, "rows": rows}, indent=1))
+    print(f"physical limit: {limit['s_per_sample'] * 1000:.1f} ms per trained sample ({limit['rollout_bound']} bound)")
+    (out / "simulation.json").write_text(json.dumps({"scenario": sim.name, "rows": rows, "limit": limit}, indent=1))
     plot(rows, results, str(out / "simulation.png"), title=sim.name)
     print(f"wrote {out / 'simulation.json'} and {out / 'simulation.png'}")
     return 0
