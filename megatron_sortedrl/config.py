@@ -251,6 +251,9 @@ class TrainerConfig:
     warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
     warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10)
+    stream: bool = help_field(
+        "Stream training (trainer/stream.py): backward of each finished prompt group while the round still "
+        "generates, one optimizer step at harvest (equal to the batch update).", False)
 
     def __post_init__(self) -> None:
         for key in ("total_steps", "micro_batch_tokens", "logprob_chunk_tokens"):

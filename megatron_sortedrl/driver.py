@@ -89,6 +89,7 @@ class Driver:
         from megatron_sortedrl.rollout import PoolOptions, RolloutPool
         from megatron_sortedrl.tiny_model import build_tiny_model
         from megatron_sortedrl.trainer.group import TrainerGroup
+        from megatron_sortedrl.trainer.stream import DriverStream
         from scheduler.layout import make_planner
         from scheduler.policies import make_policy
         from speculative.history import HistoryStore
@@ -128,6 +129,7 @@ class Driver:
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
                                   num_epochs=cfg.data.num_epochs or None)
+        self.stream = DriverStream(self.trainer, self.policy) if cfg.trainer.stream else None  # trainer/stream.py
         self.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
                                     max_responses_per_prompt=cfg.speculative.history_max_responses)
         self._shipped = 0
@@ -281,6 +283,8 @@ class Driver:
             for s in self.rewards.poll():
                 live.pop(s.sample_id, None)
                 abort(self.policy.on_sample_finished(s, self.clock))
+                if self.stream:  # backward of a finished group that will be trained, while the rest generates
+                    self.stream.on_finished(s)
 
         fill()
         while (harvest := self.policy.harvest(self.clock)) is None:
@@ -311,7 +315,7 @@ class Driver:
     def train(self, batch: list[Sample]) -> dict[str, float]:
         self._phase("train", "start")
         adv = self.trainer.advantages(batch)
-        out = self.trainer.train_step(batch, advantages=adv)
+        out = self.stream.train(batch, adv) if self.stream else self.trainer.train_step(batch, advantages=adv)
         self._phase("train", "end")
         return out
 

@@ -41,7 +41,7 @@ from megatron_sortedrl.trainer.model import read_hf_config
 from megatron_sortedrl.trainer.worker import TrainerWorker, on_gpu
 
 
-_CHANGES_WEIGHTS = ("train_step", "load")  # methods after which the weights differ from the last push
+_CHANGES_WEIGHTS = ("train_step", "load", "stream_step")  # methods after which the weights differ from the last push
 
 
 class TrainerActor:

@@ -28,6 +28,7 @@ import torch
 
 from megatron_sortedrl import algorithms as A
 from megatron_sortedrl.trainer import cpu_compat
+from megatron_sortedrl.trainer.stream import StreamTrainingMixin
 from megatron_sortedrl.trainer.logprobs import (
     Sampling,
     SeqItem,
@@ -43,7 +44,7 @@ def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "gpu" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
 
-class TrainerWorker:
+class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: trainer/stream.py
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.master = (master_addr, master_port)
@@ -214,12 +215,12 @@ class TrainerWorker:
         loss = -(lp * w).sum()
         return loss * scale, {"loss": loss.detach(), "n_tokens": mb.loss_mask.sum()}
 
-    def _forward_backward(self, items: list[dict], kind: str) -> dict[str, float]:
+    def _forward_backward(self, items: list[dict], kind: str, counts: tuple[float, float] | None = None) -> dict[str, float]:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
-        n_tok, n_seq = self._global_counts(items)
+        n_tok, n_seq = counts or self._global_counts(items)  # stream training passes (1, 1)
         mbs = self._microbatches(self._shard(items))
         scale = len(mbs) * self.dp
         fn = self._rl_loss if kind == "rl" else self._sft_loss

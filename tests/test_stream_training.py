@@ -1,0 +1,217 @@
+"""Stream training: gradients of prompt groups added one part at a time, one optimizer step at the end, give
+the same parameters as one batch update on the same samples (within 1e-6).
+
+    pytest tests/test_stream_training.py -q          # one TP=1 Megatron trainer on CPU (gloo), in a subprocess
+
+Hardware: CPU only. One trainer makes the batch update; a second, from the same weights and a fresh
+optimizer, gets the same samples streamed in three parts of whole prompt groups. The driver hook is
+checked against the real sync and twotier policies with a recording stand-in for the trainer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sortedrl.config import RunConfig, load_config
+from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.sample import Sample
+
+
+
+def _samples(n: int = 8, seed: int = 11) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
+        s = Sample(prompt_id=f"p{i // 2}", index=i % 2,
+                   prompt_tokens=torch.randint(4, 100, (plen,), generator=g).tolist(),
+                   response_tokens=torch.randint(4, 100, (rlen,), generator=g).tolist(),
+                   version_spans=[(0, 0)], reward=float(i % 3 == 0))
+        s.rollout_logprobs = (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()
+        out.append(s)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from megatron_sortedrl.config import TinyModelConfig
+    from megatron_sortedrl.tiny_model import build_tiny_model
+
+    d = tmp_path_factory.mktemp("stream") / "tiny"
+    build_tiny_model(d, TinyModelConfig(seed=5))
+    return d
+
+
+def _parity(model_dir: str, out) -> None:
+    """Runs in a fresh process: an in-process TP=1 worker (no Ray, so a loaded machine cannot time out its
+    start-up) makes the batch update; a second one from the same weights streams the batch in three parts."""
+    import socket
+
+    from megatron_sortedrl.trainer.group import TrainerGroup
+    from megatron_sortedrl.trainer.stream import StreamedUpdate
+    from megatron_sortedrl.trainer.worker import TrainerWorker
+
+    class InProcessGroup(TrainerGroup):
+        def __init__(self, cfg):
+            self.cfg, self.world_size, self.first_reporter, self.actors = cfg, 1, 0, []
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            self.worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", port)
+            self.worker.setup()
+
+        def _all(self, method, *args, **kwargs):
+            return [getattr(self.worker, method)(*args, **kwargs)]
+
+    cfg = RunConfig()
+    cfg.model.path = model_dir
+    cfg.cluster.device = "cpu"
+    cfg.trainer.micro_batch_tokens = 48  # several micro-batches per part
+    # RL learning rates are small; at 1e-3 Adam's first step (about lr * sign(g)) turns float32 rounding of
+    # gradient elements below its eps (different micro-batch packing per part) into up to 3.5e-5 of parameter
+    # difference, so the gradients are compared directly as well.
+    cfg.trainer.lr = 1e-5
+    samples = _samples()
+
+    def grads(worker, scale=1.0):
+        return {n: p.main_grad.detach().clone() * scale for n, p in worker.module.named_parameters()}
+
+    # Two trainers in turn from the same weights and a fresh optimizer: one batch update, one streamed.
+    group = InProcessGroup(cfg)
+    try:
+        from megatron_sortedrl.trainer.optimizer import zero_grads
+
+        adv = group.advantages(samples)  # GRPO per prompt group: the parts below hold whole groups
+        w0 = group.export_hf_weights()
+        group.worker._forward_backward(group._rl_items(samples, adv, None), "rl")
+        g_batch = grads(group.worker)
+        zero_grads(group.worker.opt, [group.worker.model])
+        batch = group.train_step(samples, adv)
+        w_batch = group.export_hf_weights()
+    finally:
+        group.worker.shutdown()
+    group = InProcessGroup(cfg)
+    try:
+        restored = all(torch.equal(w0[k], v) for k, v in group.export_hf_weights().items())
+        update = StreamedUpdate(group)
+        for lo, hi in ((0, 2), (2, 6), (6, 8)):
+            update.add(samples[lo:hi], adv[lo:hi])
+        tokens = sum(len(x.response_tokens) for x in samples)  # token aggregation: the batch's count
+        g_stream = grads(group.worker, 1.0 / tokens)
+        streamed = update.step()
+        w_stream = group.export_hf_weights()
+    finally:
+        group.worker.shutdown()
+    gmax = max(float(g.abs().max()) for g in g_batch.values())
+    gdiff = max(float((g_batch[k] - g_stream[k]).abs().max()) for k in g_batch)
+    out.put({"adv": adv, "restored": restored, "batch": batch, "streamed": streamed,
+             "moved": max(float((w_batch[k] - w0[k]).abs().max()) for k in w0),
+             "diff": max(float((w_batch[k] - w_stream[k]).abs().max()) for k in w0),
+             "grad_max": gmax, "grad_diff": gdiff})
+
+
+def test_streamed_update_equals_batch_update(model_dir):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_parity, args=(str(model_dir), q))
+    proc.start()
+    res = None
+    while res is None and (proc.is_alive() or not q.empty()):
+        try:
+            res = q.get(timeout=5)
+        except Exception:  # queue.Empty: keep waiting while the child lives
+            pass
+    proc.join(60)
+    assert res is not None, f"the trainer process ended without a result (exit code {proc.exitcode})"
+    assert any(a != 0 for a in res["adv"]) and res["restored"]
+    assert res["moved"] > 5e-6  # the update did something (about lr per element)
+    assert res["diff"] <= 1e-6, res["diff"]
+    assert res["grad_diff"] <= 1e-6 * max(1.0, res["grad_max"]), (res["grad_diff"], res["grad_max"])
+    streamed, batch = res["streamed"], res["batch"]
+    assert streamed["stream_parts"] == 3 and streamed["skipped"] == batch["skipped"] == 0.0
+    assert streamed["loss"] == pytest.approx(batch["loss"], rel=1e-5, abs=1e-7)
+    assert streamed["grad_norm"] == pytest.approx(batch["grad_norm"], rel=1e-5)
+
+
+def test_stream_option_is_typed():
+    cfg = load_config(None, ["model.path=/nonexistent/tiny", "trainer.stream=true"])
+    assert cfg.trainer.stream is True
+    with pytest.raises(ConfigError):
+        load_config(None, ["model.path=/nonexistent/tiny", "trainer.stream=sometimes"])
+
+
+class FakeGroup:
+    """Records what the driver hook asks the trainer for (the real update is tested above)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def advantages(self, samples):
+        return [1.0] * len(samples)
+
+    def _rl_items(self, samples, advantages, old):
+        return [s.sample_id for s in samples]
+
+    def _all(self, method, *args):
+        self.calls.append((method, sorted(args[0]) if method == "stream_accumulate" else None))
+        return [{}]
+
+    def _report(self, outs):
+        return outs[0]
+
+    def train_step(self, batch, advantages):
+        self.calls.append(("train_step", sorted(s.sample_id for s in batch)))
+        return {}
+
+
+def _finish(policy, sample, clock, stream):
+    sample.append([5, 6, 7], [-1.0] * 3, policy.version)
+    sample.reward = float(sample.index)
+    policy.on_sample_finished(sample, clock)
+    stream.on_finished(sample)
+
+
+def test_driver_hook_streams_only_groups_that_will_be_trained():
+    from dataclasses import replace
+
+    from scheduler.layout import make_planner
+    from scheduler.policies import make_policy
+    from scheduler.protocol import ManualClock
+    from megatron_sortedrl.trainer.stream import DriverStream
+
+    base = load_config(None, ["model.path=/nonexistent/tiny"]).scheduler
+    clock = ManualClock()
+    for name in ("sync", "twotier"):
+        cfg = replace(base, policy=name, rollout_batch_size=2, update_batch_size=4, group_size=2)
+        policy = make_policy(cfg, ["a", "b"], n_samples=2, max_response_length=16,
+                             planner=make_planner("fixed", gpus=1, gpus_per_node=1, tp_short=1, tp_long=1), num_epochs=1)
+        group = FakeGroup()
+        stream = DriverStream(group, policy)
+        rnd = policy.compose_round(clock)
+        samples = [r.sample for r in rnd.requests]
+        first = [s for s in samples if s.prompt_id == samples[0].prompt_id]
+        for s in first:
+            _finish(policy, s, clock, stream)
+        if name == "sync":  # every prompt of a sync round is trained: streamed as soon as complete
+            assert group.calls == [("stream_accumulate", sorted(s.sample_id for s in first))]
+        else:  # twotier decides at harvest for fresh prompts: nothing streamed
+            assert group.calls == []
+        for s in samples:
+            if s not in first:
+                _finish(policy, s, clock, stream)
+        harvest = policy.harvest(clock)
+        stream.train(harvest.batch, [1.0] * len(harvest.batch))
+        assert group.calls[-1] == ("stream_step", None)
+        assert sorted(x for m, ids in group.calls if m == "stream_accumulate" for x in ids) == \
+            sorted(s.sample_id for s in harvest.batch)
+
+    # A streamed group missing from the batch at training time: parts dropped, ordinary update.
+    group.calls.clear()
+    stream.update.samples = list(first)
+    stream.train(harvest.batch[2:], [1.0] * 2)
+    assert [m for m, _ in group.calls] == ["stream_discard", "train_step"]
