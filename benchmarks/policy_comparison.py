@@ -22,7 +22,7 @@ same prompts, `data.num_epochs` passes (every prompt is trained n x epochs times
 trained sample counts are checked), greedy eval before and after (the pre-RL accuracies must agree). Repeat r
 runs every variant with `seed=<seed>+r` (sampling and data order; the prompts come from `data.seed`), the
 variants of one driver interleaved, so the spread over repeats is a seed spread under the same machine
-conditions. The HistoSpec variants run before the plain ones (their engines differ), so their ratio to `sync`
+conditions. The HistoSpec variants run after the plain ones (their engines differ), so their ratio to `sync`
 spans two time windows: the load average of each run is in the JSON. Mid-run evaluation and checkpoints are
 off.
 
@@ -476,37 +476,47 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = (args.warm_ckpt or work / "warm_start" / "ckpt").resolve()
     print(f"work dir {work}", flush=True)
+    # Finished runs are appended to runs.jsonl, so a benchmark stopped half-way (a crash, the OOM killer) goes on
+    # where it stopped when started again with the same --work-dir.
+    done_path = work / "runs.jsonl"
+    done = {(r["variant"], r["repeat"]): r for r in map(json.loads, done_path.read_text().splitlines())} \
+        if done_path.exists() else {}
     runs: dict[str, list[dict]] = {n: [] for n in names}
     startups: dict[str, float] = {}
-    warm: dict = {}
+    warm: dict = json.loads((ckpt.parent / "warm_start.json").read_text()) \
+        if (ckpt.parent / "warm_start.json").is_file() else {}
     t_all = time.monotonic()
-    # One driver per speculative setting (engines are built with or without the drafter), HistoSpec first;
+    # One driver per speculative setting (engines are built with or without the drafter);
     # within it the variants are interleaved repeat by repeat.
-    groups = [[n for n in names if VARIANTS[n][1] == spec] for spec in (True, False)]
+    groups = [[n for n in names if VARIANTS[n][1] == spec] for spec in (False, True)]
     try:
-        for group in filter(None, groups):
+        for group in groups:
+            todo = [(rep, n) for rep in range(args.repeats) for n in group if (n, rep) not in done]
+            if not todo:
+                continue
             session = Session(args, VARIANTS[group[0]][1], work)
             startups["speculative" if session.spec else "plain"] = round(session.startup_s, 1)
             try:
-                if (ckpt.parent / "warm_start.json").is_file():
-                    warm = json.loads((ckpt.parent / "warm_start.json").read_text())
-                else:
+                if not warm:
                     print(f"warm-up ({session.cfg.trainer.warmup_sft_steps} supervised steps) -> {ckpt}", flush=True)
                     warm = session.warm_start(ckpt)
                     print(f"warm-up done in {warm['seconds']:.0f}s, loss {warm['final_loss']:.3f}", flush=True)
-                for rep in range(args.repeats):
-                    for name in group:
-                        r = session.run(name, rep, ckpt)
-                        runs[name].append(r)
-                        print(f"{name:18s} r{rep}: {r['steps']:3d} steps {r['trained_samples']} samples  "
-                              f"{1e3 * r['s_per_sample_steps']:.1f} ms/sample  rollout {r['rollout_share']:.2f}  "
-                              f"bubble {_f(r['bubble_ratio'], '.2f')}/{r['slot_bubble']:.2f}  idle "
-                              f"{r['driver_idle_share']:.3f}  fixed "
-                              f"{r['fixed_ms_per_update']:.0f} ms/update  reward {r['reward_mean']:.3f}  acc "
-                              f"{r['accuracy_before_rl']:.3f} -> {r['final_eval_accuracy']:.3f}  ({r['process_s']:.0f}s,"
-                              f" load {r['load_average'][0]:.1f}/{r['load_average'][1]:.1f})", flush=True)
+                for rep, name in todo:
+                    r = session.run(name, rep, ckpt)
+                    done[(name, rep)] = {"variant": name, "repeat": rep, **r}
+                    with open(done_path, "a") as f:
+                        f.write(json.dumps(done[(name, rep)]) + "\n")
+                    print(f"{name:18s} r{rep}: {r['steps']:3d} steps {r['trained_samples']} samples  "
+                          f"{1e3 * r['s_per_sample_steps']:.1f} ms/sample  rollout {r['rollout_share']:.2f}  "
+                          f"bubble {_f(r['bubble_ratio'], '.2f')}/{r['slot_bubble']:.2f}  idle "
+                          f"{r['driver_idle_share']:.3f}  fixed {r['fixed_ms_per_update']:.0f} ms/update  reward "
+                          f"{r['reward_mean']:.3f}  acc {r['accuracy_before_rl']:.3f} -> {r['final_eval_accuracy']:.3f}"
+                          f"  ({r['process_s']:.0f}s, load {r['load_average'][0]:.1f}/{r['load_average'][1]:.1f})",
+                          flush=True)
             finally:
                 session.close()
+        for n in names:
+            runs[n] = [done[(n, rep)] for rep in range(args.repeats)]
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -526,8 +536,9 @@ def main() -> int:
                   "max_difficulty": cfg.data.max_difficulty, "max_response_length": cfg.rollout.max_response_length,
                   "num_engines": cfg.rollout.num_workers, "seeds": [args.seed + r for r in range(args.repeats)],
                   "repeats": args.repeats, "warm_start": warm, "driver_startup_s": startups,
-                  "order": "one driver per speculative setting (HistoSpec variants first, then plain ones); "
-                           "within a driver the variants are interleaved repeat by repeat",
+                  "order": "one driver per speculative setting (plain variants, then HistoSpec ones, except runs "
+                           "already in runs.jsonl from an earlier start); within a driver the variants are "
+                           "interleaved repeat by repeat",
                   "sync_round_len_ratio": sync_row["round_len_ratio"],
                   "sync_rounds_len_ratio_ge_10": sync_row["rounds_len_ratio_ge_10"],
                   "sync_longest_response": sync_row["longest_response"],
