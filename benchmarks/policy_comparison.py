@@ -273,6 +273,21 @@ def round_lengths(run_dir: Path) -> tuple[list[float], int]:
     return ratios, max((max(v) for v in per_step.values()), default=0)
 
 
+def train_cost_fit(run_dirs: list[str]) -> dict:
+    """Least-squares `time/train_s = fixed + per_token * train/n_tokens` over every step of the given runs: the
+    train step's fixed part (RPCs, optimizer step, launch overheads) apart from its per-token work."""
+    import numpy as np
+
+    pts = [(r["train/n_tokens"], r["time/train_s"]) for d in run_dirs
+           for r in map(json.loads, (Path(d) / "metrics.jsonl").read_text().splitlines())
+           if "time/train_s" in r and "train/n_tokens" in r]
+    x, y = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+    slope, intercept = np.polyfit(x, y, 1)
+    resid = y - (intercept + slope * x)
+    return {"fixed_ms": 1e3 * float(intercept), "us_per_token": 1e6 * float(slope), "steps": len(pts),
+            "r2": float(1 - resid.var() / y.var()) if y.var() > 0 else None}
+
+
 def median_row(name: str, runs: list[dict]) -> dict:
     """Median over repeats of every scalar (min and max of the headline ones); staleness histograms summed."""
     row: dict = {"variant": name, "policy": VARIANTS[name][0], "histospec": VARIANTS[name][1], "repeats": len(runs)}
@@ -370,11 +385,13 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("ms per trained sample by phase (train+sync+history+other = fixed per-update cost)", fontsize=9)
     ax.legend(fontsize=7)
     ax = axes[0, 2]
-    ax.bar([i - 0.2 for i in x], [r["worker_bubble"] or 0.0 for r in rows], 0.4, color=colors, label="worker bubble")
-    ax.bar([i + 0.2 for i in x], [r["driver_idle_share"] for r in rows], 0.4, color=colors, alpha=0.45, hatch="//",
-           label="driver idle share")
+    for off, key, alpha, hatch, label in ((-0.27, "worker_bubble", 1.0, "", "worker bubble"),
+                                          (0.0, "slot_bubble", 0.7, "..", "slot bubble"),
+                                          (0.27, "driver_idle_share", 0.4, "//", "driver idle share")):
+        ax.bar([i + off for i in x], [r[key] or 0.0 for r in rows], 0.27, color=colors, alpha=alpha, hatch=hatch,
+               label=label)
     ax.set_xticks(x, names)
-    ax.set_title("rollout: worker bubble and driver-idle share (means over steps)", fontsize=9)
+    ax.set_title("rollout: worker bubble, slot bubble, driver-idle share", fontsize=9)
     ax.legend(fontsize=7)
     for ax, key, title in ((axes[1, 0], "reward", "reward over all trained samples (median, min-max)"),
                            (axes[1, 1], "final_accuracy", "final greedy eval accuracy (median, min-max)")):
@@ -420,6 +437,10 @@ def write_markdown(result: dict, table: str, path: Path, stem: str) -> None:
              (f"Machine: {s['machine_note']} Load average (1 min) at run starts and ends: median "
              f"{s['load_average']['median']:.1f}, range {s['load_average']['min']:.1f}-{s['load_average']['max']:.1f}."),
              "", table, ""]
+    fit = result["train_step_fit"]
+    lines += [(f"The train step is mostly per-token work, not a fixed cost: over all {fit['steps']} steps, "
+              f"`time/train_s` = {fit['fixed_ms']:.0f} ms + {fit['us_per_token']:.0f} us x trained tokens "
+              f"(R^2 {fit['r2']:.2f}). The fixed part of an update is that intercept plus sync, history and other."), ""]
     if HEADLINE in rows:
         h = rows[HEADLINE]
         lines += [(f"**Headline**: twotier+HistoSpec {h['ms_per_sample_median']:.1f} ms per trained sample against "
@@ -548,6 +569,7 @@ def main() -> int:
                   "load_average": {"min": min(loads), "median": statistics.median(loads), "max": max(loads),
                                    "samples": loads},
                   "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
+        "train_step_fit": train_cost_fit([d for r in rows for d in r["run_dirs"]]),
         "checks": {"expected_trained_samples": expected, "trained_samples": counts,
                    "equal_sample_budget": all(v == expected for v in counts.values()),
                    "accuracy_before_rl": before, "identical_start": len(before) == 1},
@@ -560,6 +582,10 @@ def main() -> int:
     if not result["checks"]["identical_start"]:
         print(f"warning: pre-RL eval accuracies differ across runs: {before}", file=sys.stderr)
     stem = preset["stem"]
+    prev = args.out / f"{stem}.json"
+    if not startups and prev.exists():  # nothing ran now (all runs resumed): keep the timing of the real runs
+        old = json.loads(prev.read_text())["setup"]
+        result["setup"].update({k: old[k] for k in ("driver_startup_s", "benchmark_s") if k in old})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     write_markdown(result, table, args.out / f"{stem}.md", stem)
