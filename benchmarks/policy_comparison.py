@@ -438,9 +438,15 @@ def write_markdown(result: dict, table: str, path: Path, stem: str) -> None:
              f"{s['load_average']['median']:.1f}, range {s['load_average']['min']:.1f}-{s['load_average']['max']:.1f}."),
              "", table, ""]
     fit = result["train_step_fit"]
-    lines += [(f"The train step is mostly per-token work, not a fixed cost: over all {fit['steps']} steps, "
-              f"`time/train_s` = {fit['fixed_ms']:.0f} ms + {fit['us_per_token']:.0f} us x trained tokens "
-              f"(R^2 {fit['r2']:.2f}). The fixed part of an update is that intercept plus sync, history and other."), ""]
+    if fit["r2"] is not None and fit["r2"] >= 0.5 and fit["fixed_ms"] >= 0:
+        lines += [(f"The train step is mostly per-token work, not a fixed cost: over all {fit['steps']} steps, "
+                   f"`time/train_s` = {fit['fixed_ms']:.0f} ms + {fit['us_per_token']:.0f} us x trained tokens "
+                   f"(R^2 {fit['r2']:.2f}). The fixed part of an update is that intercept plus sync, history and "
+                   "other."), ""]
+    else:
+        lines += [(f"A straight line through `time/train_s` against trained tokens over the {fit['steps']} steps "
+                   f"does not separate a fixed part (R^2 {fit['r2'] or 0:.2f}): the machine's load varied more "
+                   "than the batches did."), ""]
     if HEADLINE in rows:
         h = rows[HEADLINE]
         lines += [(f"**Headline**: twotier+HistoSpec {h['ms_per_sample_median']:.1f} ms per trained sample against "
