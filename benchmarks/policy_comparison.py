@@ -1,8 +1,8 @@
 """Policy comparison on real RL runs (CPU): the same workload, warm start and sample budget through the RL loop
 of the `train` command (the driver) with every scheduling policy, with and without HistoSpec, over repeats.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/policy_comparison.py --preset longtail   # ~35 min on 2 loaded cores
-    PYTHONPATH=. .venv/bin/python benchmarks/policy_comparison.py --preset light      # ~15 min: sync vs twotier
+    PYTHONPATH=. .venv/bin/python benchmarks/policy_comparison.py --preset longtail   # ~50 min on 2 cores at load 30-85
+    PYTHONPATH=. .venv/bin/python benchmarks/policy_comparison.py --preset light      # ~12 min at load 70-80: sync vs twotier
     PYTHONPATH=. .venv/bin/python benchmarks/policy_comparison.py --preset light --repeats 1 --prompts 16  # a smoke run
 
 Two presets, each with its own output files under docs/benchmarks/:
@@ -14,8 +14,8 @@ Two presets, each with its own output files under docs/benchmarks/:
 
 What it does: one driver (trainer, engines, reward pool; `Session`) per speculative setting runs every run
 of that setting in turn, so start-up is paid twice, not once per run (minutes each on a loaded machine). The
-supervised warm-up runs once (the driver's own `warm_start`, the preset's `trainer.warmup_sft_steps` unless
-`--warmup-steps`) and is saved as a trainer checkpoint; before every run the trainer reloads it (weights and
+supervised warm-up runs once (`--warmup-steps`, default the preset's, on `--sft-prompts` fresh problems of the
+task) and is saved as a trainer checkpoint; before every run the trainer reloads it (weights and
 optimizer), the engines get it as policy version 0, and the policy, HistoSpec history (drafters emptied),
 run records and reward counters are new, so each run is what a fresh `train` from the warm start would do:
 same prompts, `data.num_epochs` passes (every prompt is trained n x epochs times whatever the policy; the
@@ -70,10 +70,10 @@ VARIANTS = {
 BASELINE, HEADLINE = "sync", "twotier+histospec"
 PRESETS = {
     "longtail": {"config": "configs/longtail_cpu.yaml", "stem": "policy_comparison_longtail",
-                 "variants": "sync,tail,sorted,twotier,twotier+histospec", "prompts": 64, "eval_prompts": 64,
-                 "epochs": 2},
+                 "variants": "sync,tail,sorted,twotier,twotier+histospec", "prompts": 48, "eval_prompts": 48,
+                 "epochs": 2, "warmup_steps": 400},
     "light": {"config": "configs/tiny_cpu.yaml", "stem": "policy_comparison", "variants": "sync,twotier",
-              "prompts": 128, "eval_prompts": 128, "epochs": 2},
+              "prompts": 48, "eval_prompts": 64, "epochs": 2, "warmup_steps": 500},
 }
 PHASES = ("rollout", "train", "sync", "history", "other")
 
@@ -472,7 +472,7 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=None, help="data.num_epochs (>= 2 gives HistoSpec a history)")
     ap.add_argument("--max-difficulty", type=int, default=None, help="data.max_difficulty (default: the config's)")
     ap.add_argument("--max-response-length", type=int, default=None, help="default: the config's")
-    ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (default: the config's)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (default: the preset's)")
     ap.add_argument("--sft-prompts", type=int, default=2048, help="fresh problems of the warm-up")
     ap.add_argument("--seed", type=int, default=0, help="seed of repeat 0; repeat r uses seed + r")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every variant")
@@ -485,7 +485,7 @@ def main() -> int:
     args = ap.parse_args()
     preset = PRESETS[args.preset]
     args.config = preset["config"]
-    for key in ("prompts", "eval_prompts", "epochs", "variants"):
+    for key in ("prompts", "eval_prompts", "epochs", "variants", "warmup_steps"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     names = args.variants.split(",")
