@@ -235,20 +235,21 @@ class Driver:
 
         def fill() -> None:
             items = []
-            for w in range(len(inflight)):
-                while inflight[w] < cap and (req := queues.pop(w)) is not None:
-                    s = req.sample
-                    if req.max_tokens <= 0:  # a resumed partial already at the length limit
-                        s.finish_reason = "length"
-                        self._score(s)
-                        live[s.sample_id] = s
-                        continue
-                    s.submit_time = s.submit_time or self.clock.now()
-                    items.append((GenRequest(s.sample_id, s.prompt_tokens + s.response_tokens,
-                                             self._sampling(req.max_tokens)), w))
-                    live[s.sample_id], inflight[w] = s, inflight[w] + 1
-                    self.events.append(self.timeline.record("request", "submit", self.step, worker=w,
-                                                            sample_id=s.sample_id, tokens=s.response_length))
+            for steal in (False, True):  # own queues first, else the first worker with free slots takes all
+                for w in range(len(inflight)):
+                    while inflight[w] < cap and (req := queues.pop(w, steal=steal)) is not None:
+                        s = req.sample
+                        if req.max_tokens <= 0:  # a resumed partial already at the length limit
+                            s.finish_reason = "length"
+                            self._score(s)
+                            live[s.sample_id] = s
+                            continue
+                        s.submit_time = s.submit_time or self.clock.now()
+                        items.append((GenRequest(s.sample_id, s.prompt_tokens + s.response_tokens,
+                                                 self._sampling(req.max_tokens)), w))
+                        live[s.sample_id], inflight[w] = s, inflight[w] + 1
+                        self.events.append(self.timeline.record("request", "submit", self.step, worker=w,
+                                                                sample_id=s.sample_id, tokens=s.response_length))
             if items:
                 self.pool.submit_many(items)
 

@@ -20,6 +20,7 @@ RewardFn = Callable[..., float]
 
 DEFAULT_REWARD = {
     "arithmetic": "megatron_sortedrl.rewards.arithmetic.reward",
+    "long_addition": "megatron_sortedrl.rewards.arithmetic.reward",
     "knights_knaves": "megatron_sortedrl.rewards.knights_knaves.reward",
     "file": "megatron_sortedrl.rewards.math.reward",
 }
