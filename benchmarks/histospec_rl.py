@@ -4,8 +4,9 @@ and `suffix` vs HistoSpec, same workload and seed, interleaved repeats.
     python benchmarks/histospec_rl.py                       # ~40 minutes on 2 shared cores (12 runs + one warm-up)
     python benchmarks/histospec_rl.py --repeats 1 --epochs 2 --model-dir /tmp/hsrl_warm   # a quick look
 
-What it does: one supervised warm-up with the driver's own `warm_start`, exported to a HF directory
-(`benchmarks/policy_comparison.py`'s `warm_start`); then, for each repeat and each method in a rotated
+What it does: starts one Ray head for all runs (a loaded machine can miss Ray's start-up window when
+every run starts its own), one supervised warm-up with the driver's own `warm_start`, exported to a HF
+directory; then, for each repeat and each method in a rotated
 order, a real `python -m megatron_sortedrl train configs/tiny_cpu.yaml` run from those weights (twotier
 scheduler, GRPO updates after every round, weight sync to the engine, so the policy moves between epochs)
 over `--epochs` passes of `--prompts` prompts. The method is the only difference between runs:
@@ -51,13 +52,70 @@ METHODS = {  # name -> overrides
     "histospec": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16"],
 }
 KINDS = ("all", "short", "long")
+DEFINITIONS = {
+    "tokens_per_forward": "generated tokens / target forwards, target forwards = tokens - accepted draft tokens "
+                          "(vLLM's counters; 1.0 without speculation)",
+    "acceptance_rate": "accepted / verified draft tokens", "mean_accepted_length": "accepted tokens / verified drafts",
+    "drafter_ms_per_engine_step": "HistoSpec proposer time / engine steps (vLLM's iteration count)",
+    "rollout_ms_per_token": "sum of time/rollout_s / generated tokens",
+    "rollout_speedup_vs_none": "none's rollout_ms_per_token / this method's, same repeat, then median",
+    "epoch": "the data epoch most of a step's trained samples belong to",
+}
 
 
 def workload_overrides(args) -> list[str]:
     return [f"seed={args.seed}", "data.task=arithmetic", f"data.num_train_prompts={args.prompts}",
             f"data.num_eval_prompts={args.eval_prompts}", f"data.max_difficulty={args.max_difficulty}",
             f"rollout.max_response_length={args.max_response_length}",
-            f"rollout.n_samples_per_prompt={args.n}", "logging.tensorboard=false"]
+            f"rollout.n_samples_per_prompt={args.n}", "logging.tensorboard=false",
+            *([f"cluster.ray_address={args.ray_address}"] if args.ray_address else [])]
+
+
+def start_ray_head(work: Path, tries: int = 5) -> tuple[subprocess.Popen, str]:
+    """One Ray head for the whole benchmark (runs attach with cluster.ray_address), so that a loaded machine
+    pays Ray's start-up once; on a busy machine a fresh `ray.init` per run can miss Ray's 30 s start window."""
+    import socket
+
+    for attempt in range(tries):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = open(work / f"ray_head_{attempt}.log", "w")
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+                                 "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", "--block"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        address = f"127.0.0.1:{port}"
+        for _ in range(180):
+            time.sleep(2)
+            if proc.poll() is not None:
+                break
+            probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}'); print('ok')"],
+                                   capture_output=True, text=True, timeout=300)
+            if "ok" in probe.stdout:
+                return proc, address
+        proc.terminate()
+        proc.wait(60)
+    raise RuntimeError(f"no Ray head came up in {tries} tries; see {work}/ray_head_*.log")
+
+
+def warm_start(args, model_dir: Path, work: Path) -> dict:
+    """The driver's own supervised warm-up, once, exported as a HF directory at `model_dir`."""
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.driver import Driver
+
+    cfg = load_config(ROOT / BASE_CONFIG, workload_overrides(args) + [
+        f"model.path={work / 'base_model'}", "model.build_tiny_if_missing=true", f"logging.run_dir={work / 'warmup'}",
+        f"trainer.warmup_sft_steps={args.warmup_steps}", "checkpoint.resume=never", "speculative.enabled=false"])
+    t0 = time.monotonic()
+    driver = Driver(cfg, printer=lambda line: print(f"  [warm-up] {line}", flush=True))
+    try:
+        out = driver.warm_start()
+        driver.trainer.export_hf_weights(model_dir)
+    finally:
+        driver.close()
+    info = {"steps": args.warmup_steps, "final_loss": out.get("loss"), "seconds": round(time.monotonic() - t0, 1)}
+    (model_dir / "warm_start.json").write_text(json.dumps(info, indent=1))
+    return info
 
 
 def run_one(method: str, repeat: int, args, model_dir: Path, work: Path) -> dict:
@@ -247,16 +305,38 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--load-note", default="2 cores shared with other jobs; see the load average in the JSON")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    ap.add_argument("--ray-address", default="", help="an existing Ray cluster for every run (default: start one)")
+    ap.add_argument("--from-runs", type=Path, default=None,
+                    help="only write the outputs from a work dir's runs.json (e.g. of an interrupted benchmark)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     if "none" not in methods or any(m not in METHODS for m in methods) or args.repeats < 1 or args.epochs < 2:
         print(f"error: --methods must include none and only {', '.join(METHODS)}; --repeats >= 1; --epochs >= 2",
               file=sys.stderr)
         return 2
-    from benchmarks.policy_comparison import warm_start
-
+    if args.from_runs:
+        runs = json.loads(args.from_runs.read_text())
+        done = {r["repeat"] for r in runs if r["method"] == "none"}
+        runs = [r for r in runs if r["repeat"] in done]  # a repeat counts only with its baseline
+        args.repeats = len(done)
+        warm_path = args.model_dir / "warm_start.json" if args.model_dir else None
+        warm = json.loads(warm_path.read_text()) if warm_path and warm_path.is_file() else {}
+        return write_outputs(args, methods, runs, warm, load=[])
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="histospec_rl_"))
     work.mkdir(parents=True, exist_ok=True)
+    head = None
+    if not args.ray_address:
+        head, args.ray_address = start_ray_head(work)
+        print(f"ray head at {args.ray_address}", flush=True)
+    try:
+        return _benchmark(args, methods, work)
+    finally:
+        if head is not None:  # only the head this script started (never `ray stop`: other clusters share the machine)
+            head.terminate()
+            head.wait(120)
+
+
+def _benchmark(args, methods: list[str], work: Path) -> int:
     model_dir = (args.model_dir or work / "warm_model").resolve()
     print(f"work dir {work}", flush=True)
     if (model_dir / "warm_start.json").is_file():
@@ -277,6 +357,11 @@ def main() -> int:
                   f"({f['rollout_ms_per_token'] or 0:.3f} ms/token), process {run['process_s']:.0f}s", flush=True)
             runs.append(run)
             (work / "runs.json").write_text(json.dumps(runs))
+    return write_outputs(args, methods, runs, warm, load)
+
+
+def write_outputs(args, methods: list[str], runs: list[dict], warm: dict, load: list[float]) -> int:
+    methods = [m for m in methods if any(r["method"] == m for r in runs)]
     baseline = {r["repeat"]: per_run(r) for r in runs if r["method"] == "none"}
     rows = [method_row(m, [r for r in runs if r["method"] == m], baseline) for m in methods]
     result = {"setup": {"command": "python benchmarks/histospec_rl.py " + shlex.join(sys.argv[1:]),
@@ -285,7 +370,8 @@ def main() -> int:
                         "prompts": args.prompts, "epochs": args.epochs, "n": args.n,
                         "max_response_length": args.max_response_length, "max_difficulty": args.max_difficulty,
                         "warmup_steps": args.warmup_steps, "warm_start": warm, "seed": args.seed,
-                        "repeats": args.repeats, "methods": {m: METHODS[m] for m in methods}},
+                        "repeats": args.repeats, "methods": {m: METHODS[m] for m in methods},
+                        "definitions": DEFINITIONS},
               "rows": rows, "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "histospec_rl.json").write_text(json.dumps(result, indent=1))
