@@ -81,7 +81,7 @@ def start_ray_head(work: Path, tries: int = 5) -> tuple[subprocess.Popen, str]:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         log = open(work / f"ray_head_{attempt}.log", "w")
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                                  "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", "--block"],
                                 stdout=log, stderr=subprocess.STDOUT)
         address = f"127.0.0.1:{port}"

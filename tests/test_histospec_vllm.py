@@ -209,7 +209,10 @@ def test_temperature_one_distribution_matches_vanilla(engines, policy, vanilla_t
                      seeds=range(10**6, 10**6 + len(prompts)))
     figures = from_vllm_metrics(engines["spec"].get_metrics(), before=before)
     counts = _source_counts(engines["spec"], totals, sources)
-    assert all(ver > 100 and acc > 0 for ver, acc in counts.values()), counts  # drafts of each source did run
+    if len(sources) == 1:
+        assert all(ver > 100 and acc > 0 for ver, acc in counts.values()), counts  # drafts of the source did run
+    else:  # the best-scoring source wins each draft: enough drafts in all, from more than one source
+        assert sum(ver for ver, _ in counts.values()) > 100 and sum(acc > 0 for _, acc in counts.values()) >= 2, counts
     stat, dof, p_spec = chi2_two_sample(vanilla, [(tuple(p), tuple(o)) for p, o in zip(prompts, spec)])
     print(f"\nHistoSpec[{'+'.join(sources)}] vs vanilla vLLM: chi2={stat:.1f} dof={dof} p={p_spec:.3f} "
           f"acceptance={figures['spec/acceptance_rate']:.2f} drafts by source={counts}")
