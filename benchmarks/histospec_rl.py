@@ -71,7 +71,7 @@ def workload_overrides(args) -> list[str]:
             *([f"cluster.ray_address={args.ray_address}"] if args.ray_address else [])]
 
 
-def start_ray_head(work: Path, tries: int = 5) -> tuple[subprocess.Popen, str]:
+def start_ray_head(work: Path, tries: int = 10) -> tuple[subprocess.Popen, str]:
     """One Ray head for the whole benchmark (runs attach with cluster.ray_address), so that a loaded machine
     pays Ray's start-up once; on a busy machine a fresh `ray.init` per run can miss Ray's 30 s start window."""
     import socket
@@ -85,14 +85,12 @@ def start_ray_head(work: Path, tries: int = 5) -> tuple[subprocess.Popen, str]:
                                  "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", "--block"],
                                 stdout=log, stderr=subprocess.STDOUT)
         address = f"127.0.0.1:{port}"
-        for _ in range(180):
+        for _ in range(300):  # `ray start` prints this line once the node registered; it exits if it did not
             time.sleep(2)
+            if "Ray runtime started" in (work / f"ray_head_{attempt}.log").read_text(errors="replace"):
+                return proc, address
             if proc.poll() is not None:
                 break
-            probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}'); print('ok')"],
-                                   capture_output=True, text=True, timeout=300)
-            if "ok" in probe.stdout:
-                return proc, address
         proc.terminate()
         proc.wait(60)
     raise RuntimeError(f"no Ray head came up in {tries} tries; see {work}/ray_head_*.log")
