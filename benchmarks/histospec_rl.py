@@ -76,13 +76,20 @@ def start_ray_head(work: Path, tries: int = 10) -> tuple[subprocess.Popen, str]:
     pays Ray's start-up once; on a busy machine a fresh `ray.init` per run can miss Ray's 30 s start window."""
     import socket
 
-    for attempt in range(tries):
+    def free_port() -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+            return sock.getsockname()[1]
+
+    for attempt in range(tries):
+        port = free_port()
+        # Every agent port too: the fixed defaults (e.g. 52365) collide with other Ray clusters on the machine.
+        ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                        "metrics-export-port", "runtime-env-agent-port",
+                                                        "node-manager-port", "object-manager-port")]
         log = open(work / f"ray_head_{attempt}.log", "w")
         proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                                 "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", "--block"],
+                                 "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", "--block", *ports],
                                 stdout=log, stderr=subprocess.STDOUT)
         address = f"127.0.0.1:{port}"
         for _ in range(300):  # `ray start` prints this line once the node registered; it exits if it did not
