@@ -1,8 +1,9 @@
 """HistoSpec on real RL runs (CPU): several epochs with policy updates, no speculation vs vLLM's `ngram`
 and `suffix` vs HistoSpec, same workload and seed, interleaved repeats.
 
-    python benchmarks/histospec_rl.py                       # ~40 minutes on 2 shared cores (12 runs + one warm-up)
+    python benchmarks/histospec_rl.py                       # 12 driver runs (4 methods x 3 repeats) + one warm-up
     python benchmarks/histospec_rl.py --repeats 1 --epochs 2 --model-dir /tmp/hsrl_warm   # a quick look
+    python benchmarks/histospec_rl.py --from-runs /tmp/hsrl/work/runs.json   # outputs of an interrupted run
 
 What it does: starts one Ray head for all runs (a loaded machine can miss Ray's start-up window when
 every run starts its own), one supervised warm-up with the driver's own `warm_start`, exported to a HF
