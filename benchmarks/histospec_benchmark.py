@@ -14,6 +14,16 @@ target forwards per request (`tokens - accepted`), tokens per forward, acceptanc
 wall-clock; the ratios are against no speculation from the same run.
 Writes docs/benchmarks/histospec_benchmark.{json,png} (or under --out).
 
+This is the labelled *upper bound*: epoch 2 samples the same weights as epoch 1. The measurement with real
+policy updates between epochs is benchmarks/histospec_rl.py.
+
+    python benchmarks/histospec_benchmark.py --batch-sweep --model-dir /tmp/hs_model
+
+`--batch-sweep` instead measures rollout time against the number of requests in flight (1 .. the engine's
+`max_num_seqs`): a vanilla engine and a HistoSpec engine side by side, each batch size generated with the
+same seeds by no speculation, HistoSpec always on, and HistoSpec with the batch-size switch
+(`max_batch_rows`), interleaved over `--repeats`. Writes histospec_batch_sweep.{json,png}.
+
 Left out: a policy that changes between epochs (here epoch 2 samples the same weights; an RL update
 makes responses drift, which lowers acceptance for every history-based method alike) and GPU runs.
 """
@@ -93,6 +103,102 @@ def run_method(method: str, model_dir: Path, prompts: list[list[int]], args) -> 
             "drafter_ms_per_step": drafter.get("summary", {}).get("spec/drafter_ms_per_step")}
 
 
+SWEEP_MODES = ("none", "histospec", "histospec+switch")
+
+
+def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
+    """Rollout time per batch size: no speculation vs HistoSpec (always on, and with the batch-size switch)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from speculative.history import HistoryStore
+    from speculative.metrics import from_vllm_metrics
+
+    def engine(method):
+        return LLM(str(model_dir), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
+                   speculative_config=speculative_config(method, args.k), worker_extension_cls=EXTENSION,
+                   disable_log_stats=False)
+
+    llms = {"none": engine("none"), "histospec": engine("histospec")}
+    try:
+        def gen(llm, reqs, seed):
+            params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, detokenize=False,
+                                     seed=seed + i) for i in range(len(reqs))]
+            before = from_vllm_metrics(llm.get_metrics())
+            t = time.perf_counter()
+            outs = llm.generate(reqs, params, use_tqdm=False)
+            return outs, time.perf_counter() - t, from_vllm_metrics(llm.get_metrics(), before=before)
+
+        everyone = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(args.n)]
+        outs, _, _ = gen(llms["histospec"], everyone, 0)  # epoch 1: the history
+        history = HistoryStore(max_responses_per_prompt=args.n)
+        for i, p in enumerate(prompts):
+            history.record(p, [list(o.outputs[0].token_ids) for o in outs[i * args.n:(i + 1) * args.n]], epoch=1)
+        llms["histospec"].collective_rpc("histospec_update", args=(history.updates_since(0).to_bytes(),))
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs]
+        cells: dict = {m: {b: [] for b in sizes} for m in SWEEP_MODES}
+        for r in range(args.repeats):
+            for b in sizes:
+                reqs = [everyone[(r * 7 + i) % len(everyone)] for i in range(b)]
+                modes = SWEEP_MODES[r % 3:] + SWEEP_MODES[:r % 3]  # rotate the order per repeat
+                for mode in modes:
+                    llm = llms["none" if mode == "none" else "histospec"]
+                    if mode != "none":
+                        llm.collective_rpc("histospec_configure",
+                                           kwargs={"max_batch_rows": args.switch_rows if mode.endswith("switch") else 0})
+                    _, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
+                    cells[mode][b].append({"wall_s": wall, "tokens": fig["tokens"], "forwards": fig["forwards"],
+                                           "tokens_per_forward": fig["spec/tokens_per_forward"]})
+            print(f"batch sweep: repeat {r + 1}/{args.repeats} done", flush=True)
+    finally:
+        for llm in llms.values():
+            llm.llm_engine.engine_core.shutdown()
+    rows = []
+    for b in sizes:
+        row = {"batch": b}
+        for mode in SWEEP_MODES:
+            per_tok = [c["wall_s"] / c["tokens"] * 1e3 for c in cells[mode][b]]
+            row[mode] = {"ms_per_token_median": statistics.median(per_tok), "ms_per_token_min": min(per_tok),
+                         "ms_per_token_max": max(per_tok),
+                         "tokens_per_forward": statistics.median(c["tokens_per_forward"] for c in cells[mode][b]),
+                         "runs": cells[mode][b]}
+        rows.append(row)
+    return {"setup": {"prompts": len(prompts), "n": args.n, "k": args.k, "temperature": args.temperature,
+                      "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs, "repeats": args.repeats,
+                      "switch_rows": args.switch_rows, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+                      "load_average": os.getloadavg()[0], "vllm": _version()},
+            "definitions": {"ms_per_token": "wall clock of generating the batch / tokens generated (per-token, "
+                                            "because different samples have different lengths)"},
+            "rows": rows}
+
+
+def plot_sweep(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    xs = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, color in zip(SWEEP_MODES, ("#999999", "#e6550d", "#3182bd")):
+        med = [r[mode]["ms_per_token_median"] for r in rows]
+        ax.errorbar(xs, med, yerr=[[m - r[mode]["ms_per_token_min"] for m, r in zip(med, rows)],
+                                   [r[mode]["ms_per_token_max"] - m for m, r in zip(med, rows)]],
+                    marker="o", capsize=3, color=color, label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("requests in flight (batch size)")
+    ax.set_ylabel("rollout ms per generated token")
+    ax.set_title(f"Rollout time vs batch size (switch: no drafts above {result['setup']['switch_rows']} rows)",
+                 fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -134,6 +240,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed epoch-2 runs per method")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    parser.add_argument("--batch-sweep", action="store_true", help="rollout time vs batch size instead (see above)")
+    parser.add_argument("--switch-rows", type=int, default=16, help="max_batch_rows of the switched mode (sweep)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -149,6 +257,15 @@ def main() -> int:
     train_s = time.perf_counter() - t
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [encode(tok, x) for x in texts]
+    if args.batch_sweep:
+        result = batch_sweep(model_dir, prompts, args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "histospec_batch_sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_sweep(result, args.out / "histospec_batch_sweep.png")
+        for r in result["rows"]:
+            print(f"batch {r['batch']:4d}: " + "  ".join(f"{m} {r[m]['ms_per_token_median']:.3f} ms/tok "
+                                                         f"(x{r[m]['tokens_per_forward']:.2f})" for m in SWEEP_MODES))
+        return 0
 
     rows = []
     for method in args.methods.split(","):

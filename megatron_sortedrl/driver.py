@@ -92,7 +92,7 @@ class Driver:
         from megatron_sortedrl.trainer.stream import DriverStream
         from scheduler.layout import make_planner
         from scheduler.policies import make_policy
-        from speculative.history import HistoryStore
+        from speculative.feed import HistoryFeed
 
         cfg = self.cfg
         random.seed(cfg.seed)
@@ -130,9 +130,8 @@ class Driver:
                                   seed=cfg.seed, sample_factory=self._new_sample,
                                   num_epochs=cfg.data.num_epochs or None)
         self.stream = DriverStream(self.trainer, self.policy) if cfg.trainer.stream else None  # trainer/stream.py
-        self.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
-                                    max_responses_per_prompt=cfg.speculative.history_max_responses)
-        self._shipped = 0
+        self.feed = HistoryFeed(cfg.speculative, self.pool)  # HistoSpec: records, ships, measures (speculative/feed.py)
+        self.history = self.feed.store
 
     def _load_resume_state(self) -> dict[str, Any]:
         """Loads model and optimizer into the trainer and restores the driver's state from `extra`."""
@@ -201,8 +200,7 @@ class Driver:
     def restore_engines(self) -> None:
         """After a resume: the engines get the checkpoint's weights and version, the drafters its whole history."""
         self.pool.sync_weights(self._weights(), version=self.version)
-        self._shipped = 0
-        self._ship_history()
+        self.feed.reset_engines()
 
     def _weights(self):
         # The trainer group is the source: its stage senders push packed buckets straight to the engines, so
@@ -267,6 +265,7 @@ class Driver:
                                                     tokens=s.response_length))
             if c.finished:
                 self._score(s)
+                self.feed.on_finished(s)  # siblings still running draft from it
             else:
                 del live[s.sample_id]
                 self.policy.on_sample_aborted(s, self.clock)
@@ -296,6 +295,7 @@ class Driver:
                 on_completion(c)
             scored()
             fill()
+            self.feed.maybe_ship()
         abort(harvest.abort)
         # Whatever finished while the abort was on its way still comes back once: hand it over too.
         while self.pool.in_flight:
@@ -328,26 +328,12 @@ class Driver:
         self._phase("sync", "end")
         return {"sync/seconds": report.seconds, "sync/bytes": report.bytes}
 
-    def update_history(self, batch: list[Sample]) -> dict[str, float]:
-        """Records this step's responses per prompt and ships the change to every engine's drafter."""
+    def update_history(self, batch: list[Sample], kind: str = "") -> dict[str, float]:
+        """Records this step's responses per prompt, ships the change to every engine's drafter, measures."""
         self._phase("history", "start")
-        for s in batch:
-            self.history.record(s.prompt_tokens, [s.response_tokens], epoch=s.epoch)
-        out: dict[str, float] = {}
-        if self.cfg.speculative.enabled:
-            self._ship_history()
-            out["spec/history_prompts"] = float(len(self.history.keys()))
-            stats = [r for per in self.pool.collective_rpc("histospec_stats") for r in per if r.get("active")]
-            if stats:
-                out.update({k: float(v) for k, v in stats[0]["summary"].items()})
+        out = self.feed.end_step(batch, kind)
         self._phase("history", "end")
         return out
-
-    def _ship_history(self) -> None:
-        if self.cfg.speculative.enabled:
-            delta = self.history.updates_since(self._shipped)
-            self.pool.collective_rpc("histospec_update", delta.to_bytes())
-            self._shipped = delta.version
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (mean reward)."""
@@ -402,7 +388,7 @@ class Driver:
         harvest = self.generate(rnd)
         train = self.train(harvest.batch)
         sync = self.sync_weights()
-        spec = self.update_history(harvest.batch)
+        spec = self.update_history(harvest.batch, rnd.kind)
         step_s = time.monotonic() - t0
         row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec)
         return StepResult(self.step, row, harvest.batch)
@@ -453,6 +439,7 @@ class Driver:
                 before = self.accuracy_before if self.accuracy_before is not None else float("nan")
                 self.say(f"done: {self.step} RL steps ({self.step - start_step} in this run, "
                          f"{summary['wall_s']:.0f}s); eval accuracy {before:.3f} -> {after:.3f}; run dir {self.run_dir}")
+                self.say(self.feed.describe()) if self.feed.describe() else None
         finally:
             restore()
         self.write_report()
@@ -463,7 +450,8 @@ class Driver:
             "steps": self.step, "steps_this_run": self.step - start_step, "policy_version": self.version,
             "accuracy_before_rl": self.accuracy_before, "accuracy_after_rl": after,
             "wall_s": time.monotonic() - t_start, "resumed_from": str(self.resume_from or ""),
-            "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"], **extra})
+            "reward_errors": self.rewards.stats["errors"], "reward_timeouts": self.rewards.stats["timeouts"],
+            **self.feed.summary(), **extra})
 
     def write_report(self) -> Path | None:
         return self.records.write_report()

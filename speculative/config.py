@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megatron_sortedrl.errors import ConfigError
 
 METHODS = ("histospec", "ngram", "suffix")
+SOURCES = ("history", "own", "cross")  # speculative.drafter.SOURCES (not imported: config stays light)
 
 
 @dataclass
@@ -26,7 +27,32 @@ class SpeculativeConfig:
         default=100_000, metadata={"help": "Prompts kept in the draft history store (least recently updated evicted)."}
     )
     history_max_responses: int = field(
-        default=16, metadata={"help": "Responses kept per prompt (the latest epoch's first ones)."}
+        default=16, metadata={"help": "Responses kept per prompt (newest epochs first; an older epoch's give way)."}
+    )
+    history_epochs: int = field(
+        default=2, metadata={"help": "Epochs of responses kept per prompt as drafts (1: the latest epoch only)."}
+    )
+    history_epoch_weight: float = field(
+        default=2.0, metadata={"help": "A response of a newer epoch counts this many times one of the epoch before."}
+    )
+    sources: list[str] = field(
+        default_factory=lambda: list(SOURCES),
+        metadata={"help": "HistoSpec draft sources: history (previous and sibling responses to the same prompt), "
+                          "own (the request's own text), cross (other requests' responses on the engine)."},
+    )
+    sibling_drafts: bool = field(
+        default=True,
+        metadata={"help": "Record each response as it finishes and ship it to the engines during the round, so "
+                          "its still-running siblings draft from it."},
+    )
+    sibling_ship_interval_s: float = field(
+        default=0.2, metadata={"help": "Least time between two history shipments during a round (seconds)."}
+    )
+    max_batch_rows: int = field(
+        default=0, metadata={"help": "No drafts in an engine step with more running requests than this (0: no limit)."}
+    )
+    step_draft_budget: int = field(
+        default=0, metadata={"help": "Draft tokens per engine step, shared by its running requests (0: no limit)."}
     )
 
     def __post_init__(self) -> None:
@@ -46,3 +72,15 @@ class SpeculativeConfig:
             raise ConfigError("speculative.history_max_prompts", self.history_max_prompts, "an integer >= 1")
         if self.history_max_responses < 1:
             raise ConfigError("speculative.history_max_responses", self.history_max_responses, "an integer >= 1")
+        if self.history_epochs < 1:
+            raise ConfigError("speculative.history_epochs", self.history_epochs, "an integer >= 1")
+        if self.history_epoch_weight < 1.0:
+            raise ConfigError("speculative.history_epoch_weight", self.history_epoch_weight, "a float >= 1")
+        if not self.sources or any(x not in SOURCES for x in self.sources):
+            raise ConfigError("speculative.sources", self.sources, "a non-empty list of " + ", ".join(SOURCES))
+        if self.sibling_ship_interval_s < 0:
+            raise ConfigError("speculative.sibling_ship_interval_s", self.sibling_ship_interval_s, "a float >= 0")
+        if self.max_batch_rows < 0:
+            raise ConfigError("speculative.max_batch_rows", self.max_batch_rows, "an integer >= 0 (0: no limit)")
+        if self.step_draft_budget < 0:
+            raise ConfigError("speculative.step_draft_budget", self.step_draft_budget, "an integer >= 0 (0: no limit)")

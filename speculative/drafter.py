@@ -5,6 +5,17 @@
     draft = drafter.draft(key, tokens_so_far, max_tokens=length.value)   # prompt + response so far
     length = AdaptiveDraftLength(2, 16); length.update(proposed=len(draft.token_ids), accepted=a)
 
+Sources, each a chain that vLLM's rejection sampler verifies (so each is lossless on its own):
+- `history`: the previous responses to the same prompt (this module's per-prompt trees), over the last
+  `keep_epochs` epochs with each newer epoch counted `epoch_weight` times the one before, and including
+  the *siblings* of the current round (the driver records every finished response at once and ships it,
+  so the n samples of a prompt that finished early draft for those still running: the long tail);
+- `own`: the request's own prompt and response so far (self-repetition, what vLLM's `ngram` covers);
+- `cross`: the responses of every request this engine has run or is running, across prompts (what vLLM's
+  `suffix` method keeps in its global tree), including siblings still running on the same engine.
+`FallbackDrafter` keeps the `own` and `cross` trees; the proposer takes the highest-scoring draft (score =
+expected accepted tokens, the sum of the path frequencies) of the enabled sources.
+
 Index: one suffix tree per prompt (`arctic_inference`'s native `SuffixTree`, the structure behind vLLM's
 `suffix` method) holding that prompt's history responses, each prefixed by the last `match_tokens`
 tokens of the prompt so that the very first response tokens can be matched too. A lookup walks the
@@ -20,8 +31,7 @@ per-prompt tree also cannot be polluted by unrelated text and evicts with its pr
 `AdaptiveDraftLength` is the per-request rule of DESIGN section 3: start at the floor, double (up to
 the cap) after a draft that was accepted in full, halve (down to the floor) otherwise.
 
-Deliberately left out: matching against the current request's own prompt and response (self-repetition;
-vLLM's `ngram`/`suffix` cover it) and draft trees inside vLLM (its custom proposer takes chains only;
+Deliberately left out: draft trees inside vLLM (its custom proposer takes chains only;
 `draft(..., tree=True)` returns the tree for engines that can verify one).
 """
 
@@ -34,6 +44,8 @@ import numpy as np
 
 from speculative.history import HistoryEntry, prompt_key
 
+SOURCES = ("history", "own", "cross")
+MAX_REPLICAS = 8  # epoch weighting inserts a response this many times at most
 
 @dataclass(frozen=True)
 class DraftSettings:
@@ -42,18 +54,33 @@ class DraftSettings:
     max_draft_tokens: int = 16  # adaptive length cap
     min_confidence: float = 0.1  # stop drafting where the history path frequency falls below this
     max_spec_factor: float = 4.0  # a match of m tokens may draft at most m * factor tokens
+    epoch_weight: float = 2.0  # a response of a newer epoch counts this many times one of the epoch before
+    sources: tuple[str, ...] = ("history", "own", "cross")  # draft sources tried (see SOURCES)
+    cross_requests: int = 1024  # responses kept in the cross-prompt tree (oldest dropped first)
+    max_batch_rows: int = 0  # no drafts in a step with more running rows than this (0: no limit)
+    step_draft_budget: int = 0  # draft tokens per engine step, shared by its rows (0: no limit)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
             raise ValueError("need 1 <= min_draft_tokens <= max_draft_tokens")
         if self.match_tokens < 1 or not 0.0 <= self.min_confidence <= 1.0 or self.max_spec_factor <= 0:
             raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor > 0")
+        if self.epoch_weight < 1.0 or self.cross_requests < 1 or self.max_batch_rows < 0 or self.step_draft_budget < 0:
+            raise ValueError("need epoch_weight >= 1, cross_requests >= 1, max_batch_rows >= 0, step_draft_budget >= 0")
+        object.__setattr__(self, "sources", tuple(self.sources))
+        unknown = set(self.sources) - set(SOURCES)
+        if unknown:
+            raise ValueError(f"unknown draft sources {sorted(unknown)}; choose from {SOURCES}")
 
     @classmethod
     def from_config(cls, cfg) -> DraftSettings:
         """From `speculative.config.SpeculativeConfig` (or anything with the same attributes)."""
         return cls(match_tokens=cfg.match_tokens, min_draft_tokens=cfg.min_draft_tokens,
-                   max_draft_tokens=cfg.max_draft_tokens, min_confidence=cfg.min_confidence)
+                   max_draft_tokens=cfg.max_draft_tokens, min_confidence=cfg.min_confidence,
+                   epoch_weight=getattr(cfg, "history_epoch_weight", 2.0),
+                   sources=tuple(getattr(cfg, "sources", SOURCES)),
+                   max_batch_rows=getattr(cfg, "max_batch_rows", 0),
+                   step_draft_budget=getattr(cfg, "step_draft_budget", 0))
 
 
 @dataclass
@@ -62,6 +89,8 @@ class Draft:
     probs: list[float] = field(default_factory=list)  # history path frequency of each token
     parents: list[int] = field(default_factory=list)  # tree: index of each token's parent, -1 for root
     match_len: int = 0  # how many trailing tokens matched the history
+    score: float = 0.0  # expected accepted tokens (sum of the path frequencies)
+    source: str = ""  # which source drafted it
 
 
 class AdaptiveDraftLength:
@@ -84,7 +113,8 @@ class AdaptiveDraftLength:
 class PromptIndex:
     """Suffix tree over one prompt's history responses (each prefixed with the prompt's tail)."""
 
-    def __init__(self, prompt_tokens: np.ndarray, responses: Sequence[np.ndarray], settings: DraftSettings) -> None:
+    def __init__(self, prompt_tokens: np.ndarray, responses: Sequence[np.ndarray], settings: DraftSettings,
+                 epochs: Sequence[int] | None = None) -> None:
         from arctic_inference.suffix_decoding._C import SuffixTree
 
         self.prompt_len = len(prompt_tokens)
@@ -92,8 +122,17 @@ class PromptIndex:
         # Depth bounds the matched context plus the draft; arctic matches strictly shorter than the context.
         self.tree = SuffixTree(settings.match_tokens + settings.max_draft_tokens + 1)
         tail = np.asarray(prompt_tokens[-settings.match_tokens:], dtype=np.int32)
-        for seq_id, response in enumerate(responses):
-            self.tree.extend_ndarray(seq_id, np.ascontiguousarray(np.concatenate([tail, response]), dtype=np.int32))
+        epochs = list(epochs) if epochs is not None and len(epochs) == len(responses) else [0] * len(responses)
+        newest = max(epochs, default=0)
+        span = min(newest - min(epochs, default=0), 3)  # beyond 3 epochs apart the weights stop changing
+        seq_id = 0
+        for response, epoch in zip(responses, epochs):
+            # Older epochs weigh less: the tree counts paths, so a newer response is inserted more times.
+            replicas = min(MAX_REPLICAS, max(1, round(settings.epoch_weight ** (span - (newest - epoch)))))
+            seq = np.ascontiguousarray(np.concatenate([tail, response]), dtype=np.int32)
+            for _ in range(replicas):
+                self.tree.extend_ndarray(seq_id, seq)
+                seq_id += 1
 
 
 class HistoryDrafter:
@@ -116,13 +155,15 @@ class HistoryDrafter:
         return key in self._index
 
     def set_prompt(self, prompt_tokens: Sequence[int] | np.ndarray, responses: Sequence[Sequence[int]],
-                   key: str | None = None) -> str:
+                   key: str | None = None, epochs: Sequence[int] | None = None) -> str:
         prompt = np.ascontiguousarray(prompt_tokens, dtype=np.int32)
         key = key or prompt_key(prompt)
-        rs = [np.ascontiguousarray(r, dtype=np.int32) for r in responses if len(r)]
+        kept = [(np.ascontiguousarray(r, dtype=np.int32), e)
+                for r, e in zip(responses, epochs if epochs is not None else [0] * len(responses)) if len(r)]
+        rs, epochs = [r for r, _ in kept], [e for _, e in kept]
         self.remove(key)
         if rs:
-            self._index[key] = PromptIndex(prompt, rs, self.settings)
+            self._index[key] = PromptIndex(prompt, rs, self.settings, epochs)
             prefix = self._prefix(prompt)
             self._prefix_lengths.setdefault(prefix, set()).add(len(prompt))
             self._prefix_of[key] = prefix
@@ -135,7 +176,7 @@ class HistoryDrafter:
 
     def set_entries(self, entries: dict[str, HistoryEntry]) -> None:
         for key, entry in entries.items():
-            self.set_prompt(entry.prompt_tokens, entry.responses, key=key)
+            self.set_prompt(entry.prompt_tokens, entry.responses, key=key, epochs=entry.epochs())
 
     def remove(self, key: str) -> None:
         index = self._index.pop(key, None)
@@ -178,4 +219,79 @@ class HistoryDrafter:
         context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
         found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0,
                                              s.min_confidence, tree)
-        return Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len))
+        return Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
+                     float(found.score), "history")
+
+
+class FallbackDrafter:
+    """The `own` and `cross` sources: per-request trees of each request's own text, and one tree of the
+    responses of every request seen (bounded, oldest dropped first), both grown as tokens are emitted.
+
+    The same structure as arctic-inference's `SuffixDecodingCache` (vLLM's `suffix` method), kept here as
+    two plain trees so each source can be switched on and measured on its own."""
+
+    def __init__(self, settings: DraftSettings) -> None:
+        from arctic_inference.suffix_decoding._C import SuffixTree
+
+        self._tree_cls = SuffixTree
+        self.settings = settings
+        self.depth = settings.match_tokens + settings.max_draft_tokens + 1
+        self.own = "own" in settings.sources
+        self.cross = "cross" in settings.sources
+        self._local: dict[str, object] = {}
+        self._global = SuffixTree(self.depth) if self.cross else None
+        self._seq_of: dict[str, int] = {}
+        self._order: list[str] = []  # labels in the global tree, oldest first
+        self._next_seq = 0
+
+    @property
+    def active(self) -> bool:
+        return self.own or self.cross
+
+    def start(self, label: str, tokens: np.ndarray, prompt_len: int) -> None:
+        """A request enters: its own tree gets all its tokens, the global tree its response part."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if self.own:
+            tree = self._tree_cls(self.depth)
+            tree.extend_ndarray(0, tokens)
+            self._local[label] = tree
+        if self.cross:
+            if label in self._seq_of:
+                self._global.remove(self._seq_of.pop(label))
+                self._order.remove(label)
+            self._seq_of[label] = self._next_seq
+            self._next_seq += 1
+            self._order.append(label)
+            while len(self._order) > self.settings.cross_requests:
+                self._global.remove(self._seq_of.pop(self._order.pop(0)))
+            # The prompt's tail leads the response so a response's first tokens can be matched too.
+            start = max(0, prompt_len - self.settings.match_tokens) if prompt_len else len(tokens) - 1
+            self._global.extend_ndarray(self._seq_of[label], tokens[start:])
+
+    def extend(self, label: str, new_tokens: np.ndarray) -> None:
+        if not len(new_tokens):
+            return
+        new_tokens = np.ascontiguousarray(new_tokens, dtype=np.int32)
+        if label in self._local:
+            self._local[label].extend_ndarray(0, new_tokens)
+        if label in self._seq_of:
+            self._global.extend_ndarray(self._seq_of[label], new_tokens)
+
+    def stop(self, label: str) -> None:
+        self._local.pop(label, None)  # its response stays in the global tree until pushed out
+
+    def draft(self, label: str, tokens: np.ndarray, max_tokens: int) -> Draft:
+        """Best of the own and cross drafts continuing `tokens` (the request's sequence so far)."""
+        s = self.settings
+        best = Draft()
+        if max_tokens <= 0 or len(tokens) == 0:
+            return best
+        context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
+        for source, tree in (("own", self._local.get(label)), ("cross", self._global)):
+            if tree is None:
+                continue
+            found = tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0, s.min_confidence, False)
+            if found.token_ids and found.score > best.score:
+                best = Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
+                             float(found.score), source)
+        return best

@@ -1,6 +1,6 @@
-"""Per-prompt history of the latest epoch's responses: the draft source of HistoSpec.
+"""Per-prompt history of the latest epochs' responses: the draft source of HistoSpec.
 
-    store = HistoryStore(max_prompts=100_000, max_responses_per_prompt=16)
+    store = HistoryStore(max_prompts=100_000, max_responses_per_prompt=16, keep_epochs=2)
     store.record(prompt_tokens, [response_tokens, ...], epoch=3)   # driver, after each round
     delta = store.updates_since(shipped_version)                   # only what changed
     engine.collective_rpc("histospec_update", args=(delta.to_bytes(),))
@@ -9,8 +9,11 @@
 
 The key of a prompt is a digest of its token ids (`prompt_key`), because the vLLM proposer sees token
 rows, not prompt ids. Within one epoch responses accumulate (samples of a prompt finish at different
-times); a newer epoch replaces them; an older epoch is ignored (a partial rollout resumed late must not
-overwrite fresher history). Memory is bounded by a prompt count (least recently updated prompt evicted
+times, and the driver records each as it finishes, so siblings still running can draft from it); a newer
+epoch is added in front and epochs older than the newest `keep_epochs` are dropped; a response of an
+epoch older than the newest kept one is ignored (a partial rollout resumed late must not push out
+fresher history). When a prompt holds `max_responses_per_prompt`, a new response replaces one of the
+oldest epoch held, never one of a newer epoch. Memory is bounded by a prompt count (least recently updated prompt evicted
 first), a per-prompt response cap and an optional total token cap.
 
 Shipping is incremental: every change bumps a version, `updates_since(v)` returns the entries changed
@@ -18,7 +21,7 @@ after v and the keys evicted after v. Evictions are remembered in a bounded log;
 the log gets a full snapshot instead (`delta.full`), so it can never silently miss an eviction.
 `HistoryReplica` is the worker-side copy that applies deltas and refuses a gap.
 
-Deliberately left out: cross-prompt sharing of history (vLLM's `suffix` method already does that) and
+Deliberately left out: cross-prompt structures (the drafter builds its cross-prompt tree from these entries) and
 compression of stored tokens (int32 arrays; a 32k-token response of 16 samples is 2 MiB).
 """
 
@@ -50,9 +53,16 @@ def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 @dataclass
 class HistoryEntry:
     prompt_tokens: np.ndarray  # int32, the prompt as the engine sees it
-    responses: list[np.ndarray]  # int32 each, responses of the latest recorded epoch (EOS included if sampled)
-    epoch: int  # epoch the responses belong to
+    responses: list[np.ndarray]  # int32 each, responses of the kept epochs (EOS included if sampled)
+    epoch: int  # newest epoch recorded
     version: int  # store version of the last change
+    response_epochs: list[int] = field(default_factory=list)  # epoch of each response (empty: all `epoch`)
+
+    def epochs(self) -> list[int]:
+        """Epoch of each response (entries from an older payload carry only the newest epoch)."""
+        if len(self.response_epochs) == len(self.responses):
+            return list(self.response_epochs)
+        return [self.epoch] * len(self.responses)
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +92,7 @@ class HistoryDelta:
             "versions": [self.entries[k].version for k in keys],
             "prompt_lens": [len(self.entries[k].prompt_tokens) for k in keys],
             "response_lens": [[len(r) for r in self.entries[k].responses] for k in keys],
+            "response_epochs": [self.entries[k].epochs() for k in keys],
         }
         parts = []
         for k in keys:
@@ -100,27 +111,30 @@ class HistoryDelta:
         header = json.loads(data[start:start + n])
         tokens = np.frombuffer(data, dtype="<i4", offset=start + n).astype(np.int32)
         entries, pos = {}, 0
-        for key, epoch, version, plen, rlens in zip(header["keys"], header["epochs"], header["versions"],
-                                                     header["prompt_lens"], header["response_lens"]):
+        repochs = header.get("response_epochs") or [[] for _ in header["keys"]]  # absent in older payloads
+        for key, epoch, version, plen, rlens, rep in zip(header["keys"], header["epochs"], header["versions"],
+                                                          header["prompt_lens"], header["response_lens"], repochs):
             prompt = tokens[pos:pos + plen]
             pos += plen
             responses = []
             for rl in rlens:
                 responses.append(tokens[pos:pos + rl])
                 pos += rl
-            entries[key] = HistoryEntry(prompt, responses, epoch, version)
+            entries[key] = HistoryEntry(prompt, responses, epoch, version, list(rep))
         if pos != len(tokens):
             raise ValueError(f"history payload has {len(tokens) - pos} trailing tokens")
         return cls(header["since"], header["version"], header["full"], entries, list(header["evicted"]))
 
 
 class HistoryStore:
-    """Driver-side store: per prompt key, the latest epoch's responses (see module docstring)."""
+    """Driver-side store: per prompt key, the latest epochs' responses (see module docstring)."""
 
     def __init__(self, max_prompts: int = 100_000, max_responses_per_prompt: int = 16,
-                 max_total_tokens: int = 0, eviction_log_size: int | None = None) -> None:
-        if max_prompts < 1 or max_responses_per_prompt < 1 or max_total_tokens < 0:
-            raise ValueError("max_prompts and max_responses_per_prompt must be >= 1, max_total_tokens >= 0")
+                 max_total_tokens: int = 0, eviction_log_size: int | None = None, keep_epochs: int = 1) -> None:
+        if max_prompts < 1 or max_responses_per_prompt < 1 or max_total_tokens < 0 or keep_epochs < 1:
+            raise ValueError("max_prompts, max_responses_per_prompt and keep_epochs must be >= 1, "
+                             "max_total_tokens >= 0")
+        self.keep_epochs = keep_epochs
         self.max_prompts = max_prompts
         self.max_responses_per_prompt = max_responses_per_prompt
         self.max_total_tokens = max_total_tokens  # 0: no token cap
@@ -165,21 +179,35 @@ class HistoryStore:
         new = [r for r in new if len(r)]
         key = prompt_key(prompt)
         entry = self._entries.get(key)
-        if entry is not None and epoch < entry.epoch:
-            return key  # stale: a newer epoch is already recorded
+        if entry is not None and epoch <= entry.epoch - self.keep_epochs:
+            return key  # stale: older than every epoch this prompt keeps
         if not new:
             return key
         self._version += 1
-        if entry is None or epoch > entry.epoch:
-            if entry is not None:
-                self._total_tokens -= entry.num_tokens
-            entry = HistoryEntry(prompt, [], epoch, self._version)
+        if entry is None:
+            entry = HistoryEntry(prompt, [], epoch, self._version, [])
             self._entries[key] = entry
-        room = self.max_responses_per_prompt - len(entry.responses)
-        kept = new[:max(room, 0)]
-        entry.responses.extend(kept)
+        epochs = entry.epochs()
+        if epoch > entry.epoch:  # a newer epoch: drop the epochs that fall out of the window
+            floor = epoch - self.keep_epochs
+            kept_old = [(r, e) for r, e in zip(entry.responses, epochs) if e > floor]
+            self._total_tokens -= entry.num_tokens
+            entry.responses, epochs = [r for r, _ in kept_old], [e for _, e in kept_old]
+            self._total_tokens += entry.num_tokens
+            entry.epoch = epoch
+        for r in new:
+            if len(entry.responses) >= self.max_responses_per_prompt:
+                oldest = min(epochs)
+                if oldest >= epoch:
+                    break  # full of responses at least as new: keep the first ones (as before)
+                i = epochs.index(oldest)
+                self._total_tokens -= len(entry.responses.pop(i))
+                epochs.pop(i)
+            entry.responses.append(r)
+            epochs.append(epoch)
+            self._total_tokens += len(r)
+        entry.response_epochs = epochs
         entry.version = self._version
-        self._total_tokens += sum(len(r) for r in kept)
         self._entries.move_to_end(key)
         self._evicted.pop(key, None)
         self._evict_over_budget(protect=key)
@@ -236,7 +264,7 @@ class HistoryStore:
     def state_dict(self) -> dict:
         return {"format": 1, "version": self._version, "snapshot": self.snapshot().to_bytes(),
                 "max_prompts": self.max_prompts, "max_responses_per_prompt": self.max_responses_per_prompt,
-                "max_total_tokens": self.max_total_tokens}
+                "max_total_tokens": self.max_total_tokens, "keep_epochs": self.keep_epochs}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != 1:

@@ -18,8 +18,18 @@ history holds (`HistoryDrafter.resolve`), once per request. Accepted counts are 
 a row that continues the same request (same prompt prefix, `num_tokens_no_spec` grown by exactly the
 tokens emitted) emitted `accepted + 1` tokens, which drives the adaptive draft length.
 
-Deliberately left out: draft trees (vLLM verifies chains from custom proposers) and drafting from the
-request's own text (vLLM's `ngram`/`suffix` do that).
+Per row and step the proposer asks every enabled source (`history`, `own`, `cross`; see
+`speculative.drafter`) and proposes the draft with the highest score. The adaptive length of a new
+request starts where the last finished request of the same prompt ended (a prompt whose drafts kept
+being accepted starts long, one whose drafts failed starts at the floor).
+
+Batch-size switch: verification widens every row's forward by its draft length, which is nearly free
+with a few rows (the long tail) and costs real compute with a full batch. With `max_batch_rows` set,
+a step with more running rows proposes nothing (plain decoding); with `step_draft_budget` set, the rows
+of a step share that many draft tokens. Both are per step, so speculation comes back on by itself as
+the batch drains. `benchmarks/histospec_benchmark.py --batch-sweep` measures where the switch pays.
+
+Deliberately left out: draft trees (vLLM verifies chains from custom proposers).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from speculative.drafter import AdaptiveDraftLength, DraftSettings, HistoryDrafter
+from speculative.drafter import AdaptiveDraftLength, DraftSettings, FallbackDrafter, HistoryDrafter
 from speculative.history import HistoryDelta, HistoryReplica
 from speculative.metrics import RequestRecord, SpecStats, StepRecord
 from speculative.vllm_cpu_fixes import apply_vllm_cpu_fixes
@@ -53,7 +63,8 @@ def vllm_speculative_config(cfg) -> dict | None:
 class _Row:
     """What the proposer remembers about the request in one batch row between two steps."""
 
-    __slots__ = ("label", "fingerprint", "key", "prompt_len", "generation", "n_last", "draft_len", "length", "rec")
+    __slots__ = ("label", "fingerprint", "key", "prompt_len", "generation", "n_last", "draft_len", "length", "rec",
+                 "source")
 
     def __init__(self, label: str, fingerprint: bytes, settings: DraftSettings) -> None:
         self.label = label
@@ -63,6 +74,7 @@ class _Row:
         self.generation = -1  # drafter generation when `key` was resolved
         self.n_last = 0  # num_tokens_no_spec at the last call
         self.draft_len = 0  # length of the draft proposed at the last call
+        self.source = ""  # which source proposed it
         self.length = AdaptiveDraftLength(settings.min_draft_tokens, settings.max_draft_tokens)
         self.rec = RequestRecord(label, "", 0, 0, 0, 0, 0, 0.0)
 
@@ -80,9 +92,11 @@ class HistoSpecProposer:
         self.max_model_len = int(model_config.max_model_len) if model_config is not None else 1 << 30
         base = settings or DraftSettings()
         # vLLM cannot verify more than num_speculative_tokens: cap the adaptive length there.
-        self.settings = DraftSettings(base.match_tokens, min(base.min_draft_tokens, k), min(base.max_draft_tokens, k),
-                                      base.min_confidence, base.max_spec_factor)
+        self.settings = DraftSettings(**{**base.__dict__, "min_draft_tokens": min(base.min_draft_tokens, k),
+                                         "max_draft_tokens": min(base.max_draft_tokens, k)})
         self.drafter = HistoryDrafter(self.settings)
+        self.fallback = FallbackDrafter(self.settings)
+        self._hint: dict[str, int] = {}  # prompt key -> adaptive length its last finished request ended at
         self.replica = HistoryReplica()
         self.stats = SpecStats()
         self.enabled = True  # histospec_configure(enabled=False) makes every draft empty
@@ -102,6 +116,12 @@ class HistoSpecProposer:
         rows: dict[int, _Row] = {}
         drafts: list[list[int]] = []
         tokens = verified = accepted = n_drafts = forwards = drafted_rows = draft_tokens = 0
+        live = sum(1 for sampled in sampled_token_ids if sampled)
+        st = self.settings
+        # Batch-size switch (see module docstring): no drafts above max_batch_rows, a shared budget below.
+        gate = self.enabled and not (st.max_batch_rows and live > st.max_batch_rows)
+        row_cap = max(1, st.step_draft_budget // max(1, live)) if st.step_draft_budget else st.max_draft_tokens
+        use_history = "history" in st.sources
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 drafts.append([])  # chunked prefill in progress: nothing to continue yet
@@ -113,34 +133,53 @@ class HistoSpecProposer:
             if state is not None and not self._continues(state, row, n, len(sampled)):
                 self._finish(state)
                 state = None
-            if state is None:
+            fresh = state is None
+            if fresh:
                 label = req_ids[i] if req_ids is not None and i < len(req_ids) else f"row{i}@{self._step}"
                 state = _Row(str(label), row[:min(n, self.FINGERPRINT)].tobytes(), self.settings)
-            elif state.draft_len:
-                a = min(len(sampled) - 1, state.draft_len)
-                state.length.update(state.draft_len, a)
-                verified += state.draft_len
-                accepted += a
-                n_drafts += 1
-                state.rec.verified_draft_tokens += state.draft_len
-                state.rec.accepted_tokens += a
-                state.rec.drafts += 1
+            else:
+                if state.draft_len:
+                    a = min(len(sampled) - 1, state.draft_len)
+                    state.length.update(state.draft_len, a)
+                    verified += state.draft_len
+                    accepted += a
+                    n_drafts += 1
+                    state.rec.verified_draft_tokens += state.draft_len
+                    state.rec.accepted_tokens += a
+                    state.rec.drafts += 1
+                    src = self.stats.totals
+                    src[f"verified_{state.source}"] = src.get(f"verified_{state.source}", 0) + state.draft_len
+                    src[f"accepted_{state.source}"] = src.get(f"accepted_{state.source}", 0) + a
+                if self.fallback.active:
+                    self.fallback.extend(state.label, row[state.n_last:n])
             tokens += len(sampled)
             forwards += 1
             state.rec.forwards += 1
             state.rec.tokens += len(sampled)
 
-            if state.generation != self.drafter.generation:  # history changed since we looked: look again
+            if use_history and state.generation != self.drafter.generation:  # history changed: look again
                 found = self.drafter.resolve(row, n)
                 state.key, state.prompt_len = found if found else ("", 0)
                 state.rec.prompt_key = state.key
                 state.generation = self.drafter.generation
-            budget = min(state.length.value, self.max_model_len - n - 1)
-            draft: list[int] = []
-            if self.enabled and state.key and budget > 0:
-                draft = self.drafter.draft(state.key, row[:n], budget).token_ids
+                if fresh and state.key in self._hint:
+                    state.length.value = self._hint[state.key]
+            if fresh and self.fallback.active:
+                self.fallback.start(state.label, row[:n], state.prompt_len)
+            budget = min(state.length.value, row_cap, self.max_model_len - n - 1)
+            best = None
+            if gate and budget > 0:
+                context = row[:n]
+                if use_history and state.key:
+                    best = self.drafter.draft(state.key, context, budget)
+                if self.fallback.active:
+                    other = self.fallback.draft(state.label, context, budget)
+                    if other.token_ids and (best is None or other.score > best.score):
+                        best = other
+            draft = best.token_ids if best is not None else []
             state.n_last = n
             state.draft_len = len(draft)
+            state.source = best.source if draft else ""
             if draft:
                 drafted_rows += 1
                 draft_tokens += len(draft)
@@ -158,6 +197,11 @@ class HistoSpecProposer:
     # -- history ------------------------------------------------------------------------------------
     def apply_update(self, payload: bytes | HistoryDelta) -> dict[str, int]:
         delta = payload if isinstance(payload, HistoryDelta) else HistoryDelta.from_bytes(payload)
+        if not delta.full and delta.since > self.replica.version:
+            # This worker missed shipments (it restarted): keep what it has and say so; the driver's feed
+            # answers with a full snapshot (speculative/feed.py).
+            return {"version": self.replica.version, "prompts": len(self.drafter), "changed": 0, "removed": 0,
+                    "missed": 1}
         if delta.full:
             self.drafter.clear()
         changed, removed = self.replica.apply(delta)
@@ -165,12 +209,14 @@ class HistoSpecProposer:
             self.drafter.remove(key)
         for key in changed:
             entry = self.replica.entries[key]
-            self.drafter.set_prompt(entry.prompt_tokens, entry.responses, key=key)
+            self.drafter.set_prompt(entry.prompt_tokens, entry.responses, key=key, epochs=entry.epochs())
         return {"version": self.replica.version, "prompts": len(self.drafter), "changed": len(changed),
                 "removed": len(removed)}
 
     def configure(self, enabled: bool | None = None, **settings: Any) -> dict[str, Any]:
-        """Changes drafter settings (match_tokens, min/max_draft_tokens, min_confidence, max_spec_factor)."""
+        """Changes drafter settings (any `DraftSettings` field: match_tokens, min/max_draft_tokens,
+        min_confidence, max_spec_factor, epoch_weight, sources, cross_requests, max_batch_rows,
+        step_draft_budget); the per-request state and the own/cross trees start afresh."""
         if enabled is not None:
             self.enabled = bool(enabled)
         if settings:
@@ -182,8 +228,11 @@ class HistoSpecProposer:
             self.drafter = HistoryDrafter(self.settings)
             self.drafter.generation = old.generation + 1
             self.drafter.set_entries(self.replica.entries)
+            self.fallback = FallbackDrafter(self.settings)
             self._rows.clear()
-        return {"enabled": self.enabled, **self.settings.__dict__}
+            self._hint.clear()
+        return {"enabled": self.enabled, **{k: list(v) if isinstance(v, tuple) else v
+                                             for k, v in self.settings.__dict__.items()}}
 
     # -- internals ----------------------------------------------------------------------------------
     def _continues(self, state: _Row, row: np.ndarray, n: int, emitted: int) -> bool:
@@ -194,6 +243,11 @@ class HistoSpecProposer:
 
     def _finish(self, state: _Row) -> None:
         self.stats.on_request_end(state.rec)  # its last draft was never verified: not counted
+        if state.key:
+            self._hint[state.key] = state.length.value
+            if len(self._hint) > 4 * 100_000:  # bounded like the history's prompt count
+                self._hint.pop(next(iter(self._hint)))
+        self.fallback.stop(state.label)
 
     def _req_ids(self) -> list[str] | None:
         batch = getattr(self.runner, "input_batch", None)

@@ -61,6 +61,12 @@ def test_short_rl_loop(tiny_model_dir, tmp_path):
     failures = [json.loads(line) for line in (tmp_path / "run" / "reward_failures.jsonl").read_text().splitlines()]
     assert failures and all("refusing" in f["error"] and f["sample_id"] for f in failures)
     assert history_prompts > 0
+    # HistoSpec: per-step tokens per forward from vLLM's counters, the round kind, and responses shipped to the
+    # engine while the round ran (sibling drafts), not only after it.
+    spec_rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    assert all(r["spec/step/tokens_per_forward"] >= 1.0 and r["spec/round_long"] in (0.0, 1.0) for r in spec_rows)
+    assert sum(r["spec/history_shipments"] for r in spec_rows) > len(spec_rows)
+    assert summary["spec_tokens_per_forward"] >= 1.0
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
     step_rows = [r for r in rows if "reward/mean" in r]

@@ -1,4 +1,5 @@
-"""HistoSpec drafter and proposer logic without an engine (CPU, pure).
+"""HistoSpec drafter and proposer logic without an engine (CPU, pure): every draft source, epoch
+weighting, per-prompt start length, the batch-size switch, and the driver-side history feed.
 
 The proposer is driven by a small simulation of vLLM's contract: a persistent batch of token rows, one
 `propose` call per step, and a verifier that accepts the draft's longest prefix agreeing with the target
@@ -12,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from speculative.drafter import AdaptiveDraftLength, DraftSettings, HistoryDrafter
+from speculative.drafter import AdaptiveDraftLength, DraftSettings, FallbackDrafter, HistoryDrafter
 from speculative.history import HistoryStore, prompt_key
 from speculative.proposer import HistoSpecProposer, vllm_speculative_config
 from speculative.config import SpeculativeConfig
@@ -138,7 +139,7 @@ class _SimEngine:
 def test_proposer_adapts_length_and_cuts_forwards():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16))
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
     assert proposer.apply_update(store.updates_since(0).to_bytes())["prompts"] == 1
     other = np.array([7, 7, 7, 7, 7, 7], dtype=np.int32)  # no history: never drafted
     engine = _SimEngine([PROMPT, other], [RESPONSE, RESPONSE[:30]], k=16)
@@ -159,7 +160,7 @@ def test_proposer_halves_after_rejection_and_recovers():
     target = RESPONSE[:30] + [2] + [1] * 39  # one divergence in the middle
     store = HistoryStore()
     store.record(PROMPT, [history], epoch=0)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=8))
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=8, sources=("history",)))
     proposer.apply_update(store.snapshot())
     lengths = [s[0] for s in _SimEngine([PROMPT], [target], k=8).run(proposer)]
     # Right after the divergence the context matches nothing (no draft); the next draft is halved.
@@ -180,7 +181,131 @@ def test_vllm_speculative_config_switch():
 
 
 @pytest.mark.parametrize("bad", [dict(min_draft_tokens=0), dict(min_draft_tokens=4, max_draft_tokens=2),
-                                 dict(min_confidence=1.5)])
+                                 dict(min_confidence=1.5), dict(sources=("history", "guess")),
+                                 dict(epoch_weight=0.5), dict(max_batch_rows=-1)])
 def test_draft_settings_validation(bad):
     with pytest.raises(ValueError):
         DraftSettings(**bad)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+def test_newer_epochs_outweigh_older_ones():
+    branch_a = RESPONSE[:20] + [1, 2, 3, 4]  # two responses of epoch 1
+    branch_b = RESPONSE[:20] + [9, 9, 9, 9]  # one response of epoch 2 (the policy moved)
+    tokens = np.concatenate([PROMPT, RESPONSE[:20]]).astype(np.int32)
+    for weight, want in ((1.0, [1, 2, 3, 4]), (3.0, [9, 9, 9, 9])):
+        d = HistoryDrafter(DraftSettings(min_confidence=0.5, epoch_weight=weight))
+        key = d.set_prompt(PROMPT, [branch_a, branch_a, branch_b], epochs=[1, 1, 2])
+        assert d.draft(key, tokens, 4).token_ids == want, weight  # 2:1 unweighted, 2:3 weighted
+
+
+def test_own_text_drafts_a_repeating_response_without_history():
+    unit = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    target = unit * 6 + [0]
+    proposer = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("own",)))
+    engine = _SimEngine([PROMPT], [target], k=8)
+    engine.run(proposer)
+    rec = proposer.stats.requests[-1]
+    assert rec.prompt_key == "" and rec.accepted_tokens >= 30  # every repeat after the first is drafted
+    assert proposer.stats.totals["accepted_own"] == rec.accepted_tokens
+    assert engine.forwards < len(target) / 2
+
+
+def test_cross_source_drafts_from_other_requests_responses():
+    proposer = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("cross",)))
+    _SimEngine([PROMPT], [RESPONSE], k=8).run(proposer)  # an earlier request on this engine
+    other = np.array([90, 91, 92, 93, 94, 95, 96, 97], dtype=np.int32)  # another prompt, no history
+    engine = _SimEngine([other], [RESPONSE], k=8)
+    engine.run(proposer)
+    assert proposer.stats.totals["accepted_cross"] >= len(RESPONSE) - 10
+    assert engine.forwards <= len(RESPONSE) / 3
+    # Without the cross source the same second request gets no draft at all.
+    alone = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("history",)))
+    assert _SimEngine([other], [RESPONSE], k=8).run(alone) and alone.stats.totals["draft_tokens"] == 0
+
+
+def test_fallback_trees_grow_with_the_response():
+    fb = FallbackDrafter(DraftSettings(sources=("own", "cross")))
+    fb.start("a", np.array([5, 6, 7, 8, 5, 6], dtype=np.int32), prompt_len=6)
+    assert fb.draft("a", np.array([5, 6], dtype=np.int32), 2).token_ids == [7, 8]
+    fb.extend("a", np.array([7, 8, 9, 10, 11], dtype=np.int32))
+    fb.stop("a")  # its own tree goes, its response stays in the cross tree
+    d = fb.draft("b", np.array([3, 9], dtype=np.int32), 4)
+    assert d.source == "cross" and d.token_ids == [10, 11]
+    assert fb.draft("a", np.array([5, 6], dtype=np.int32), 2).source == "cross"  # no own tree any more
+
+
+def test_new_request_starts_at_its_prompts_last_draft_length():
+    store = HistoryStore()
+    store.record(PROMPT, [RESPONSE], epoch=1)
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
+    proposer.apply_update(store.snapshot())
+    _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer)
+    again = _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer)  # a sibling of the same prompt
+    assert [n[0] for n in again[:2]] == [16, 16]  # starts long: this prompt's drafts were accepted
+
+
+def test_batch_size_switch_turns_drafts_off_and_back_on():
+    store = HistoryStore()
+    store.record(PROMPT, [RESPONSE], epoch=1)
+    short = RESPONSE[:12]
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=4, max_draft_tokens=8, sources=("history",),
+                                                        max_batch_rows=1))
+    proposer.apply_update(store.snapshot())
+    lengths = _SimEngine([PROMPT, PROMPT], [RESPONSE, short], k=8).run(proposer)
+    both = [n for n in lengths if len(n) == 2]
+    first_alone = next(i for i, n in enumerate(lengths) if n[1] == 0 and i > 12)
+    assert all(n == [0, 0] for n in lengths[:12])  # two rows running > max_batch_rows: plain decoding
+    assert any(n[0] > 0 for n in lengths[first_alone:]) and both  # one row left: drafting again
+    budgeted = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=8, max_draft_tokens=8, sources=("history",),
+                                                        step_draft_budget=6))
+    budgeted.apply_update(store.snapshot())
+    lengths = _SimEngine([PROMPT, PROMPT], [RESPONSE, RESPONSE], k=8).run(budgeted)
+    assert all(sum(n) <= 6 for n in lengths) and max(max(n) for n in lengths) == 3
+
+
+# ------------------------------------------------------------------------------------------ history feed
+
+class _Sample:
+    def __init__(self, sid, prompt, response, epoch):
+        self.sample_id, self.prompt_tokens, self.response_tokens, self.epoch = sid, prompt, response, epoch
+
+
+class _RecordingPool:
+    """Stands in for the Ray pool's `collective_rpc` only: applies shipments to real proposers."""
+
+    def __init__(self, n):
+        self.proposers = [HistoSpecProposer() for _ in range(n)]
+        self.calls = []
+        self.slots = []
+
+    def collective_rpc(self, method, *args, **kwargs):
+        self.calls.append(method)
+        if method == "histospec_update":
+            return [[{"active": True, **p.apply_update(args[0])}] for p in self.proposers]
+        if method == "histospec_configure":
+            return [[{"active": True, **p.configure(**kwargs)}] for p in self.proposers]
+        return [[{"active": True, "totals": dict(p.stats.totals)}] for p in self.proposers]
+
+
+def test_feed_ships_siblings_once_and_heals_a_restarted_engine():
+    from speculative.feed import HistoryFeed
+
+    cfg = SpeculativeConfig(sibling_ship_interval_s=0.0, min_confidence=0.3, history_epochs=2)
+    pool = _RecordingPool(2)
+    feed = HistoryFeed(cfg, pool)
+    first = _Sample("p/e1/0", list(PROMPT), RESPONSE, 1)
+    feed.on_finished(first)  # finished mid-round: recorded and shipped to both engines at once
+    feed.maybe_ship()
+    assert pool.calls[:2] == ["histospec_configure", "histospec_update"]
+    assert all(p.settings.min_confidence == 0.3 for p in pool.proposers)  # config reached the engines
+    assert all(len(p.drafter) == 1 for p in pool.proposers)
+    feed.record_batch([first, _Sample("p/e1/1", list(PROMPT), RESPONSE[:9], 1)])  # first is not recorded twice
+    assert len(feed.store.get(PROMPT).responses) == 2
+    pool.proposers[1] = HistoSpecProposer()  # an engine restarted and lost its history
+    feed.on_finished(_Sample("p/e2/0", list(PROMPT), RESPONSE[:5], 2))
+    feed.maybe_ship()
+    assert all(p.replica.version == feed.store.version for p in pool.proposers)
+    assert pool.proposers[1].settings.min_confidence == 0.3
+    assert pool.proposers[1].replica.entries[prompt_key(PROMPT)].epochs() == [1, 1, 2]

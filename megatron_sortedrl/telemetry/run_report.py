@@ -299,6 +299,41 @@ def plot_acceptance(run: RunData, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def tokens_per_forward_by_kind(run: RunData) -> dict[str, float]:
+    """Tokens per target forward over all steps, short rounds and long rounds (`spec/step/*`, vLLM's counters)."""
+    sums: dict[str, list[float]] = {}
+    for r in run.steps.values():
+        if r.get("spec/step/target_forwards"):
+            for kind in ("all", "long" if r.get("spec/round_long") else "short"):
+                t = sums.setdefault(kind, [0.0, 0.0])
+                t[0] += r["spec/step/tokens"]
+                t[1] += r["spec/step/target_forwards"]
+    return {k: t[0] / t[1] for k, t in sums.items() if t[1]}
+
+
+def plot_tokens_per_forward(run: RunData, path: Path) -> Path | None:
+    """Per step tokens per target forward, short and long rounds apart, with each kind's run-wide figure."""
+    steps = [s for s in sorted(run.steps) if run.steps[s].get("spec/step/target_forwards")]
+    if not steps or all(run.steps[s].get("spec/step/accepted_tokens", 0) == 0 for s in steps):
+        return None
+    overall = tokens_per_forward_by_kind(run)
+    fig, ax = plt.subplots(figsize=(9, 3))
+    for kind, color in (("short", "#4C72B0"), ("long", "#DD8452")):
+        xs = [s for s in steps if bool(run.steps[s].get("spec/round_long")) == (kind == "long")]
+        if xs:
+            ax.plot(xs, [run.steps[s]["spec/step/tokens_per_forward"] for s in xs], "o", ms=3, color=color,
+                    label=f"{kind} rounds (all steps: {overall.get(kind, float('nan')):.2f})")
+            ax.axhline(overall[kind], color=color, lw=0.8, ls="--")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("tokens / target forward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _integer_steps(ax)
+    ax.set_title("Speculative decoding: tokens per target forward per round kind", fontsize=10)
+    return _save(fig, path)
+
+
 def plot_staleness(totals: dict[int, int], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(totals) + 2), 3))
     xs = list(totals)
@@ -323,6 +358,8 @@ _CAPTIONS = {
     "bubbles": "Worker bubble ratio per step: share of rollout worker-time between a worker's last finished "
                "request and the end of the rollout phase.",
     "acceptance": "Mean accepted draft length, tokens per target forward and acceptance rate of the drafter.",
+    "tokens_per_forward": "Tokens per target forward of each step's rollout (vLLM's counters: tokens / (tokens - "
+                          "accepted draft tokens)), short and long rounds apart; dashed: each kind over the run.",
     "staleness": "How many policy versions behind the trained policy each trained sample was generated, "
                  "summed over steps (0 = on-policy).",
 }
@@ -395,6 +432,10 @@ def summary_items(run: RunData, bubbles: dict[int, float]) -> list[tuple[str, st
         items.append(("worker bubble ratio, mean of steps", f"{sum(bubbles.values()) / len(bubbles):.1%}"))
     spec = [r["spec/mean_accepted_length"] for r in run.steps.values() if "spec/mean_accepted_length" in r]
     items.append(("speculative decoding", f"on, mean accepted length {sum(spec) / len(spec):.2f}" if spec else "off"))
+    tpf = tokens_per_forward_by_kind(run)
+    if tpf and spec:
+        items.append(("tokens per target forward (short / long rounds)", f"{tpf['all']:.2f} ("
+                      + " / ".join(f"{tpf[k]:.2f}" if k in tpf else "-" for k in ("short", "long")) + ")"))
     return items
 
 
@@ -454,6 +495,7 @@ def write_run_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | No
     acc = plot_acceptance(run, out / "draft_acceptance.png")
     if acc is not None:
         figure("acceptance", acc)
+        figure("tokens_per_forward", plot_tokens_per_forward(run, out / "tokens_per_forward.png"))
     else:
         parts.append("<p>Speculative decoding was off in this run (no spec/* metrics), so there is no draft acceptance.</p>")
 
