@@ -89,7 +89,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = help_field("arithmetic | knights_knaves (procedural) | file (train_files/eval_files).", "arithmetic")
+    task: str = help_field("arithmetic | knights_knaves | code (procedural) | file (train_files/eval_files).",
+                           "arithmetic")
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
     prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
@@ -113,8 +114,8 @@ class DataConfig:
     num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
 
     def __post_init__(self) -> None:
-        if self.task not in ("arithmetic", "knights_knaves", "file"):
-            raise ConfigError("data.task", self.task, "one of arithmetic, knights_knaves, file")
+        if self.task not in ("arithmetic", "knights_knaves", "code", "file"):
+            raise ConfigError("data.task", self.task, "one of arithmetic, knights_knaves, code, file")
         if self.on_bad_row not in ("error", "skip"):
             raise ConfigError("data.on_bad_row", self.on_bad_row, "one of error, skip")
         if self.task == "file" and not self.train_files:

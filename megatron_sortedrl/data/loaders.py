@@ -48,9 +48,10 @@ def load_prompts(data_cfg, split: str = "train", report: LoadReport | None = Non
         files = data_cfg.train_files if split == "train" else data_cfg.eval_files
         prompts = load_files(files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.on_bad_row, report)
     else:
-        from megatron_sortedrl.data import arithmetic, knights_knaves
+        from megatron_sortedrl.data import arithmetic, code_task, knights_knaves
 
-        generator = {"arithmetic": arithmetic.generate, "knights_knaves": knights_knaves.generate}[data_cfg.task]
+        generator = {"arithmetic": arithmetic.generate, "knights_knaves": knights_knaves.generate,
+                     "code": code_task.generate}[data_cfg.task]
         # Train and eval use different seeds so the held-out set is disjoint in expectation.
         seed = data_cfg.seed if split == "train" else data_cfg.seed + 1_000_003
         num = data_cfg.num_train_prompts if split == "train" else data_cfg.num_eval_prompts

@@ -21,6 +21,7 @@ RewardFn = Callable[..., float]
 DEFAULT_REWARD = {
     "arithmetic": "megatron_sortedrl.rewards.arithmetic.reward",
     "knights_knaves": "megatron_sortedrl.rewards.knights_knaves.reward",
+    "code": "megatron_sortedrl.rewards.code.reward",
     "file": "megatron_sortedrl.rewards.math.reward",
 }
 
