@@ -27,6 +27,8 @@ Per step (`step_metrics`): `reward/critical_path_s`, the time from the last samp
 generation to the last of its rewards arriving (what every GPU waits for reward alone), and its share of
 the step; `reward/queue_wait_s` and `reward/scoring_s` (mean and max over the step's scored samples),
 `reward/workers_active` (mean busy workers while the step ran), `reward/workers` (pool size),
+`reward/drain_s` (the wait after the harvest for rewards of samples it did not take, which the driver
+hands to the policy before training),
 `reward/timeouts` and `reward/timeouts_by_prompt`.
 
 A reward function may take a batch: mark it `fn.batched = True` and it is called as
@@ -161,6 +163,14 @@ class RewardStage:
         return out
 
     def drain(self, sleep_s: float = 0.002) -> list[Sample]:
+        """Blocks until everything submitted is scored; the wait counts as the step's `reward/drain_s` (the
+        driver drains after the harvest: rewards of samples the harvest did not need still hold the step)."""
+        t0 = time.monotonic()
+        out = self._drain(sleep_s)
+        self._drain_s += time.monotonic() - t0
+        return out
+
+    def _drain(self, sleep_s: float = 0.002) -> list[Sample]:
         out = self.poll()
         while len(self.pool) > 0:
             time.sleep(sleep_s)
@@ -170,7 +180,7 @@ class RewardStage:
     def score(self, samples: list[Sample]) -> list[Sample]:
         for s in samples:
             self.submit(s)
-        return self.drain()
+        return self._drain()
 
     def close(self) -> None:
         self.pool.close()
@@ -207,12 +217,15 @@ class RewardStage:
         self._busy: deque[int] = deque(maxlen=100_000)
         self._timeouts: Counter[str] = Counter()
         self._size_max, self._resizes = self.pool.size, 0
+        self._drain_s = 0.0
 
     def step_metrics(self, batch: list[Sample], step_s: float) -> dict[str, Any]:
         """The step's reward/* figures (see the module docstring); resets the step's counters."""
         gen = [float(s.meta["gen_done"]) for s in batch if "gen_done" in s.meta]
         got = [float(s.meta["reward_done"]) for s in batch if "reward_done" in s.meta]
-        crit = max(0.0, max(got) - max(gen)) if gen and got else 0.0
+        # Within this step: a batch finished and scored during an earlier step's rollout costs this step nothing.
+        start = time.monotonic() - step_s
+        crit = max(0.0, max(got) - max(max(gen), start)) if gen and got else 0.0
         w, sc = self._waits, self._scoring
         row = {
             "reward/critical_path_s": crit,
@@ -223,6 +236,7 @@ class RewardStage:
             "reward/workers_active": sum(self._busy) / len(self._busy) if self._busy else 0.0,
             "reward/workers": float(self.pool.size), "reward/workers_max": float(self._size_max),
             "reward/resizes": float(self._resizes),
+            "reward/drain_s": self._drain_s,
             "reward/timeouts": float(sum(self._timeouts.values())),
             "reward/timeouts_by_prompt": dict(self._timeouts),
         }

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_sortedrl.config import RunConfig, help_field, load_config
 from megatron_sortedrl.errors import ConfigError
 from scheduler.cost_model import EngineCostModel
+from scheduler.reward_cost import RewardCostConfig
 
 WORKLOADS = ("synthetic", "replay")
 
@@ -84,6 +85,8 @@ class SimConfig:
     cluster: ClusterCosts = help_field("GPUs and the costs outside rollout.", factory=ClusterCosts)
     engine: EngineCostModel = help_field("Cost model of one rollout engine.", factory=EngineCostModel)
     workload: WorkloadConfig = help_field("Response-length workload.", factory=WorkloadConfig)
+    reward: RewardCostConfig = help_field("Reward scoring cost and workers (scheduler/reward_cost.py).",
+                                          factory=RewardCostConfig)
 
 
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:
