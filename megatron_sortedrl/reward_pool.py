@@ -66,11 +66,15 @@ def _worker_main(fn_ref: Any, conn: Any) -> None:
 
 
 def call_reward(fn: Callable[..., Any], sample: Sample) -> tuple[float, str, str]:
-    """(reward, error, reason) of one call; an exception is an error with reward 0, never raised."""
+    """(reward, error, reason) of one call; an exception is an error with reward 0, never raised. A result
+    with `seconds` (the code reward's program run time) puts it in the reason as `reason|seconds`."""
     try:
         out = fn(sample, sample.ground_truth)
         if hasattr(out, "score"):
-            return float(out.score), "", str(getattr(out, "reason", ""))
+            reason = str(getattr(out, "reason", ""))
+            if getattr(out, "seconds", None) is not None:
+                reason = f"{reason}|{float(out.seconds):.6f}"
+            return float(out.score), "", reason
         return float(out), "", ""
     except Exception as exc:  # a buggy reward must not stop the run: counted by the pool
         return 0.0, f"{type(exc).__name__}: {exc}", ""
@@ -99,7 +103,7 @@ class _Worker:
 
 class RewardPool:
     def __init__(self, reward_fn: str | Callable[..., float], num_workers: int = 1, timeout_s: float = 10.0,
-                 max_batch: int = 64, order_key: Callable[[Sample], Any] | None = None, grace_s: float = 2.0) -> None:
+                 max_batch: int = 64, order_key: Callable[[Sample], Any] | None = None, grace_s: float = 5.0) -> None:
         if isinstance(reward_fn, str):  # fail in the driver, with a config error, not in a worker
             from megatron_sortedrl.rewards import load_reward_fn
 
@@ -162,6 +166,9 @@ class RewardPool:
 
     def _finish(self, sample: Sample, reward: float, err: str, seconds: float | None = None, reason: str = "") -> None:
         now = time.monotonic()
+        if "|" in reason:  # reason|program seconds (see call_reward)
+            reason, _, program_s = reason.rpartition("|")
+            sample.meta["reward_program_s"] = float(program_s)
         sample.reward, sample.reward_error = reward, err
         sample.meta["reward_reason"] = reason or err
         sample.meta["reward_seconds"] = seconds if seconds is not None else self._limit(sample)

@@ -70,7 +70,8 @@ class TimeoutHistory:
             self.timeouts[s.prompt_id] += 1
             return True
         if (s.reward or 0.0) > 0 and not s.reward_error:
-            secs = float(s.meta.get("reward_seconds", 0.0))
+            # the program's own run time when the reward reports it (code), else the whole call's
+            secs = float(s.meta.get("reward_program_s", s.meta.get("reward_seconds", 0.0)))
             self.slowest_pass[s.prompt_id] = max(secs, self.slowest_pass.get(s.prompt_id, 0.0))
         return False
 
@@ -302,7 +303,7 @@ class RayRewardPool(RewardPool):
     call otherwise, so a timeout loses one sample."""
 
     def __init__(self, reward_fn: Any, num_workers: int, timeout_s: float, max_batch: int,
-                 order_key: Callable[[Sample], Any] | None, num_cpus: float, grace_s: float = 2.0) -> None:
+                 order_key: Callable[[Sample], Any] | None, num_cpus: float, grace_s: float = 5.0) -> None:
         import ray
 
         if isinstance(reward_fn, str):

@@ -52,7 +52,8 @@ def test_active_mode_is_reported_in_one_line():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_correct_program_passes(mode):
-    assert _score(GOOD, mode) == RewardResult(1.0, "")
+    res = _score(GOOD, mode)
+    assert (res.score, res.reason) == (1.0, "") and 0 <= res.seconds < 1.0
     fenced = "Here it is:\n```python\n" + GOOD + "```\n"
     from megatron_sortedrl.rewards.code import extract_program
 
@@ -126,8 +127,12 @@ def test_memory_hog_hits_the_memory_limit(mode):
 def test_endless_loop_times_out(mode):
     t0 = time.monotonic()
     res = _score("def f(x):\n    while True:\n        pass\n", mode, timeout_s=1.5)
-    assert res == RewardResult(0.0, "timeout")
-    assert time.monotonic() - t0 < 6
+    assert (res.score, res.reason) == (0.0, "timeout") and res.seconds >= 1.4
+    # a loop that ignores the program's timer signal is cut by the sandbox's wall clock
+    res = _score("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                 "def f(x):\n    while True:\n        pass\n", mode, timeout_s=1.0)
+    assert (res.score, res.reason) == (0.0, "timeout")
+    assert time.monotonic() - t0 < 20
     assert _sandbox_processes() == []
 
 

@@ -18,8 +18,11 @@ way to a pass. Reward 1.0 when every test passes, else 0.0, with the reason in `
 (first failing test, error, timeout, memory, a process left behind, ...). A program that leaves a
 process running scores 0 even when its answers are right.
 
-The wall-clock limit is `sample.meta["reward_timeout_s"]` when the reward stage set one (timeouts from
-history, see `reward_stage.py`), else `DEFAULT_TIMEOUT_S`.
+The program's limit is `sample.meta["reward_timeout_s"]` when the reward stage set one (timeouts from
+history, see `reward_stage.py`), else `DEFAULT_TIMEOUT_S`. It counts from the start of the program's code
+(an interval timer in the runner), so interpreter and sandbox start-up do not eat it; the sandbox's
+wall-clock limit, `STARTUP_ALLOWANCE_S` later, catches a program that blocks the timer's signal. The
+result's `seconds` is the program's own run time, which the timeout history learns from.
 Tests: `python -m pytest tests/test_sandbox.py tests/test_code_task.py -q`.
 """
 
@@ -32,19 +35,31 @@ from dataclasses import dataclass
 from megatron_sortedrl.rewards.sandbox import Limits, Sandbox
 
 DEFAULT_TIMEOUT_S = 5.0
+STARTUP_ALLOWANCE_S = 2.0  # sandbox and interpreter start-up on a busy machine, on top of the program's limit
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 _MARK = "@@RESULTS@@"
 
 # Runs inside the sandbox. Reads tests.json (inputs only), runs them, prints one JSON line after the mark.
 _RUNNER = r'''
-import io, json, os, sys, traceback
+import io, json, os, signal, sys, time
 _ME = os.getpid()
 _t = json.load(open("tests.json"))
 _out, _err = [], ""
 _src = open("solution.py").read()
+class _Deadline(BaseException):
+    pass
+def _alarm(*_):
+    raise _Deadline()
 def _exc():
     e = sys.exc_info()[1]
+    if isinstance(e, _Deadline):
+        return "timeout"
     return "MemoryError" if isinstance(e, MemoryError) else f"{type(e).__name__}: {e}"[:300]
+# The program's own limit, from the start of its code: interpreter and sandbox start-up do not count, so
+# a limit learned from the program's run time is not eaten by them (the sandbox's wall clock is the backstop).
+signal.signal(signal.SIGALRM, _alarm)
+signal.setitimer(signal.ITIMER_REAL, _t["limit_s"])
+_t0 = time.perf_counter()
 if _t["mode"] == "call":
     _g = {"__name__": "solution"}
     try:
@@ -75,6 +90,8 @@ else:
         _out.append(_got)
 if os.getpid() != _ME:  # a forked copy of the program: never reports
     os._exit(1)
+_secs = time.perf_counter() - _t0
+signal.setitimer(signal.ITIMER_REAL, 0)
 _others = 0
 try:
     for _p in os.listdir("/proc"):
@@ -83,9 +100,10 @@ try:
 except OSError:
     pass
 try:
-    _line = json.dumps({"outputs": _out, "error": _err, "others": _others}, default=repr)
+    _line = json.dumps({"outputs": _out, "error": _err, "others": _others, "seconds": _secs}, default=repr)
 except BaseException:
-    _line = json.dumps({"outputs": [], "error": "outputs are not JSON-serialisable", "others": _others})
+    _line = json.dumps({"outputs": [], "error": "outputs are not JSON-serialisable", "others": _others,
+                        "seconds": _secs})
 sys.stdout.write("\n" + "@@RESULTS@@" + _line + "\n")
 sys.stdout.flush()
 '''
@@ -97,6 +115,7 @@ class RewardResult:
 
     score: float
     reason: str = ""
+    seconds: float = 0.0  # the program's own run time (tests only, no start-up): what history timeouts learn
 
     def __float__(self) -> float:
         return float(self.score)
@@ -143,8 +162,9 @@ def _same_text(got: str, want: str) -> bool:
 def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "auto") -> RewardResult:
     box = sandbox(mode)
     runner_tests = {k: tests[k] for k in ("mode", "fn_name", "inputs")}
+    runner_tests["limit_s"] = timeout_s
     res = box.run({"solution.py": program, "runner.py": _RUNNER, "tests.json": json.dumps(runner_tests)},
-                  "runner.py", timeout_s=timeout_s)
+                  "runner.py", timeout_s=timeout_s + STARTUP_ALLOWANCE_S)
     head, _, line = res.stdout.rpartition(_MARK)
     if res.status != "ok" or not line.strip():
         return RewardResult(0.0, res.reason or "no result from the program (it exited or closed stdout early)")
@@ -152,9 +172,12 @@ def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_
         report = json.loads(line.strip().splitlines()[0])
     except (json.JSONDecodeError, IndexError):
         return RewardResult(0.0, "the program corrupted the result line")
+    secs = float(report.get("seconds", 0.0))
     if report.get("error"):
         err = report["error"]
-        return RewardResult(0.0, "memory: MemoryError" if err == "MemoryError" else f"error: {err}")
+        if err == "timeout":
+            return RewardResult(0.0, "timeout", secs)
+        return RewardResult(0.0, "memory: MemoryError" if err == "MemoryError" else f"error: {err}", secs)
     if report.get("others") or res.leftover_processes:
         n = max(report.get("others", 0), res.leftover_processes)
         return RewardResult(0.0, f"left {n} background process(es) running (killed)")
@@ -164,8 +187,8 @@ def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_
     for i, (got, exp) in enumerate(zip(outputs, want)):
         ok = _same_text(got, exp) if tests["mode"] == "stdio" else got == exp
         if not ok:
-            return RewardResult(0.0, f"wrong answer on test {i + 1} of {len(want)}")
-    return RewardResult(1.0, "")
+            return RewardResult(0.0, f"wrong answer on test {i + 1} of {len(want)}", secs)
+    return RewardResult(1.0, "", secs)
 
 
 def reward(sample, ground_truth: str) -> RewardResult:
