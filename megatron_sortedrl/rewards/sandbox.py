@@ -107,7 +107,9 @@ def detect_mode(requested: str = "auto") -> tuple[str, str]:
         _MODE_CACHE["why"] = _probe_bwrap()
     why = _MODE_CACHE["why"]
     if why and requested == "bwrap":
-        raise RuntimeError(f"reward.sandbox=bwrap but {why}; install bubblewrap or use reward.sandbox=auto")
+        from megatron_sortedrl.errors import ConfigError
+
+        raise ConfigError("reward.sandbox", "bwrap", f"auto or fallback here: {why}")
     return ("fallback", why) if why else ("bwrap", "")
 
 
