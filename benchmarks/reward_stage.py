@@ -18,7 +18,7 @@ Variants (interleaved within each repeat, fresh workers each, started before the
 - `fixed`: 2 workers, every sample's limit `--timeout-s`, arrival order, batches of up to 64 per message
   (the pool's previous behaviour);
 - `scaling`: 1..6 workers sized from the backlog, one sample per message, harvest order, fixed limit;
-- `scaling+history`: as scaling, with per-prompt limits of 3 x the slowest passing sample (>= 0.5 s).
+- `scaling+history`: as scaling, with per-prompt limits of 3 x the slowest passing sample (>= 0.3 s).
 
 Per step: `reward_critical_path_s` = last reward of the batch minus last generation finish, its share of the
 step, step time, timeouts. Rows: median (min, max) over repeats x steps. Writes JSON + MD + PNG.
@@ -56,7 +56,7 @@ VARIANTS = {
                     idle_s=5.0, max_batch=1, order="harvest", timeout="fixed"),
     "scaling+history": dict(autoscale=True, min_workers=1, max_workers=6, target_drain_s=0.5, scale_interval_s=0.2,
                             idle_s=5.0, max_batch=1, order="harvest", timeout="history", timeout_multiple=3.0,
-                            min_timeout_s=0.5),
+                            min_timeout_s=0.3),
 }
 
 
@@ -148,7 +148,9 @@ def main() -> None:
         mine = [x for x in per_step if x["variant"] == name]
         share, step_s = [x["critical_path_share"] for x in mine], [x["step_s"] for x in mine]
         per_repeat_timeouts = [sum(x["timeouts"] for x in mine if x["repeat"] == r) for r in range(args.repeats)]
+        later = [x["critical_path_share"] for x in mine if x["step"] > 0]  # history has seen the prompts
         rows.append({"variant": name, "reward_critical_path_share": statistics.median(share),
+                     "reward_critical_path_share_after_first_step": statistics.median(later) if later else None,
                      "reward_critical_path_share_min": min(share), "reward_critical_path_share_max": max(share),
                      "reward_critical_path_s": _mmm([x["critical_path_s"] for x in mine]),
                      "step_s_median": statistics.median(step_s), "step_s_min": min(step_s), "step_s_max": max(step_s),
@@ -167,12 +169,15 @@ def main() -> None:
              f"`python benchmarks/reward_stage.py` ({args.repeats} repeats x {args.steps} steps, "
              f"{PROMPTS * PER_PROMPT} code samples a step, sandbox: {sandbox.split(':', 1)[1].strip()}). "
              f"Machine: {meta['machine']}.", "",
-             "| variant | reward critical-path share, median (min-max) | critical path s, median | step s, median "
-             "(min-max) | timeouts per repeat, median | workers max | busy workers, median |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | reward critical-path share, median (min-max) | share, steps after the first | critical path s, "
+             "median | step s, median (min-max) | timeouts per repeat, median | workers max | busy workers, median |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['reward_critical_path_share']:.3f} ({r['reward_critical_path_share_min']:.3f}"
-                     f"-{r['reward_critical_path_share_max']:.3f}) | {r['reward_critical_path_s']['median']:.2f} | "
+                     f"-{r['reward_critical_path_share_max']:.3f}) | "
+                     + (f"{r['reward_critical_path_share_after_first_step']:.3f}"
+                        if r["reward_critical_path_share_after_first_step"] is not None else "-")
+                     + f" | {r['reward_critical_path_s']['median']:.2f} | "
                      f"{r['step_s_median']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | {r['timeouts']:.0f} | "
                      f"{r['workers_max']:.0f} | {r['workers_active_median']:.2f} |")
     lines += ["", "Generation is replayed (same finish times for every variant); scoring is real, in the sandbox. "
@@ -191,8 +196,8 @@ def _plot(per_step: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = list(VARIANTS)
     data = [[x["critical_path_share"] for x in per_step if x["variant"] == n] for n in names]
-    ax.set_xticks(range(1, len(names) + 1), names)
     ax.boxplot(data)
+    ax.set_xticks(range(1, len(names) + 1), names)
     ax.axhline(0.05, color="#C44E52", linestyle="--", linewidth=1, label="target 0.05")
     ax.set_ylabel("reward critical path / step")
     ax.set_title("Share of each step waiting on reward alone (all repeats x steps)", fontsize=10)

@@ -25,6 +25,7 @@ def plot_reward_stage(steps: dict[int, dict[str, Any]], path: Path) -> Path | No
     if not xs:
         return None
     fig, (ax, axw) = plt.subplots(1, 2, figsize=(12, 3.2))
+    fig.subplots_adjust(wspace=0.4)  # room for the left panel's second axis label
     ax.bar(xs, [steps[s]["reward/critical_path_s"] for s in xs], color="#DD8452", label="critical path (s)")
     ax.set_xlabel("training step")
     ax.set_ylabel("seconds")
