@@ -111,6 +111,7 @@ class RewardPool:
         self.fn_ref, self.timeout_s, self.max_batch = reward_fn, timeout_s, max(1, max_batch)
         self.order_key, self.grace_s = order_key, grace_s
         self.target = max(1, num_workers)
+        self._retiring: list[tuple[_Worker, float]] = []  # asked to exit, not yet gone
         self._ctx = mp.get_context("spawn")
         self.workers = [_Worker(self._ctx, reward_fn) for _ in range(max(1, num_workers))]
         self.pending: deque[Sample] = deque()
@@ -143,9 +144,23 @@ class RewardPool:
         self._retire()
 
     def _retire(self) -> None:
+        # Without waiting for the process to exit: a join here would stall scoring for everyone else.
         for w in [w for w in self.workers if not w.tasks][: max(0, len(self.workers) - self.target)]:
             self.workers.remove(w)
-            _close_worker(w)
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            self._retiring.append((w, time.monotonic() + 10.0))
+        keep = []
+        for w, deadline in self._retiring:
+            if w.proc.is_alive() and time.monotonic() > deadline:
+                w.kill()
+            elif w.proc.is_alive():
+                keep.append((w, deadline))
+            else:
+                w.proc.join(0)
+        self._retiring = keep
 
     def _limit(self, sample: Sample) -> float:
         own = sample.meta.get("reward_timeout_s")
@@ -234,7 +249,7 @@ class RewardPool:
         return self.drain()
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in self.workers + [w for w, _ in self._retiring]:
             _close_worker(w)
 
     def __enter__(self) -> RewardPool:

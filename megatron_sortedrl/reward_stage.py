@@ -316,6 +316,7 @@ class RayRewardPool(RewardPool):
         self.max_batch = max(1, max_batch) if batched else 1
         self._remote = ray.remote(num_cpus=num_cpus, num_gpus=0)(_RewardActor)
         self.target = max(1, num_workers)
+        self._retiring: list = []
         self.workers: list[dict[str, Any]] = []
         self.pending: deque[Sample] = deque()
         self.done: list[Sample] = []
