@@ -317,6 +317,7 @@ class RayRewardPool(RewardPool):
         self._remote = ray.remote(num_cpus=num_cpus, num_gpus=0)(_RewardActor)
         self.target = max(1, num_workers)
         self._retiring: list = []
+        self._start_failures = 0
         self.workers: list[dict[str, Any]] = []
         self.pending: deque[Sample] = deque()
         self.done: list[Sample] = []
@@ -368,14 +369,22 @@ class RayRewardPool(RewardPool):
             if w["ref"] is None:
                 continue
             if w["ref"] in ready:
+                tasks, w["tasks"], ref, w["ref"] = w["tasks"], [], w["ref"], None
                 try:
-                    results = ray.get(w["ref"])
-                except Exception as exc:  # the actor died (or its start failed): its samples are lost
-                    results = [(0.0, f"reward worker died ({type(exc).__name__})", 0.0, "")] * len(w["tasks"])
+                    results = ray.get(ref)
+                    self._start_failures = 0
+                except Exception as exc:  # the actor died (or its start failed): its samples score 0
+                    results = [(0.0, f"reward worker died ({type(exc).__name__})", 0.0, "")] * len(tasks)
+                    self._start_failures += 1
+                    if self._start_failures >= 5:  # an actor that cannot start would be replaced forever
+                        from megatron_sortedrl.errors import UserError
+
+                        raise UserError(f"reward actors keep failing to start or dying ({exc}); check that "
+                                        f"the reward function imports on every node") from None
                     self.workers[i] = self._new()
-                for s, (reward, err, secs, reason) in zip(w["tasks"], results):
-                    self._finish(s, reward, err, secs, reason)
-                w["tasks"], w["ref"] = [], None
+                if tasks:  # else: the start-up ping (`ready`)
+                    for s, (reward, err, secs, reason) in zip(tasks, results):
+                        self._finish(s, reward, err, secs, reason)
             elif w["tasks"] and time.monotonic() - w["started"] > sum(self._limit(s) for s in w["tasks"]):
                 lost, rest = w["tasks"][0], w["tasks"][1:]
                 ray.kill(w["actor"])

@@ -122,6 +122,12 @@ def test_harvest_order_scores_complete_groups_first():
 
 
 def test_ray_backend_scores_times_out_and_takes_batches(local_ray):
+    import sys
+
+    from ray import cloudpickle
+
+    # pytest imports this file as a top-level module the actors cannot import: ship its functions by value
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     stage = _stage(backend="ray", ray_num_cpus=0.25, timeout="history", min_timeout_s=0.5, timeout_s=30.0)
     try:
         assert all(s.reward == 1.0 for s in stage.score([_s("p", 0, "0.05"), _s("p", 1, "0.05")]))
