@@ -89,7 +89,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = help_field("arithmetic | long_addition | knights_knaves (procedural) | file (train_files/eval_files).",
+    task: str = help_field("arithmetic | long_addition | knights_knaves | code (procedural) | file (train_files/eval_files).",
                            "arithmetic")
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
@@ -114,8 +114,8 @@ class DataConfig:
     num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
 
     def __post_init__(self) -> None:
-        if self.task not in ("arithmetic", "long_addition", "knights_knaves", "file"):
-            raise ConfigError("data.task", self.task, "one of arithmetic, long_addition, knights_knaves, file")
+        if self.task not in ("arithmetic", "long_addition", "knights_knaves", "code", "file"):
+            raise ConfigError("data.task", self.task, "one of arithmetic, long_addition, knights_knaves, code, file")
         if self.on_bad_row not in ("error", "skip"):
             raise ConfigError("data.on_bad_row", self.on_bad_row, "one of error, skip")
         if self.task == "file" and not self.train_files:
@@ -136,6 +136,48 @@ class DataConfig:
             raise ConfigError("data.num_epochs", self.num_epochs, "an integer >= 0 (0: no limit)")
         if self.reward_fn and not re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self.reward_fn):
             raise ConfigError("data.reward_fn", self.reward_fn, "a dotted path such as my_pkg.rewards.score")
+
+
+@dataclass
+class RewardConfig:
+    """The reward stage (megatron_sortedrl/reward_stage.py); data.reward_workers and data.reward_timeout_s
+    stay the starting size and the (largest) per-sample limit."""
+
+    backend: str = help_field("process: spawned processes on the driver's node; ray: CPU-only Ray actors on "
+                              "any node of the cluster.", "process")
+    ray_num_cpus: float = help_field("backend=ray: CPUs each reward actor reserves.", 1.0)
+    autoscale: bool = help_field("Resize the workers from the measured backlog during the run.", False)
+    min_workers: int = help_field("autoscale: fewest workers (0: data.reward_workers).", 0)
+    max_workers: int = help_field("autoscale: most workers (0: data.reward_workers).", 0)
+    target_drain_s: float = help_field("autoscale: enough workers to score the backlog within this.", 1.0)
+    scale_interval_s: float = help_field("autoscale: seconds between two sizing decisions.", 0.5)
+    idle_s: float = help_field("autoscale: give one worker back after this long with nothing pending.", 10.0)
+    timeout: str = help_field("fixed: data.reward_timeout_s for every sample; history: per prompt, "
+                              "timeout_multiple x its slowest passing sample, within bounds.", "fixed")
+    timeout_multiple: float = help_field("timeout=history: multiple of the slowest passing scoring.", 3.0)
+    min_timeout_s: float = help_field("timeout=history: smallest per-prompt limit in seconds.", 0.5)
+    order: str = help_field("harvest: complete groups first (what the harvest takes); fifo: arrival order.",
+                            "harvest")
+    max_batch: int = help_field("Samples sent to a worker in one message (batch rewards: per call).", 64)
+    sandbox: str = help_field("Code rewards: auto (bubblewrap when it works, else fallback) | bwrap | fallback.",
+                              "auto")
+
+    def __post_init__(self) -> None:
+        for key, val, allowed in (("backend", self.backend, ("process", "ray")),
+                                  ("timeout", self.timeout, ("fixed", "history")),
+                                  ("order", self.order, ("harvest", "fifo")),
+                                  ("sandbox", self.sandbox, ("auto", "bwrap", "fallback"))):
+            if val not in allowed:
+                raise ConfigError(f"reward.{key}", val, "one of " + ", ".join(allowed))
+        for key in ("ray_num_cpus", "target_drain_s", "scale_interval_s", "timeout_multiple", "min_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"reward.{key}", getattr(self, key), "a positive number")
+        if self.idle_s < 0 or self.min_workers < 0 or self.max_workers < 0 or self.max_batch < 1:
+            raise ConfigError("reward.max_batch" if self.max_batch < 1 else "reward.min_workers",
+                              (self.min_workers, self.max_workers, self.max_batch, self.idle_s),
+                              "min/max_workers >= 0, max_batch >= 1, idle_s >= 0")
+        if self.max_workers and self.min_workers > self.max_workers:
+            raise ConfigError("reward.max_workers", self.max_workers, f">= reward.min_workers ({self.min_workers})")
 
 
 @dataclass
@@ -385,6 +427,7 @@ class RunConfig:
     logging: LoggingConfig = help_field("Run directory and metrics sinks.", factory=LoggingConfig)
     cluster: ClusterConfig = help_field("Machines and devices.", factory=ClusterConfig)
     plan: PlanConfig = help_field("Launch planner: memory fit check before a run starts.", factory=PlanConfig)
+    reward: RewardConfig = help_field("Reward stage: workers, scaling, timeouts, order, sandbox.", factory=RewardConfig)
 
     def __post_init__(self) -> None:
         hf_config = Path(self.model.path) / "config.json"

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.preflight import preflight
-from megatron_sortedrl.reward_pool import RewardPool
+from megatron_sortedrl.reward_stage import make_reward_stage
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
 
@@ -85,7 +85,6 @@ class Driver:
 
         from megatron_sortedrl.data import load_prompts
         from megatron_sortedrl.data.prompting import PromptEncoder
-        from megatron_sortedrl.rewards import reward_path
         from megatron_sortedrl.rollout import PoolOptions, RolloutPool
         from megatron_sortedrl.tiny_model import build_tiny_model
         from megatron_sortedrl.trainer.group import TrainerGroup
@@ -120,8 +119,7 @@ class Driver:
         self.trainer = TrainerGroup(cfg)
         self.say("starting rollout pool ...")
         self.pool = RolloutPool(PoolOptions.from_config(cfg))
-        self.rewards = RewardPool(self._reward_fn or reward_path(cfg.data), num_workers=cfg.data.reward_workers,
-                                  timeout_s=cfg.data.reward_timeout_s)
+        self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
         gpus = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
         planner = make_planner("fixed", gpus=gpus, gpus_per_node=gpus, tp_short=cfg.rollout.tensor_parallel_size,
                                tp_long=cfg.rollout.long_round_tensor_parallel_size)
@@ -390,7 +388,8 @@ class Driver:
         sync = self.sync_weights()
         spec = self.update_history(harvest.batch, rnd.kind)
         step_s = time.monotonic() - t0
-        row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec)
+        row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
+                       self.rewards.step_metrics(harvest.batch, step_s))
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:

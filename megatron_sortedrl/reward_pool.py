@@ -21,9 +21,17 @@ scoring one sample per message left the engines idle while the driver waited on 
 clock restarts at each returned result, so it still bounds one call; when it fires, only the sample being
 scored is lost (reward 0, "timeout") and the rest of its batch goes back to the front of the queue.
 
+A reward may return a float or an object with `score` and `reason` (`rewards.code.RewardResult`): the
+reason goes to `sample.meta["reward_reason"]`, and a reason starting with "timeout" (the code sandbox's own
+wall-clock limit) counts as a timeout. Each result also brings the seconds the call took in the worker
+(`sample.meta["reward_seconds"]`) and the driver's clock when it arrived (`sample.meta["reward_done"]`),
+which the reward stage turns into queue wait, scoring time and the critical path. A sample may carry its
+own limit in `sample.meta["reward_timeout_s"]` (timeouts from history): the worker is then killed
+`grace_s` after it, instead of after `timeout_s`. `order_key` sorts what is pending before each dispatch
+(the order the harvest needs), and `resize(n)` grows or shrinks the pool while it runs.
+
 Tests: `python -m pytest tests/test_reward_pool.py -q`.
-Left out: reward functions that take a whole batch in one call (model-based rewards would want them) and
-rewards on remote nodes.
+Left out: rewards on remote nodes (see `reward_stage.RayRewardPool`).
 """
 
 from __future__ import annotations
@@ -52,11 +60,24 @@ def _worker_main(fn_ref: Any, conn: Any) -> None:
         if msg is None:
             return
         for sample_id, sample in msg:  # a batch; each result goes back as soon as it is known
-            try:
-                reward, err = float(fn(sample, sample.ground_truth)), ""
-            except Exception as exc:  # a buggy reward must not stop the run: counted by the pool
-                reward, err = 0.0, f"{type(exc).__name__}: {exc}"
-            conn.send((sample_id, reward, err))
+            t0 = time.monotonic()
+            reward, err, reason = call_reward(fn, sample)
+            conn.send((sample_id, reward, err, time.monotonic() - t0, reason))
+
+
+def call_reward(fn: Callable[..., Any], sample: Sample) -> tuple[float, str, str]:
+    """(reward, error, reason) of one call; an exception is an error with reward 0, never raised. A result
+    with `seconds` (the code reward's program run time) puts it in the reason as `reason|seconds`."""
+    try:
+        out = fn(sample, sample.ground_truth)
+        if hasattr(out, "score"):
+            reason = str(getattr(out, "reason", ""))
+            if getattr(out, "seconds", None) is not None:
+                reason = f"{reason}|{float(out.seconds):.6f}"
+            return float(out.score), "", reason
+        return float(out), "", ""
+    except Exception as exc:  # a buggy reward must not stop the run: counted by the pool
+        return 0.0, f"{type(exc).__name__}: {exc}", ""
 
 
 class _Worker:
@@ -82,12 +103,15 @@ class _Worker:
 
 class RewardPool:
     def __init__(self, reward_fn: str | Callable[..., float], num_workers: int = 1, timeout_s: float = 10.0,
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64, order_key: Callable[[Sample], Any] | None = None, grace_s: float = 5.0) -> None:
         if isinstance(reward_fn, str):  # fail in the driver, with a config error, not in a worker
             from megatron_sortedrl.rewards import load_reward_fn
 
             load_reward_fn(reward_fn)
         self.fn_ref, self.timeout_s, self.max_batch = reward_fn, timeout_s, max(1, max_batch)
+        self.order_key, self.grace_s = order_key, grace_s
+        self.target = max(1, num_workers)
+        self._retiring: list[tuple[_Worker, float]] = []  # asked to exit, not yet gone
         self._ctx = mp.get_context("spawn")
         self.workers = [_Worker(self._ctx, reward_fn) for _ in range(max(1, num_workers))]
         self.pending: deque[Sample] = deque()
@@ -103,7 +127,48 @@ class RewardPool:
         """Samples submitted and not yet returned by `poll`/`drain`."""
         return len(self.pending) + sum(len(w.tasks) for w in self.workers) + len(self.done)
 
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def busy(self) -> int:
+        """Workers scoring now."""
+        return sum(1 for w in self.workers if w.tasks)
+
+    def resize(self, n: int) -> None:
+        """Grows to `n` workers now; shrinks by retiring idle workers (busy ones finish first)."""
+        self.target = max(1, n)
+        while len(self.workers) < self.target:
+            self.workers.append(_Worker(self._ctx, self.fn_ref))
+        self._retire()
+
+    def _retire(self) -> None:
+        # Without waiting for the process to exit: a join here would stall scoring for everyone else.
+        for w in [w for w in self.workers if not w.tasks][: max(0, len(self.workers) - self.target)]:
+            self.workers.remove(w)
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            self._retiring.append((w, time.monotonic() + 10.0))
+        keep = []
+        for w, deadline in self._retiring:
+            if w.proc.is_alive() and time.monotonic() > deadline:
+                w.kill()
+            elif w.proc.is_alive():
+                keep.append((w, deadline))
+            else:
+                w.proc.join(0)
+        self._retiring = keep
+
+    def _limit(self, sample: Sample) -> float:
+        own = sample.meta.get("reward_timeout_s")
+        return float(own) + self.grace_s if own else self.timeout_s
+
     def _dispatch(self) -> None:
+        if self.order_key is not None and len(self.pending) > 1:
+            self.pending = deque(sorted(self.pending, key=self.order_key))
         idle = [w for w in self.workers if not w.tasks and w.check_ready()]
         for k, w in enumerate(idle):
             if not self.pending:
@@ -114,12 +179,22 @@ class RewardPool:
             w.started = time.monotonic()
             w.conn.send([(t.sample_id, t) for t in w.tasks])
 
-    def _finish(self, sample: Sample, reward: float, err: str) -> None:
+    def _finish(self, sample: Sample, reward: float, err: str, seconds: float | None = None, reason: str = "") -> None:
+        now = time.monotonic()
+        if "|" in reason:  # reason|program seconds (see call_reward)
+            reason, _, program_s = reason.rpartition("|")
+            sample.meta["reward_program_s"] = float(program_s)
         sample.reward, sample.reward_error = reward, err
+        sample.meta["reward_reason"] = reason or err
+        sample.meta["reward_seconds"] = seconds if seconds is not None else self._limit(sample)
+        sample.meta["reward_done"] = now
         self.stats["scored"] += 1
         if err:
             self.stats["timeouts" if err == "timeout" else "errors"] += 1
             self.failures.append((sample.sample_id, err))
+        elif reason.startswith("timeout"):  # the program ran past its own limit (code sandbox)
+            self.stats["timeouts"] += 1
+            self.failures.append((sample.sample_id, "timeout (program)"))
         self.done.append(sample)
 
     def _collect(self) -> None:
@@ -130,14 +205,15 @@ class RewardPool:
                 continue
             try:
                 while w.tasks and w.conn.poll():
-                    _sid, reward, err = w.conn.recv()
-                    self._finish(w.tasks.popleft(), reward, err)
+                    _sid, reward, err, seconds, reason = w.conn.recv()
+                    self._finish(w.tasks.popleft(), reward, err, seconds, reason)
                     w.started = time.monotonic()
             except (EOFError, OSError):  # the worker died (e.g. the function called os._exit)
                 self._lose_first(i, "reward worker died")
                 continue
-            if w.tasks and (not w.proc.is_alive() or time.monotonic() - w.started > self.timeout_s):
+            if w.tasks and (not w.proc.is_alive() or time.monotonic() - w.started > self._limit(w.tasks[0])):
                 self._lose_first(i, "timeout" if w.proc.is_alive() else "reward worker died")
+        self._retire()
         self._dispatch()
 
     def _lose_first(self, i: int, err: str) -> None:
@@ -173,17 +249,21 @@ class RewardPool:
         return self.drain()
 
     def close(self) -> None:
-        for w in self.workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-            w.proc.join(2)
-            if w.proc.is_alive():
-                w.kill()
+        for w in self.workers + [w for w, _ in self._retiring]:
+            _close_worker(w)
 
     def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_worker(w: _Worker) -> None:
+    try:
+        w.conn.send(None)
+    except (OSError, BrokenPipeError):
+        pass
+    w.proc.join(2)
+    if w.proc.is_alive():
+        w.kill()

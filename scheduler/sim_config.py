@@ -24,6 +24,7 @@ from megatron_sortedrl.config import RunConfig, help_field, load_config
 from megatron_sortedrl.errors import ConfigError
 from scheduler.cost_model import EngineCostModel
 from scheduler.speculation_model import SpeculationConfig
+from scheduler.reward_cost import RewardCostConfig
 
 WORKLOADS = ("synthetic", "replay")
 
@@ -86,6 +87,8 @@ class SimConfig:
     engine: EngineCostModel = help_field("Cost model of one rollout engine.", factory=EngineCostModel)
     workload: WorkloadConfig = help_field("Response-length workload.", factory=WorkloadConfig)
     speculation: SpeculationConfig = help_field("HistoSpec model for `<policy>+histospec` variants.", factory=SpeculationConfig)
+    reward: RewardCostConfig = help_field("Reward scoring cost and workers (scheduler/reward_cost.py).",
+                                          factory=RewardCostConfig)
 
 
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:

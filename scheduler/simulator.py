@@ -14,7 +14,9 @@ worker (`WorkerQueues`, work stealing on), and runs every engine as a continuous
   integrating the step time over the growing context;
 - on KV overflow the most recently admitted sequence is preempted (recompute: it re-queues at the front,
   keeps its tokens and re-prefills), counted as a preemption;
-- a finished sample reaches the policy `reward_latency_s` later (rewards are scored asynchronously);
+- a finished sample reaches the policy `reward_latency_s` later (rewards are scored asynchronously), plus
+  its heavy-tailed scoring time on `reward.workers` reward workers when that section is on
+  (`scheduler/reward_cost.py`; each round reports `reward_critical_s`);
 - at harvest the remaining requests are aborted and handed back with their tokens; training takes
   `train_fixed_s + tokens / train_tokens_per_s`, then `weight_sync_s`; then the next round.
 
@@ -43,6 +45,7 @@ from megatron_sortedrl.errors import UserError
 from megatron_sortedrl.sample import Sample
 from megatron_sortedrl.telemetry.timeline import Event
 from scheduler.base import PolicyBase
+from scheduler.reward_cost import RewardQueue
 from scheduler.cost_model import EngineCostModel
 from scheduler.layout import make_planner
 from scheduler.placement import WorkerQueues
@@ -211,6 +214,7 @@ class Simulator:
         self.step = 0
         self.preemptions = 0
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
+        self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
 
     # plumbing ---------------------------------------------------------------------------------------------
     def emit(self, kind: str, event: str, t: float, **kw: Any) -> None:
@@ -255,7 +259,7 @@ class Simulator:
             self.spec.record(s.prompt_id, s.epoch, self.policy.version)
         self.where.pop(s.sample_id, None)
         self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
-        self.push(engine.t + self.sim.cluster.reward_latency_s, s)
+        self.push(self.rewards.arrival(engine.t, s.sample_id), s)
 
     # layout -----------------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout) -> None:
@@ -304,6 +308,8 @@ class Simulator:
             e.advance_to(t_end)
         pending = [item for _, _, item in sorted(self.heap, key=lambda x: x[:2]) if isinstance(item, Sample)]
         self.heap = []
+        if self.sim.reward.workers:  # as the driver, wait for the rewards still being scored before training
+            t_end = self.clock.t = max([t_end] + [self.rewards.done[s.sample_id] for s in pending])
         for sample in pending:  # finished, reward still in flight: it did finish
             self.policy.on_sample_finished(sample, self.clock)
         # Bulk abort (thousands of requests in an oversubscribed round): engines first, then the queues.
@@ -335,7 +341,8 @@ class Simulator:
                 "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
-                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch]}
+                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
+                "reward_critical_s": self.rewards.critical_path(h.batch, t0, t_end), "reward_timeouts": self.rewards.timeouts}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
         engine = self.where.pop(sample_id, None)

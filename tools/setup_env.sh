@@ -37,6 +37,13 @@ if [[ -z "$PYTHON" ]]; then
     exit 2
 fi
 
+# The code reward's sandbox uses bubblewrap when present (megatron_sortedrl/rewards/sandbox.py); without it
+# (no root, no apt, or user namespaces blocked) the reward runs in its documented, weaker fallback.
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 ||
+        echo "setup: could not install bubblewrap; code rewards will use the sandbox's weaker fallback" >&2
+fi
+
 stamp_key=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -c1-16)-$ACCEL
 stamp="$VENV/.megatron-sortedrl-setup-$stamp_key"
 if [[ -f "$stamp" ]]; then

@@ -22,6 +22,7 @@ DEFAULT_REWARD = {
     "arithmetic": "megatron_sortedrl.rewards.arithmetic.reward",
     "long_addition": "megatron_sortedrl.rewards.arithmetic.reward",
     "knights_knaves": "megatron_sortedrl.rewards.knights_knaves.reward",
+    "code": "megatron_sortedrl.rewards.code.reward",
     "file": "megatron_sortedrl.rewards.math.reward",
 }
 

@@ -371,6 +371,7 @@ _STEP_COLUMNS = (
     ("rollout/tokens_per_s", "tokens/s", "{:.0f}"), ("time/step_s", "step s", "{:.2f}"),
     ("worker_bubble", "worker bubble", "{:.3f}"), ("rollout/driver_idle_share", "driver idle", "{:.3f}"),
     ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
+    ("reward/critical_path_s", "reward crit. path s", "{:.2f}"), ("reward/workers_active", "reward workers busy", "{:.2f}"),
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
     ("scheduler/carried", "carried in", "{:.0f}"), ("scheduler/trained", "prompts trained", "{:.0f}"),
     ("scheduler/carry_next", "carried out", "{:.0f}"),
@@ -490,6 +491,11 @@ def write_run_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | No
                                        out / "rollout_bubbles.png", max_width=MAX_WIDTH_IN), source)
     else:
         parts.append("<p class='note'>No bubble ratios: neither the timeline nor metrics.jsonl has them.</p>")
+
+    from megatron_sortedrl.telemetry.reward_panel import CAPTION as REWARD_CAPTION, plot_reward_stage
+
+    if (reward_png := plot_reward_stage(run.steps, out / "reward_stage.png")) is not None:
+        parts += ["<h2>Reward stage</h2>", f"<figure>{img_tag(reward_png)}<figcaption>{e(REWARD_CAPTION)}</figcaption></figure>"]
 
     parts.append("<h2>Speculative decoding</h2>")
     acc = plot_acceptance(run, out / "draft_acceptance.png")
