@@ -84,6 +84,9 @@ class SimConfig:
     cluster: ClusterCosts = help_field("GPUs and the costs outside rollout.", factory=ClusterCosts)
     engine: EngineCostModel = help_field("Cost model of one rollout engine.", factory=EngineCostModel)
     workload: WorkloadConfig = help_field("Response-length workload.", factory=WorkloadConfig)
+    calibrate_from: str = help_field(
+        "A `train` run directory: measure engine and cluster costs from its timeline and metrics, replay its "
+        "response lengths and use its config.yaml as the run config (scheduler/calibrate.py; '' = off).", "")
 
 
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +59,7 @@ class _Seq:
         self.req, self.target = req, target
         self.gen0 = self.gen = req.sample.response_length  # tokens at submission / now
         self.prompt = max(1, len(req.sample.prompt_tokens))
-        self.first = self.gen == 0  # no token yet: a first_token event is due after prefill
+        self.first = True  # a first_token event is due after its first prefill (not after a preemption's)
 
     @property
     def context(self) -> int:
@@ -92,16 +93,22 @@ class SimEngine:
         self.chunk = (steps, dt)
         self.sim.push(self.t + dt, self)
 
-    def advance_to(self, t: float) -> None:
-        """Applies the part of the planned chunk that fits before `t` (used when the round is harvested)."""
+    def advance_to(self, t: float, finish_step: bool = False) -> None:
+        """Applies the part of the planned chunk that fits before `t`: the steps completed by then (the round
+        is harvested at `t`), or with `finish_step` up to the end of the step running at `t` (a mid-round abort:
+        a real engine finishes its step, then drops the request, so no time is lost to a half step)."""
         steps, dt = self.chunk
         if not self.running or t <= self.t or dt <= 0:
             return
-        done = min(steps, int(steps * (t - self.t) / dt))
+        frac = steps * (t - self.t) / dt
+        done = min(steps, math.ceil(frac) if finish_step else int(frac))
+        if finish_step and done == steps:  # the chunk ends with this step: its finishes happen as planned
+            self.on_event()
+            return
         for s in self.running:
             s.gen += done
         self.ctx += done * len(self.running)
-        self.t = t
+        self.t = self.t + dt * done / steps if finish_step else t
 
     # events -----------------------------------------------------------------------------------------------
     def on_event(self) -> None:
@@ -148,7 +155,8 @@ class SimEngine:
             for seq in started:
                 if seq.first:
                     seq.first = False
-                    self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id, tokens=0)
+                    self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id,
+                                  tokens=seq.gen)
         if self.running and not self.sim.busy[self.wid]:
             self.sim.busy[self.wid] = True
             self.sim.emit("worker", "busy", self.t, worker=self.wid)
@@ -310,13 +318,14 @@ class Simulator:
                 "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
-                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch]}
+                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
+                "sample_ids": [s.sample_id for s in h.batch]}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
         engine = self.where.pop(sample_id, None)
         if engine is not None:
             if mid_round:
-                engine.advance_to(self.clock.t)
+                engine.advance_to(self.clock.t, finish_step=True)
             seq = engine.abort(sample_id)
             if seq is not None:
                 s = self._commit(seq, self.policy.version)
