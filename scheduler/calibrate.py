@@ -22,6 +22,8 @@ What is measured, and how (every figure is also in `Calibration.fit` for the rep
   it trained (`reward/per_sample` in metrics.jsonl names them): least squares `fixed + tokens / rate`.
 - Weight sync: the mean per step of everything that is neither rollout nor training (sync, history
   shipping, driver gaps between phases): the simulator pays it once per update as `weight_sync_s`.
+- Round start: the median per step of the first token's delay after the rollout phase starts, less that
+  admission's prefill (composition, placement, submission round trip): `cluster.round_start_s`.
 - Reward latency: the median per step of rollout end minus the last finish before it (scoring, harvest
   and aborts), plus `delta`.
 - Replay: each sample's final response length, by prompt, epoch and sample index (`lengths.json`), so the
@@ -290,6 +292,7 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
         before = [t for t in finishes.get(step, []) if t <= ends.get(step, -1.0)]
         if before:
             latency.append((ends[step] - max(before), step not in aborted))
+    starts = _round_start(events, reqs, pi)
     if not other:
         raise UserError(f"--calibrate-from {run_dir}: the timeline has no step with both a rollout and a train phase")
     fixed, rate = _fit_train(train_x, train_y)
@@ -300,12 +303,29 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     cal.engine = {"step_overhead_s": a, "per_seq_s": b, "kv_s_per_token": c, "prefill_tokens_per_s": 1.0 / pi if pi > 0 else 1e9}
     cal.cluster = {"train_fixed_s": fixed, "train_tokens_per_s": rate, "weight_sync_s": statistics.mean(other),
                    "reward_latency_s": _harvest_latency(latency) + delta,
-                   "gpus": max(1, len(workers))}
+                   "round_start_s": starts, "gpus": max(1, len(workers))}
     cal.fit = {**fit, "a_s": a, "b_s": b, "c_s": c, "prefill_s_per_token": pi, "delivery_delay_s": delta,
                "train_points": len(train_x), "steps": len(other), "prompts": len(table),
                "epochs": 1 + max((e for per in table.values() for e in per), default=0),
                "prompt_tokens_source": "re-encoded" if prompts else "workload.prompt_tokens"}
     return cal
+
+
+def _round_start(events: Sequence[Event], reqs: list[_Req], pi: float) -> float:
+    """Median over steps of the mean over engines of (first first-token - rollout start - that admission's
+    prefill): the time a round's requests take to reach the engines."""
+    t0 = {e.step: e.t for e in events if e.kind == "phase" and e.phase == "rollout" and e.event == "start"}
+    first: dict[tuple[int, int], list[_Req]] = defaultdict(list)
+    for r in reqs:
+        first[(r.step, r.worker)].append(r)
+    per_step: dict[int, list[float]] = defaultdict(list)
+    for (step, _), rs in first.items():
+        if step not in t0:
+            continue
+        f = min(r.f for r in rs)
+        per_step[step].append(f - t0[step] - pi * sum(r.context0 for r in rs if r.f == f))
+    vals = [statistics.mean(v) for v in per_step.values()]
+    return max(0.0, float(statistics.median(vals))) if vals else 0.0
 
 
 def _harvest_latency(per_step: list[tuple[float, bool]]) -> float:
@@ -348,7 +368,7 @@ def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: 
     gpus = int(c["gpus"]) * tp
     cluster = replace(sim.cluster, gpus=gpus, gpus_per_node=gpus, train_fixed_s=c["train_fixed_s"],
                       train_tokens_per_s=c["train_tokens_per_s"], weight_sync_s=c["weight_sync_s"],
-                      reward_latency_s=c["reward_latency_s"])
+                      reward_latency_s=c["reward_latency_s"], round_start_s=c["round_start_s"])
     workload = WorkloadConfig(kind="replay", replay_path=str(lengths_path), num_prompts=cal.fit["prompts"],
                               num_epochs=cal.fit["epochs"], prompt_tokens=max(1, round(cal.prompt_tokens)),
                               seed=sim.workload.seed)

@@ -36,13 +36,15 @@ class ClusterCosts:
     weight_sync_s: float = help_field("Seconds to push new weights to the rollout engines after a step.", 0.5)
     relayout_s: float = help_field("Seconds to rebuild the engines when the rollout TP changes.", 5.0)
     reward_latency_s: float = help_field("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
+    round_start_s: float = help_field("Seconds from a round's start until its requests reach the engines (composition, "
+                                      "placement, submission round trip).", 0.0)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ConfigError("cluster.gpus", (self.gpus, self.gpus_per_node), "gpus and gpus_per_node >= 1")
         if self.train_tokens_per_s <= 0:
             raise ConfigError("cluster.train_tokens_per_s", self.train_tokens_per_s, "a positive number")
-        for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s"):
+        for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
 

@@ -5,7 +5,8 @@
 
 Model (colocated, synchronous, as verl and RollPacker): each round the policy composes requests; the
 simulator builds the round's engine layout (re-layout costs `cluster.relayout_s`), queues requests per
-worker (`WorkerQueues`, work stealing on), and runs every engine as a continuous batcher:
+worker (`WorkerQueues`, work stealing on), and after `round_start_s` (composition and submission) runs
+every engine as a continuous batcher:
 
 - an engine admits queued requests while it has fewer than `max_num_seqs` running and KV room for their
   context; admission costs prefill time (a resumed partial re-prefills prompt + response);
@@ -267,7 +268,7 @@ class Simulator:
         self.heap = []
         self.queues.add(rnd.requests)
         for e in self.engines:
-            e.t = t0
+            e.t = t0 + self.sim.cluster.round_start_s
             e.admit()
         while (h := self.policy.harvest(self.clock)) is None:
             if not self.heap:
