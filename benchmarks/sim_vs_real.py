@@ -70,11 +70,16 @@ def run_real(policy: str, repeat: int, args, model_dir: Path, work: Path) -> Pat
     log = work / f"{run_dir.name}.log"
     print(f"[real] {policy} r{repeat}: {shlex.join(cmd)}", flush=True)
     t0 = time.monotonic()
-    with open(log, "w") as fh:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.run_timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    for attempt in range(3):  # a busy machine can time out Ray's start-up; that is not the run's failure
+        with open(log, "w") as fh:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.run_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc == 0 or "timed out during startup" not in log.read_text(errors="replace"):
+            break
+        print(f"[real] {policy} r{repeat}: Ray start-up timed out, retrying", flush=True)
+        time.sleep(20)
     summary = run_dir / "summary.json"
     if rc != 0 or not summary.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])

@@ -241,7 +241,7 @@ def run_prompt_tokens(run_dir: Path) -> dict[str, int]:
         cfg = load_config(run_dir / "config.yaml", [])
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
         enc = PromptEncoder(tok, cfg.data)
-        return {p.prompt_id: len(enc(p)) for p in load_prompts(cfg.data, "train")}
+        return {p.prompt_id: len(enc.encode(p)) for p in load_prompts(cfg.data, "train")}
     except Exception:  # the model directory or data moved: the caller falls back to a mean
         return {}
 
