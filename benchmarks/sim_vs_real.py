@@ -70,7 +70,7 @@ def run_real(policy: str, repeat: int, args, model_dir: Path, work: Path) -> Pat
     log = work / f"{run_dir.name}.log"
     print(f"[real] {policy} r{repeat}: {shlex.join(cmd)}", flush=True)
     t0 = time.monotonic()
-    for attempt in range(3):  # a busy machine can time out Ray's start-up; that is not the run's failure
+    for attempt in range(6):  # a busy machine can time out Ray's start-up; that is not the run's failure
         with open(log, "w") as fh:
             try:
                 rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.run_timeout).returncode

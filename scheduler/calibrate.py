@@ -7,14 +7,15 @@ timeline and metrics, and the run's own response lengths to replay.
 
 What is measured, and how (every figure is also in `Calibration.fit` for the report):
 
-- Decode step time `s(B, C) = a + b * B + c * C` of one engine (B running sequences, C their total context
-  in tokens), the prefill cost per prompt token `pi` and the delivery delay `delta` (engine finish -> the
-  driver's finish event). All requests of one engine advance one token per decode step, so the engine has
+- Decode step time `s(B, C) = k_w * (a + b * B + c * C)` of engine w (B running sequences, C their total context
+  in tokens, k_w the engine's slowdown against engine 0: engines on unevenly shared cores differ), the
+  prefill cost per prompt token `pi` and the delivery delay `delta` (engine finish -> the driver's finish
+  event). All requests of one engine advance one token per decode step, so the engine has
   a single step counter S(t). Between two request events on a worker B is fixed and C grows by B per step,
   so the steps taken in `dt` seconds solve `dt = (a + b B + c C0) dS + c B dS^2 / 2` in closed form; a
   request admitted at `f` (its `first_token` event) first costs the engine `pi * prompt_tokens` seconds of
   prefill. Each request that produced `n` tokens after its first gives one equation `S(end) - S(f) = n`.
-  The five parameters are the least-squares solution (Levenberg-Marquardt on numpy, written here because
+  The parameters are the least-squares solution (Levenberg-Marquardt on numpy, written here because
   scipy is not a dependency; about 20 lines). On a simulated timeline this model is the simulator's own,
   so the fit recovers its costs (tests/test_calibrate.py); on a real one it is the roofline the simulator
   uses, and `fit["decode_rel_rms"]` says how well it explains the run.
@@ -111,13 +112,18 @@ def _prompt_of(sample_id: str) -> str:
 
 def predicted_steps(reqs: list[_Req], theta: Sequence[float], prompt_of: dict[int, int]) -> np.ndarray:
     """Decode steps each request sees between its first token and its (delay-corrected) end under `theta`
-    = (a, b, c, pi, delta); `prompt_of[i]` is request i's prompt tokens (charged as prefill before `f`)."""
-    a, b, c, pi, delta = theta
+    = (a, b, c, pi, delta, k_1, ..., k_{W-1}): the engines' common costs and the slowdown of every engine
+    but the first (sorted by index) against it; `prompt_of[i]` is request i's prompt tokens (charged as
+    prefill before `f`)."""
+    workers = sorted({r.worker for r in reqs})
+    slow = dict(zip(workers, [1.0, *theta[5:]]))
+    delta = theta[4]
     out = np.zeros(len(reqs))
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, r in enumerate(reqs):
         groups[(r.worker, r.step)].append(i)
-    for idx in groups.values():
+    for (worker, _), idx in groups.items():
+        a, b, c, pi = (x * slow[worker] for x in theta[:4])
         # Marks (time, kind, i); at equal times ends (kind 0) go before admissions (kind 1). A request whose
         # corrected end is not after its first token saw no decode step and is left out of the batch.
         marks = []
@@ -162,7 +168,8 @@ def predicted_steps(reqs: list[_Req], theta: Sequence[float], prompt_of: dict[in
 
 
 def fit_decode(reqs: list[_Req], init: Sequence[float], iters: int = 60) -> tuple[np.ndarray, dict[str, float]]:
-    """Least-squares (a, b, c, pi, delta) >= 0 (Levenberg-Marquardt with projection onto the bounds)."""
+    """Least-squares (a, b, c, pi, delta, engine slowdowns) >= 0 (Levenberg-Marquardt with projection onto
+    the bounds); `init` gives the first five, the slowdowns start at 1."""
     if len(reqs) < 8:
         raise UserError(f"calibration: only {len(reqs)} requests with first_token and finish events; need a "
                         "run recorded with first_token events (this version's `train`) and at least a few steps")
@@ -172,6 +179,7 @@ def fit_decode(reqs: list[_Req], init: Sequence[float], iters: int = 60) -> tupl
     # abort's round trip), not a step boundary.
     eq = np.array([r.finished for r in reqs])
     n = n[eq]
+    init = [*init[:5], *[1.0] * (len({r.worker for r in reqs}) - 1)]
     scale = np.array([max(abs(x), 1e-12) for x in init])
     scale[2] = max(scale[2], scale[0] / max(1.0, float(np.median([r.context0 for r in reqs]) * 8)))
     scale[3] = max(scale[3], scale[0] / max(1.0, float(np.median([r.context0 for r in reqs]))))
@@ -266,7 +274,9 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     mean_prompt = statistics.mean(prompts.values()) if prompts else float(default_prompt_tokens)
     reqs = request_spans(events, prompts or {}, mean_prompt)
     theta, fit = fit_decode(reqs, init)
-    a, b, c, pi, delta = (float(x) for x in theta)
+    a, b, c, pi, delta = (float(x) for x in theta[:5])
+    by_worker = dict(zip(sorted({r.worker for r in reqs}), [1.0, *(float(x) for x in theta[5:])]))
+    slowdown = [by_worker.get(w, 1.0) for w in range(max(by_worker) + 1)]  # indexed by engine
 
     # Per step: phase seconds (train, everything else), and the harvest latency.
     rows = {r["step"]: r for r in _metrics_rows(run_dir) if "reward/per_sample" in r}
@@ -292,7 +302,7 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
         before = [t for t in finishes.get(step, []) if t <= ends.get(step, -1.0)]
         if before:
             latency.append((ends[step] - max(before), step not in aborted))
-    starts = _round_start(events, reqs, pi)
+    starts = _round_start(events, reqs, pi, by_worker)
     if not other:
         raise UserError(f"--calibrate-from {run_dir}: the timeline has no step with both a rollout and a train phase")
     fixed, rate = _fit_train(train_x, train_y)
@@ -303,7 +313,8 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     cal.engine = {"step_overhead_s": a, "per_seq_s": b, "kv_s_per_token": c, "prefill_tokens_per_s": 1.0 / pi if pi > 0 else 1e9}
     cal.cluster = {"train_fixed_s": fixed, "train_tokens_per_s": rate, "weight_sync_s": statistics.mean(other),
                    "reward_latency_s": _harvest_latency(latency) + delta,
-                   "round_start_s": starts, "gpus": max(1, len(workers))}
+                   "round_start_s": starts, "gpus": max(1, len(workers)),
+                   "engine_slowdown": slowdown if len(slowdown) > 1 else []}
     cal.fit = {**fit, "a_s": a, "b_s": b, "c_s": c, "prefill_s_per_token": pi, "delivery_delay_s": delta,
                "train_points": len(train_x), "steps": len(other), "prompts": len(table),
                "epochs": 1 + max((e for per in table.values() for e in per), default=0),
@@ -311,7 +322,7 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     return cal
 
 
-def _round_start(events: Sequence[Event], reqs: list[_Req], pi: float) -> float:
+def _round_start(events: Sequence[Event], reqs: list[_Req], pi: float, slow: dict[int, float]) -> float:
     """Median over steps of the mean over engines of (first first-token - rollout start - that admission's
     prefill): the time a round's requests take to reach the engines."""
     t0 = {e.step: e.t for e in events if e.kind == "phase" and e.phase == "rollout" and e.event == "start"}
@@ -319,11 +330,11 @@ def _round_start(events: Sequence[Event], reqs: list[_Req], pi: float) -> float:
     for r in reqs:
         first[(r.step, r.worker)].append(r)
     per_step: dict[int, list[float]] = defaultdict(list)
-    for (step, _), rs in first.items():
+    for (step, worker), rs in first.items():
         if step not in t0:
             continue
         f = min(r.f for r in rs)
-        per_step[step].append(f - t0[step] - pi * sum(r.context0 for r in rs if r.f == f))
+        per_step[step].append(f - t0[step] - slow[worker] * pi * sum(r.context0 for r in rs if r.f == f))
     vals = [statistics.mean(v) for v in per_step.values()]
     return max(0.0, float(statistics.median(vals))) if vals else 0.0
 
@@ -368,7 +379,8 @@ def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: 
     gpus = int(c["gpus"]) * tp
     cluster = replace(sim.cluster, gpus=gpus, gpus_per_node=gpus, train_fixed_s=c["train_fixed_s"],
                       train_tokens_per_s=c["train_tokens_per_s"], weight_sync_s=c["weight_sync_s"],
-                      reward_latency_s=c["reward_latency_s"], round_start_s=c["round_start_s"])
+                      reward_latency_s=c["reward_latency_s"], round_start_s=c["round_start_s"],
+                      engine_slowdown=list(c.get("engine_slowdown", [])))
     workload = WorkloadConfig(kind="replay", replay_path=str(lengths_path), num_prompts=cal.fit["prompts"],
                               num_epochs=cal.fit["epochs"], prompt_tokens=max(1, round(cal.prompt_tokens)),
                               seed=sim.workload.seed)

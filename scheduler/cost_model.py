@@ -53,6 +53,16 @@ class EngineCostModel:
         if self.max_num_seqs < 1:
             raise ConfigError("engine.max_num_seqs", self.max_num_seqs, "an integer >= 1")
 
+    def scaled(self, k: float) -> EngineCostModel:
+        """The same engine `k` times slower at decode and prefill (same memory): an engine on a busier core."""
+        from dataclasses import replace
+
+        if k == 1.0:
+            return self
+        return replace(self, hbm_gbs=self.hbm_gbs / k, step_overhead_s=self.step_overhead_s * k,
+                       tp_comm_s=self.tp_comm_s * k, per_seq_s=self.per_seq_s * k,
+                       prefill_tokens_per_s=self.prefill_tokens_per_s / k)
+
     def kv_capacity(self, tp: int) -> int:
         """KV-cache tokens one engine of TP `tp` can hold (0 when the weights do not fit)."""
         free = tp * self.gpu_mem_gib * self.mem_utilization * GIB - self.weight_gib * GIB

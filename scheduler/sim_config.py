@@ -38,6 +38,9 @@ class ClusterCosts:
     reward_latency_s: float = help_field("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
     round_start_s: float = help_field("Seconds from a round's start until its requests reach the engines (composition, "
                                       "placement, submission round trip).", 0.0)
+    engine_slowdown: list[float] = help_field("Per engine, a multiplier of its decode and prefill time (measured engines "
+                                              "differ, e.g. on unevenly shared cores); engines past the list run at 1.",
+                                              factory=list)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -47,6 +50,8 @@ class ClusterCosts:
         for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
+        if any(k <= 0 for k in self.engine_slowdown):
+            raise ConfigError("cluster.engine_slowdown", self.engine_slowdown, "positive multipliers")
 
 
 @dataclass

@@ -249,7 +249,9 @@ class Simulator:
             if self.layout is not None and self.sim.cluster.relayout_s > 0:
                 self.phase("relayout", self.sim.cluster.relayout_s)
             self.layout = layout
-        self.engines = [SimEngine(w, layout.tp, self.sim.engine, self) for w in range(layout.num_engines)]
+        slow = self.sim.cluster.engine_slowdown
+        self.engines = [SimEngine(w, layout.tp, self.sim.engine.scaled(slow[w] if w < len(slow) else 1.0), self)
+                        for w in range(layout.num_engines)]
         self.busy = [False] * layout.num_engines
         self.queues = WorkerQueues(layout.num_engines)
 

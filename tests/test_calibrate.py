@@ -21,9 +21,11 @@ from scheduler.workload import make_workload
 
 
 def simulated_run(tmp_path, policy, prompts=32, epochs=2):
-    """A simulated run directory with the costs of configs/sim_tiny_cpu.yaml (the costs to recover)."""
+    """A simulated run directory with the costs of configs/sim_tiny_cpu.yaml, a round start latency and a
+    second engine 1.5x slower than the first (the costs to recover)."""
     sim, run = load_sim_config("configs/sim_tiny_cpu.yaml", [f"workload.num_prompts={prompts}", f"workload.num_epochs={epochs}",
-                                                                      "engine.max_num_seqs=32", "cluster.round_start_s=0.05"])
+                                                                      "engine.max_num_seqs=32", "cluster.round_start_s=0.05",
+                                                                      "cluster.engine_slowdown=[1.0,1.5]"])
     result = simulate(sim, run, policy)
     run_dir = write_sim_run(result, tmp_path / f"run_{policy}")
     workload = make_workload(sim.workload, run.rollout.max_response_length)
@@ -35,13 +37,15 @@ def true_costs(sim):
     weights_s = e.weight_gib * 1024**3 / (e.hbm_gbs * 1e9)  # the roofline's weight read is part of each step
     return {"a": e.step_overhead_s + weights_s, "b": e.per_seq_s, "c": e.kv_bytes_per_token / (e.hbm_gbs * 1e9),
             "prefill": e.prefill_tokens_per_s, "train_fixed_s": c.train_fixed_s, "train_tokens_per_s": c.train_tokens_per_s,
-            "weight_sync_s": c.weight_sync_s, "reward_latency_s": c.reward_latency_s, "round_start_s": c.round_start_s}
+            "weight_sync_s": c.weight_sync_s, "reward_latency_s": c.reward_latency_s, "round_start_s": c.round_start_s,
+            "slowdown": c.engine_slowdown[1]}
 
 
 def fitted(cal):
     return {"a": cal.engine["step_overhead_s"], "b": cal.engine["per_seq_s"], "c": cal.engine["kv_s_per_token"],
             "prefill": cal.engine["prefill_tokens_per_s"], **{k: cal.cluster[k] for k in
-            ("train_fixed_s", "train_tokens_per_s", "weight_sync_s", "reward_latency_s", "round_start_s")}}
+            ("train_fixed_s", "train_tokens_per_s", "weight_sync_s", "reward_latency_s", "round_start_s")},
+            "slowdown": cal.cluster["engine_slowdown"][1]}
 
 
 def test_calibration_recovers_the_costs_of_a_simulated_sync_run(tmp_path):
@@ -59,10 +63,10 @@ def test_calibration_recovers_the_costs_of_a_simulated_sync_run(tmp_path):
 def test_calibration_recovers_costs_under_aborts_and_resumed_partials(tmp_path, policy):
     # Harvest aborts cut decode chunks at fractions of a step (the simulator rounds the tokens down) and
     # partial samples resume with their tokens, so the decode fit is close rather than exact.
-    sim, _, _, run_dir, prompts = simulated_run(tmp_path, policy, prompts=16)
+    sim, _, _, run_dir, prompts = simulated_run(tmp_path, policy)
     cal = calibrate_run(run_dir, prompt_tokens=prompts)
     truth, got = true_costs(sim), fitted(cal)
-    for key, tol in (("a", 1e-3), ("b", 1e-3), ("c", 1e-3), ("prefill", 1e-3)):
+    for key, tol in (("a", 1e-3), ("b", 1e-3), ("c", 1e-3), ("prefill", 1e-3), ("slowdown", 1e-3)):
         assert got[key] == pytest.approx(truth[key], rel=tol), key
     for key in ("train_fixed_s", "train_tokens_per_s", "weight_sync_s"):
         assert got[key] == pytest.approx(truth[key], rel=1e-6), key
