@@ -6,6 +6,9 @@ and predicted time per trained sample and worker bubble ratio, and their errors.
     .venv/bin/python benchmarks/sim_vs_real.py --model-dir /tmp/svr_warm --work-dir /tmp/svr   # reuse both
     .venv/bin/python benchmarks/sim_vs_real.py --work-dir /tmp/svr --skip-real                # re-simulate only
 
+A finished run already in the work dir (its summary.json says the data was used up) is reused, so an
+interrupted benchmark resumes where it stopped.
+
 What it does: one supervised warm-up (`benchmarks/policy_comparison.warm_start`), exported as a HF directory;
 then per repeat and policy (interleaved) one `python -m megatron_sortedrl train` run with HistoSpec off (the
 simulator does not model speculation), mid-run evals and checkpoints off, `data.num_epochs` passes over the
@@ -68,6 +71,10 @@ def run_real(policy: str, repeat: int, args, model_dir: Path, work: Path) -> Pat
     cmd = [sys.executable, "-m", "megatron_sortedrl", "train", args.config, *real_overrides(args),
            f"model.path={model_dir}", f"logging.run_dir={run_dir}", f"scheduler.policy={policy}"]
     log = work / f"{run_dir.name}.log"
+    summary = run_dir / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("data_exhausted"):
+        print(f"[real] {policy} r{repeat}: reusing the finished run in {run_dir}", flush=True)
+        return run_dir
     print(f"[real] {policy} r{repeat}: {shlex.join(cmd)}", flush=True)
     t0 = time.monotonic()
     for attempt in range(6):  # a busy machine can time out Ray's start-up; that is not the run's failure
@@ -80,7 +87,6 @@ def run_real(policy: str, repeat: int, args, model_dir: Path, work: Path) -> Pat
             break
         print(f"[real] {policy} r{repeat}: Ray start-up timed out, retrying", flush=True)
         time.sleep(20)
-    summary = run_dir / "summary.json"
     if rc != 0 or not summary.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         raise RuntimeError(f"{policy} r{repeat}: rc={rc}; log {log}:\n{tail}")
@@ -100,7 +106,19 @@ def measured(run_dir: Path) -> dict:
     t1 = max(b for _, _, b in spans)
     phase = {k: sum(b - a for p, a, b in spans if p == k) for k in ("rollout", "train")}
     total = t1 - t0
+    # Engine speed as the run saw it: per engine, its busy rollout seconds (first token to last end, per step)
+    # per generated token; it shows how much the machine's load moved between and within runs.
+    busy: dict = {}
+    for step in {e.step for e in events if e.kind == "request"}:
+        for w in {e.worker for e in events if e.kind == "request" and e.step == step}:
+            evs = [e for e in events if e.kind == "request" and e.step == step and e.worker == w]
+            firsts = [e.t for e in evs if e.event == "first_token"]
+            ends = [e for e in evs if e.event in ("finish", "abort")]
+            if firsts and ends:
+                sec, tok = busy.get(w, (0.0, 0))
+                busy[w] = (sec + max(e.t for e in ends) - min(firsts), tok + sum(e.tokens or 0 for e in ends))
     return {"samples": samples, "total_s": total, "s_per_sample": total / samples,
+            "engine_ms_per_token": {str(w): round(1e3 * sec / max(1, tok), 3) for w, (sec, tok) in sorted(busy.items())},
             "worker_bubble": worker_bubble_ratio(events), "rollout_s": phase["rollout"], "train_s": phase["train"],
             "other_s": total - phase["rollout"] - phase["train"],
             "steps": sum(1 for r in rows if "time/step_s" in r)}
