@@ -257,6 +257,10 @@ class Driver:
                 s.reset_response() if not s.response_length else None
                 queues.add([_request_of(s, self.cfg.rollout.max_response_length)])
                 return
+            if c.first_token_time:  # the engine's stamp (driver monotonic clock) put on the run clock
+                self.events.append(self.timeline.record(
+                    "request", "first_token", self.step, t=self.clock.now() - (time.monotonic() - c.first_token_time),
+                    worker=c.worker_id, sample_id=s.sample_id, tokens=s.response_length + 1))
             c.to_sample(s)
             self.events.append(self.timeline.record("request", "finish" if c.finished else "abort", self.step,
                                                     worker=c.worker_id, sample_id=s.sample_id,

@@ -11,7 +11,7 @@ per-step overhead, a per-sequence compute term and an all-reduce term that grows
     kv_capacity(tp)  = (tp * gpu_mem * mem_utilization - weight_bytes) / kv_bytes_per_token
 
 B = running sequences, C = their total context (prompt + generated tokens). Parameters come from
-`configs/sim_*.yaml` (`engine:` section) or `fit_decode_from_timeline`.
+`configs/sim_*.yaml` (`engine:` section) or are measured from a real run (`scheduler/calibrate.py`).
 
 Speculative decoding: `verify_step_s` is one step that verifies several positions per sequence (the
 simulator's HistoSpec model, `scheduler/speculation_model.py`, supplies how many).
@@ -54,6 +54,16 @@ class EngineCostModel:
             raise ConfigError("engine.mem_utilization", self.mem_utilization, "a float in (0, 1]")
         if self.max_num_seqs < 1:
             raise ConfigError("engine.max_num_seqs", self.max_num_seqs, "an integer >= 1")
+
+    def scaled(self, k: float) -> EngineCostModel:
+        """The same engine `k` times slower at decode and prefill (same memory): an engine on a busier core."""
+        from dataclasses import replace
+
+        if k == 1.0:
+            return self
+        return replace(self, hbm_gbs=self.hbm_gbs / k, step_overhead_s=self.step_overhead_s * k,
+                       tp_comm_s=self.tp_comm_s * k, per_seq_s=self.per_seq_s * k,
+                       prefill_tokens_per_s=self.prefill_tokens_per_s / k)
 
     def kv_capacity(self, tp: int) -> int:
         """KV-cache tokens one engine of TP `tp` can hold (0 when the weights do not fit)."""
@@ -108,43 +118,3 @@ class EngineCostModel:
             latency = longest * self.decode_step_s(tp, min(count, 4), 4 * (prompt_len + longest / 2))
             worst = max(worst, max(latency, tokens / throughput) + self.prefill_s(tp, count * prompt_len))
         return worst
-
-
-def fit_decode_from_timeline(events: list, model: EngineCostModel, tp: int = 1) -> EngineCostModel:
-    """Refits `step_overhead_s` and `per_seq_s` from a real run's timeline (request first_token/finish).
-
-    Each finished request gives one point: its seconds per decoded token against the mean number of
-    requests running on its worker meanwhile. A least-squares line `s = a + b * B` gives the per-step
-    overhead (a, minus the weight-read time the roofline already charges) and the per-sequence cost (b * tp).
-    Returns a copy; with fewer than two usable points the model is returned unchanged.
-    """
-    from dataclasses import replace
-
-    first, finish, worker = {}, {}, {}
-    for e in events:
-        if e.kind != "request" or e.sample_id is None:
-            continue
-        if e.event == "first_token":
-            first[e.sample_id] = e.t
-        elif e.event == "finish" and e.tokens:
-            finish[e.sample_id] = (e.t, e.tokens)
-            worker[e.sample_id] = e.worker
-    spans = {sid: (first[sid], finish[sid][0], finish[sid][1]) for sid in finish if sid in first}
-    points = []
-    for sid, (a, b, tokens) in spans.items():
-        if b <= a or tokens < 2:
-            continue
-        overlap = sum(max(0.0, min(b, d) - max(a, c)) for o, (c, d, _) in spans.items()
-                      if worker[o] == worker[sid])
-        points.append((overlap / (b - a), (b - a) / tokens))
-    if len(points) < 2:
-        return model
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    var = sum((p[0] - mx) ** 2 for p in points)
-    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / var if var > 0 else 0.0
-    intercept = my - slope * mx
-    weights_s = model.weight_gib * GIB / (tp * model.hbm_gbs * 1e9)
-    return replace(model, step_overhead_s=max(0.0, intercept - weights_s - model.tp_comm_s * math.log2(tp)),
-                   per_seq_s=max(0.0, slope * tp))

@@ -38,15 +38,22 @@ class ClusterCosts:
     weight_sync_s: float = help_field("Seconds to push new weights to the rollout engines after a step.", 0.5)
     relayout_s: float = help_field("Seconds to rebuild the engines when the rollout TP changes.", 5.0)
     reward_latency_s: float = help_field("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
+    round_start_s: float = help_field("Seconds from a round's start until its requests reach the engines (composition, "
+                                      "placement, submission round trip).", 0.0)
+    engine_slowdown: list[float] = help_field("Per engine, a multiplier of its decode and prefill time (measured engines "
+                                              "differ, e.g. on unevenly shared cores); engines past the list run at 1.",
+                                              factory=list)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ConfigError("cluster.gpus", (self.gpus, self.gpus_per_node), "gpus and gpus_per_node >= 1")
         if self.train_tokens_per_s <= 0:
             raise ConfigError("cluster.train_tokens_per_s", self.train_tokens_per_s, "a positive number")
-        for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s"):
+        for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
+        if any(k <= 0 for k in self.engine_slowdown):
+            raise ConfigError("cluster.engine_slowdown", self.engine_slowdown, "positive multipliers")
 
 
 @dataclass
@@ -89,6 +96,9 @@ class SimConfig:
     speculation: SpeculationConfig = help_field("HistoSpec model for `<policy>+histospec` variants.", factory=SpeculationConfig)
     reward: RewardCostConfig = help_field("Reward scoring cost and workers (scheduler/reward_cost.py).",
                                           factory=RewardCostConfig)
+    calibrate_from: str = help_field(
+        "A `train` run directory: measure engine and cluster costs from its timeline and metrics, replay its "
+        "response lengths and use its config.yaml as the run config (scheduler/calibrate.py; '' = off).", "")
 
 
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:

@@ -5,7 +5,8 @@
 
 Model (colocated, synchronous, as verl and RollPacker): each round the policy composes requests; the
 simulator builds the round's engine layout (re-layout costs `cluster.relayout_s`), queues requests per
-worker (`WorkerQueues`, work stealing on), and runs every engine as a continuous batcher:
+worker (`WorkerQueues`, work stealing on), and after `round_start_s` (composition and submission) runs
+every engine as a continuous batcher:
 
 - an engine admits queued requests while it has fewer than `max_num_seqs` running and KV room for their
   context; admission costs prefill time (a resumed partial re-prefills prompt + response);
@@ -67,7 +68,7 @@ class _Seq:
         self.req, self.target = req, target
         self.gen0 = self.gen = req.sample.response_length  # tokens at submission / now
         self.prompt = max(1, len(req.sample.prompt_tokens))
-        self.first = self.gen == 0  # no token yet: a first_token event is due after prefill
+        self.first = True  # a first_token event is due after its first prefill (not after a preemption's)
         self.rate, self.pos = 1, 1  # tokens per engine step, positions verified per step (HistoSpec)
 
     @property
@@ -107,16 +108,22 @@ class SimEngine:
         self.chunk = (steps, dt)
         self.sim.push(self.t + dt, self)
 
-    def advance_to(self, t: float) -> None:
-        """Applies the part of the planned chunk that fits before `t` (used when the round is harvested)."""
+    def advance_to(self, t: float, finish_step: bool = False) -> None:
+        """Applies the part of the planned chunk that fits before `t`: the steps completed by then (the round
+        is harvested at `t`), or with `finish_step` up to the end of the step running at `t` (a mid-round abort:
+        a real engine finishes its step, then drops the request, so no time is lost to a half step)."""
         steps, dt = self.chunk
         if not self.running or t <= self.t or dt <= 0:
             return
-        done = min(steps, int(steps * (t - self.t) / dt))
+        frac = steps * (t - self.t) / dt
+        done = min(steps, math.ceil(frac) if finish_step else int(frac))
+        if finish_step and done == steps:  # the chunk ends with this step: its finishes happen as planned
+            self.on_event()
+            return
         for s in self.running:
             s.gen += done * s.rate
             self.ctx += done * s.rate
-        self.t = t
+        self.t = self.t + dt * done / steps if finish_step else t
 
     # events -----------------------------------------------------------------------------------------------
     def on_event(self) -> None:
@@ -164,7 +171,8 @@ class SimEngine:
             for seq in started:
                 if seq.first:
                     seq.first = False
-                    self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id, tokens=0)
+                    self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id,
+                                  tokens=seq.gen)
         if self.running and not self.sim.busy[self.wid]:
             self.sim.busy[self.wid] = True
             self.sim.emit("worker", "busy", self.t, worker=self.wid)
@@ -267,7 +275,9 @@ class Simulator:
             if self.layout is not None and self.sim.cluster.relayout_s > 0:
                 self.phase("relayout", self.sim.cluster.relayout_s)
             self.layout = layout
-        self.engines = [SimEngine(w, layout.tp, self.sim.engine, self) for w in range(layout.num_engines)]
+        slow = self.sim.cluster.engine_slowdown
+        self.engines = [SimEngine(w, layout.tp, self.sim.engine.scaled(slow[w] if w < len(slow) else 1.0), self)
+                        for w in range(layout.num_engines)]
         self.busy = [False] * layout.num_engines
         self.queues = WorkerQueues(layout.num_engines)
 
@@ -288,7 +298,7 @@ class Simulator:
         self.heap = []
         self.queues.add(rnd.requests)
         for e in self.engines:
-            e.t = t0
+            e.t = t0 + self.sim.cluster.round_start_s
             e.admit()
         while (h := self.policy.harvest(self.clock)) is None:
             if not self.heap:
@@ -342,13 +352,14 @@ class Simulator:
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
-                "reward_critical_s": self.rewards.critical_path(h.batch, t0, t_end), "reward_timeouts": self.rewards.timeouts}
+                "reward_critical_s": self.rewards.critical_path(h.batch, t0, t_end), "reward_timeouts": self.rewards.timeouts,
+                "sample_ids": [s.sample_id for s in h.batch]}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
         engine = self.where.pop(sample_id, None)
         if engine is not None:
             if mid_round:
-                engine.advance_to(self.clock.t)
+                engine.advance_to(self.clock.t, finish_step=True)
             seq = engine.abort(sample_id)
             if seq is not None:
                 s = self._commit(seq, self.policy.version)

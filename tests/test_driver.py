@@ -80,3 +80,17 @@ def test_short_rl_loop(tiny_model_dir, tmp_path):
         assert all(t > 0 for t in phases) and sum(phases) <= row["time/step_s"] + 1e-6
         assert 0.0 <= row["rollout/driver_idle_share"] <= 1.0
         assert row["rollout/driver_idle_s"] <= row["time/rollout_s"] * cfg.rollout.num_workers + 1e-6
+    # Every request that produced tokens has a first_token event (the engine's own stamp, on the run clock)
+    # on the same worker, after its submission and before its finish; its tokens count that first token.
+    from megatron_sortedrl.telemetry.timeline import read_timeline
+
+    reqs = [e for e in read_timeline(tmp_path / "run" / "timeline.jsonl") if e.kind == "request"]
+    submits = {(e.sample_id, e.tokens): e for e in reqs if e.event == "submit"}
+    firsts = {(e.sample_id, e.tokens - 1): e for e in reqs if e.event == "first_token"}
+    assert firsts and set(firsts) <= set(submits)
+    for key, ft in firsts.items():  # 10 ms: the engine's clock offset is measured once, at start-up
+        assert ft.worker == submits[key].worker and ft.t >= submits[key].t - 0.01
+    for e in reqs:
+        if e.event == "finish":
+            starts = [f.t for (sid, _), f in firsts.items() if sid == e.sample_id]
+            assert starts and min(starts) <= e.t, f"{e.sample_id}: no first_token before its finish"

@@ -6,6 +6,14 @@ scenario's physical limit, samples per update, staleness) and writes a plot and 
 the run config the scenario points to (e.g. `run.scheduler.max_staleness=2`), others the scenario
 (e.g. `workload.persistence=0.5`). Timelines per policy are written with `--timelines DIR`.
 
+`--calibrate-from RUN_DIR` (or the scenario key `calibrate_from`) replaces the scenario's engine and cluster
+costs by those measured on a real run (decode step time against batch and context, prefill, train time
+per token and fixed, weight sync, reward latency; `scheduler/calibrate.py`), replays that run's response
+lengths and simulates with that run's own config; the measured costs are printed and written to
+`calibration.json`. Example:
+
+    python -m megatron_sortedrl simulate configs/sim_tiny_cpu.yaml --calibrate-from runs/tiny_cpu --policies sync
+
 Left out: sweeps (call it in a loop, or see benchmarks/simulate_policies.py).
 """
 
@@ -26,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated tier-1 policies, each optionally with +histospec (speculation model)")
     parser.add_argument("--out", default="runs/simulate", help="directory for simulation.json and simulation.png")
     parser.add_argument("--timelines", default="", help="also write each policy's timeline JSONL into this directory")
+    parser.add_argument("--calibrate-from", default="", metavar="RUN_DIR",
+                        help="measure costs on this `train` run directory and replay its response lengths "
+                             "(its config.yaml becomes the run config; run.* overrides still apply)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +53,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--policies: unknown {bad or 'empty list'}; choose from {', '.join(POLICIES)} "
                         "(each optionally with +histospec)")
     sim, run_cfg = load_sim_config(args.config, args.overrides)
+    out = Path(args.out)
+    run_dir = getattr(args, "calibrate_from", "") or sim.calibrate_from
+    if run_dir:
+        from scheduler.calibrate import calibrated_scenario, describe
+
+        run_over = [o[len("run."):] for o in args.overrides if o.startswith("run.")]
+        sim, run_cfg, cal = calibrated_scenario(sim, run_dir, out, run_over)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.json").write_text(json.dumps(
+            {"run_dir": str(run_dir), "engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}, indent=1))
+        print(describe(cal, run_dir))
     rows, results = [], []
     for name in names:
         t0 = time.time()
@@ -65,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{sim.name}: {sim.workload.num_prompts} prompts x {run_cfg.rollout.n_samples_per_prompt} x "
           f"{sim.workload.num_epochs} epochs on {sim.cluster.gpus} GPUs")
     print(format_table(rows))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"physical limit: {limit['s_per_sample'] * 1000:.1f} ms per trained sample ({limit['rollout_bound']} bound)")
     (out / "simulation.json").write_text(json.dumps({"scenario": sim.name, "rows": rows, "limit": limit}, indent=1))

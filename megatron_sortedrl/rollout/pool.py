@@ -262,11 +262,25 @@ class RolloutPool:
 
     def _finish_start(self, slot: _Slot, info: dict[str, Any]) -> None:
         slot.info, slot.pid, slot.state, slot.start_ref = info, info["pid"], "ready", None
-        slot.clock_offset = time.monotonic() - info["clock"]
+        slot.clock_offset = self._clock_offset(slot)
         slot.last_progress = time.monotonic()
         if slot.pending:
             slot.actor.submit.remote(slot.pending)
             slot.pending = []
+
+    @staticmethod
+    def _clock_offset(slot: _Slot) -> float:
+        """Driver clock minus the worker's, from the fastest of three pings (the start-up reply can reach the
+        driver long after the worker stamped it, e.g. behind the weight reload)."""
+        import ray
+
+        best = (float("inf"), 0.0)
+        for _ in range(3):
+            t_a = time.monotonic()
+            t_w = ray.get(slot.actor.ping.remote(), timeout=60)
+            t_b = time.monotonic()
+            best = min(best, (t_b - t_a, (t_a + t_b) / 2 - t_w))
+        return best[1]
 
     def _stop(self, slot: _Slot) -> None:
         import ray

@@ -10,7 +10,9 @@ One line is one event, for example::
 Fields: `t` float seconds on the run clock (see `RunClock`), `kind` ("request" | "phase" | "worker"),
 `event` (request: submit | first_token | finish | abort; phase: start | end; worker: busy | idle),
 `step` (int, training step), and the optional `worker` (int, rollout worker index), `sample_id` (str),
-`tokens` (int, response tokens so far / in total), `phase` (str, one of `PHASES` for phase events).
+`tokens` (int, response tokens so far / in total; at `first_token`: the tokens that exist once decoding
+starts, i.e. those the request was submitted with plus the one a real engine's prefill step samples; the
+simulator decodes every token, so there it is the submitted count), `phase` (str, one of `PHASES` for phase events).
 
 Each process writes its own file (`timeline.jsonl` for the driver, `timeline.<name>.jsonl` for workers);
 `read_run_timeline(run_dir)` merges them by time. The metric functions also come as pure functions over
