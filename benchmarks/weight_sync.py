@@ -216,6 +216,7 @@ def flatness(rss_mib: dict[str, list[float]], model_bytes: int, warmup: int = FL
             "slope_mib_per_sync": per, "slope_x_model_per_sync": x_model,
             "lsq_slope_mib_per_sync": {p: lsq_slope(v[warmup:]) for p, v in rss_mib.items()},
             "worst": {"process": worst, "mib_per_sync": per[worst], "x_model_per_sync": x_model[worst]},
+            "flat_by_process": {p: v < FLAT_SLOPE_X_MODEL for p, v in x_model.items()},
             "flat": all(v < FLAT_SLOPE_X_MODEL for v in x_model.values())}
 
 
@@ -304,7 +305,19 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
     ap.add_argument("--estimate-only", action="store_true",
                     help="only (re)write planner_estimate_32b into an existing <name>.json; runs nothing")
+    ap.add_argument("--flatness-only", action="store_true",
+                    help="only recompute the flatness verdict of an existing <name>.json's cycles and redraw its plot")
     args = ap.parse_args(argv)
+    if args.flatness_only:
+        path = Path(args.out_dir) / f"{args.name}.json"
+        result = json.loads(path.read_text())
+        for lay in result["layouts"]:
+            if lay.get("cycles"):
+                lay["cycles"].update(flatness(lay["cycles"]["rss_before_sync_mib"], result["model"]["bytes"]))
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, path.with_suffix(".png"))
+        print(f"rewrote the flatness verdict in {path}")
+        return 0
     if args.estimate_only:
         path = Path(args.out_dir) / f"{args.name}.json"
         result = json.loads(path.read_text())
