@@ -62,7 +62,8 @@ def fix_host_mmap_threshold(nbytes: int = HOST_MMAP_THRESHOLD) -> bool:
     14 train+sync cycles at TP2 x PP2 with a 252M model, the bytes in use (mallinfo2) stayed within 2 MiB
     while the heap's free bytes grew from ~100 MiB to 200-550 MiB per rank: that was all of the drift. A
     fixed threshold switches the raise off; large blocks are unmapped on free. Cost: one mmap/munmap and
-    fresh page faults per large allocation."""
+    fresh page faults per large allocation. Call it before large blocks are freed: a heap that already
+    holds large free chunks serves from them whatever the threshold (hence first thing in `setup`)."""
     M_MMAP_THRESHOLD = -3  # glibc's malloc.h
     libc = _libc()
     try:
