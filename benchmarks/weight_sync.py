@@ -20,7 +20,9 @@ before the sync, as a multiple of the model's bytes; also the rise of VmHWM (res
 which counts shared object-store and /dev/shm pages a process touched, and the object store's peak use.
 Medians with min and max over repeats.
 With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
-process's RSS before each sync (memory must stay flat from sync to sync).
+process's RSS before each sync and its rise during it. Memory must stay flat from sync to sync: `flat` is
+true when, for every process, the Theil-Sen slope over syncs 3..N is below 0.2% of the model's bytes
+per sync (`FLAT_SLOPE_X_MODEL`); the slopes are written beside it.
 The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
 under `before_quoted`. `planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
 (`megatron_sortedrl.plan.engine.weight_sync_estimate`), so the CPU rate can be read against it.
@@ -136,7 +138,7 @@ def sync_processes(group, pool) -> dict[str, int]:
 
 
 def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
-               only: tuple[str, ...] = ("push", "via_driver")) -> dict:
+               only: tuple[str, ...] = ("push", "via_driver"), model_bytes: int = 0) -> dict:
     import ray
 
     from megatron_sortedrl.config import RunConfig
@@ -171,7 +173,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
                                    "rss_before": {p: m["anon_before"] for p, m in pm.items()}})
                 print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  "
                       f"total rise {sum(rows[name][-1]['rise'].values()) / report.bytes:5.2f}x model", flush=True)
-        growth = train_and_sync(group, pool, procs, cycles) if cycles else None
+        growth = train_and_sync(group, pool, procs, cycles, model_bytes) if cycles else None
         return {"tp": tp, "pp": pp, "processes": sorted(procs), "variants": {v: summarise(r) for v, r in rows.items()},
                 "cycles": growth, "raw": rows}
     finally:
@@ -182,23 +184,73 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
         ray.shutdown()
 
 
-def train_and_sync(group, pool, procs: dict[str, int], cycles: int) -> dict:
-    """`cycles` x (one optimizer step, one push sync): private memory of every process before each sync.
+FLAT_WARMUP = 2  # syncs left out of the slope: the first ones warm the allocators and vLLM's reload path
+FLAT_SLOPE_X_MODEL = 0.002  # "flat": growth per sync below 0.2% of the model's bytes, in every process
+
+
+def slope(ys: list[float]) -> float:
+    """Theil-Sen slope of `ys` against 0, 1, 2, ...: the median of the slopes between every pair of points.
+
+    Written here (scipy is not a dependency). Robust to the shared machine's single outliers and to the
+    vLLM process's allocator, which steps up and back down by ~50 MiB; a steady drift moves every pair."""
+    return statistics.median((ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys)))
+
+
+def lsq_slope(ys: list[float]) -> float:
+    n = len(ys)
+    xbar, ybar = (n - 1) / 2, statistics.fmean(ys)
+    return sum((x - xbar) * (y - ybar) for x, y in enumerate(ys)) / sum((x - xbar) ** 2 for x in range(n))
+
+
+def flatness(rss_mib: dict[str, list[float]], model_bytes: int, warmup: int = FLAT_WARMUP) -> dict:
+    """Per process, the slope of memory before each sync over syncs warmup+1..N, in MiB per sync and as a fraction
+    of the model's bytes; `flat` when every process's Theil-Sen slope is below `FLAT_SLOPE_X_MODEL` (the
+    least-squares slope is reported beside it)."""
+    per = {p: slope(v[warmup:]) for p, v in rss_mib.items()}
+    x_model = {p: s * MiB / model_bytes for p, s in per.items()}
+    worst = max(x_model, key=lambda p: x_model[p])
+    return {"rule": f"Theil-Sen slope of RssAnon before each sync over syncs {warmup + 1}..N below "
+                    f"{FLAT_SLOPE_X_MODEL:.1%} of the model's bytes per sync, for every process",
+            "warmup_syncs": warmup, "limit_x_model_per_sync": FLAT_SLOPE_X_MODEL,
+            "limit_mib_per_sync": FLAT_SLOPE_X_MODEL * model_bytes / MiB,
+            "slope_mib_per_sync": per, "slope_x_model_per_sync": x_model,
+            "lsq_slope_mib_per_sync": {p: lsq_slope(v[warmup:]) for p, v in rss_mib.items()},
+            "worst": {"process": worst, "mib_per_sync": per[worst], "x_model_per_sync": x_model[worst]},
+            "flat_by_process": {p: v < FLAT_SLOPE_X_MODEL for p, v in x_model.items()},
+            "flat": all(v < FLAT_SLOPE_X_MODEL for v in x_model.values())}
+
+
+def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes: int) -> dict:
+    """`cycles` x (one optimizer step, one push sync): private memory of every process before each sync, and its
+    rise during the sync (sampled every 20 ms).
 
     Flat lines mean nothing is retained from sync to sync (the whole-model topology grew ~2x per sync)."""
     g = torch.Generator().manual_seed(0)
     pairs = [(torch.randint(4, 100, (8,), generator=g).tolist(), torch.randint(4, 100, (24,), generator=g).tolist())
              for _ in range(4)]
     rss: dict[str, list[float]] = {p: [] for p in procs}
-    seconds = []
-    for _ in range(cycles):
+    rise: dict[str, list[float]] = {p: [] for p in procs}
+    seconds, step_seconds, load = [], [], []
+    for k in range(cycles):
+        t0 = time.monotonic()
         group.sft_step(pairs)
-        for p, pid in procs.items():
-            rss[p].append(_status_kib(pid, "RssAnon") / 1024)
-        seconds.append(pool.sync_weights(group, version=pool.version + 1).seconds)
-    # growth = last - median of the first three (the first syncs warm allocators and vLLM's reload path)
-    return {"rss_before_sync_mib": rss, "sync_seconds": seconds,
-            "growth_mib": {p: v[-1] - statistics.median(v[:3]) for p, v in rss.items()}}
+        step_seconds.append(time.monotonic() - t0)
+        report, mem = measure(procs, lambda: pool.sync_weights(group, version=pool.version + 1), interval_s=0.02)
+        for p, m in mem["processes"].items():
+            rss[p].append(m["anon_before"] / MiB)
+            rise[p].append((m["anon_peak"] - m["anon_before"]) / MiB)
+        seconds.append(report.seconds)
+        load.append(os.getloadavg()[0])
+        print(f"cycle {k + 1:2d}: step {step_seconds[-1]:5.1f} s, sync {report.seconds:5.2f} s, before the sync "
+              + " ".join(f"{p}={rss[p][-1]:.0f}" for p in procs if not p.endswith("child0")) + " MiB", flush=True)
+    flat = flatness(rss, model_bytes)
+    print(f"flat: {flat['flat']} (worst slope {flat['worst']['process']} {flat['worst']['mib_per_sync']:+.2f} MiB/sync "
+          f"= {flat['worst']['x_model_per_sync']:+.4f}x model; limit {flat['limit_mib_per_sync']:.2f} MiB/sync)")
+    return {"rss_before_sync_mib": rss, "rise_during_sync_mib": rise, "sync_seconds": seconds,
+            "step_seconds": step_seconds, "load_avg_1min": load,
+            "growth_mib": {p: v[-1] - statistics.median(v[:3]) for p, v in rss.items()},
+            "max_rise_during_sync_x_model": {p: max(v) * MiB / model_bytes for p, v in rise.items()},
+            **flat}
 
 
 def _mmm(xs: list[float]) -> dict[str, float]:
@@ -253,7 +305,19 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
     ap.add_argument("--estimate-only", action="store_true",
                     help="only (re)write planner_estimate_32b into an existing <name>.json; runs nothing")
+    ap.add_argument("--flatness-only", action="store_true",
+                    help="only recompute the flatness verdict of an existing <name>.json's cycles and redraw its plot")
     args = ap.parse_args(argv)
+    if args.flatness_only:
+        path = Path(args.out_dir) / f"{args.name}.json"
+        result = json.loads(path.read_text())
+        for lay in result["layouts"]:
+            if lay.get("cycles"):
+                lay["cycles"].update(flatness(lay["cycles"]["rss_before_sync_mib"], result["model"]["bytes"]))
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, path.with_suffix(".png"))
+        print(f"rewrote the flatness verdict in {path}")
+        return 0
     if args.estimate_only:
         path = Path(args.out_dir) / f"{args.name}.json"
         result = json.loads(path.read_text())
@@ -280,7 +344,7 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         tp, pp = (int(x) for x in spec.split("x"))
         cycles = args.cycles if i == len(args.layouts) - 1 else 0
         layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles,
-                                  tuple(args.variants)))
+                                  tuple(args.variants), n_params * 4))
     result = {
         "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32", "hidden": args.hidden,
                   "layers": args.layers, "intermediate": args.intermediate},
@@ -335,7 +399,9 @@ def plot(result: dict, path: Path) -> None:
             ax3.plot(range(1, len(v) + 1), v, marker=".", label=p)
         ax3.set_xlabel("sync number (one optimizer step before each)")
         ax3.set_ylabel("private memory (RssAnon) before the sync (MiB)")
-        ax3.set_title(f"TP{cyc['tp']}xPP{cyc['pp']}: memory from sync to sync")
+        c = cyc["cycles"]
+        flat = f"; flat={c['flat']}, worst slope {c['worst']['mib_per_sync']:+.1f} MiB/sync" if "flat" in c else ""
+        ax3.set_title(f"TP{cyc['tp']}xPP{cyc['pp']}: memory from sync to sync{flat}", fontsize=9)
         ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

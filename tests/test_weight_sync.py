@@ -86,6 +86,68 @@ def test_replay_refuses_weights_the_trainer_no_longer_has():
         pool._reload([_Slot(0, 1, actor=object())])
 
 
+_MAPPED_PROBE = """
+import ctypes, sys
+import torch
+from megatron_sortedrl.trainer.worker import HOST_MMAP_THRESHOLD, fix_host_mmap_threshold, trim_host_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+x = torch.empty(8 << 20, dtype=torch.uint8)  # a mapped block freed: glibc raises its threshold to 8 MiB
+del x
+if sys.argv[1] == "fixed":
+    assert fix_host_mmap_threshold()
+out = []
+for nbytes in (HOST_MMAP_THRESHOLD, 3 << 20, 24 << 20):
+    mapped = libc.mallinfo2().hblkhd
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    grew = libc.mallinfo2().hblkhd - mapped
+    del t
+    out.append((grew >= nbytes, libc.mallinfo2().hblkhd - mapped < (1 << 20)))
+trim_host_heap()  # callable anywhere
+print(out)
+"""
+
+
+def test_large_host_blocks_are_mapped_and_returned_on_free():
+    """The trainer ranks' allocator policy: blocks of 1 MiB and more get their own mapping (glibc), so freeing
+    them returns the pages at once instead of leaving them in a heap that fragments from sync to sync. Run in
+    a fresh process: a heap that already holds large free chunks serves from them whatever the threshold."""
+    import ast
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+
+    def probe(mode: str) -> list[tuple[bool, bool]]:
+        out = subprocess.run([sys.executable, "-c", _MAPPED_PROBE, mode], capture_output=True, text=True, check=True)
+        return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+    assert probe("fixed") == [(True, True)] * 3  # mapped, and unmapped on free
+    # glibc's own policy (the drift's cause): after the 8 MiB free, blocks below 8 MiB come from the heap
+    assert [mapped for mapped, _ in probe("default")] == [False, False, True]
+
+
+def test_flatness_rule_sees_drift_not_noise():
+    from benchmarks.weight_sync import flatness, slope
+
+    assert slope([5.0, 7.0, 9.0, 11.0]) == pytest.approx(2.0)
+    model = 1000 * MiB  # limit: 0.2% = 2 MiB per sync
+    noisy = [1400.0 + (48.0 if k in (4, 11) else 0.0) + (k % 3) for k in range(20)]  # steps up and back, jitter
+    drift = [1400.0 + 3.0 * k for k in range(20)]  # 3 MiB per sync, as the heap's free pages grew before
+    out = flatness({"engine": noisy, "trainer": drift}, model)
+    assert out["slope_mib_per_sync"]["engine"] == pytest.approx(0.0, abs=0.5)
+    assert out["slope_mib_per_sync"]["trainer"] == pytest.approx(3.0)
+    assert not out["flat"] and out["worst"]["process"] == "trainer"
+    assert flatness({"engine": noisy}, model)["flat"]
+
+
 # ------------------------------------------------------------------------------------------ integration
 
 
