@@ -104,7 +104,7 @@ class SimEngine:
             rates, pos = sum(s.rate for s in self.running), sum(s.pos for s in self.running)
         room = int((self.cap - self.ctx) // rates)
         steps = max(1, min(steps, room)) if room >= 1 else 1
-        dt = steps * self.sim.step_s(self.tp, b, pos, self.ctx + rates * steps / 2)
+        dt = steps * self.sim.step_s(self.model, self.tp, b, pos, self.ctx + rates * steps / 2)
         self.chunk = (steps, dt)
         self.sim.push(self.t + dt, self)
 
@@ -232,10 +232,10 @@ class Simulator:
     def push(self, t: float, item: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), (item, item.token) if isinstance(item, SimEngine) else item))
 
-    def step_s(self, tp: int, batch: int, positions: float, context: float) -> float:
+    def step_s(self, model: EngineCostModel, tp: int, batch: int, positions: float, context: float) -> float:
         if self.spec is None:
-            return self.sim.engine.decode_step_s(tp, batch, context)
-        return self.spec.step_s(self.sim.engine, tp, batch, positions, context)
+            return model.decode_step_s(tp, batch, context)
+        return self.spec.step_s(model, tp, batch, positions, context)
 
     def start(self, engine: SimEngine, req: Request) -> _Seq:
         s = req.sample
