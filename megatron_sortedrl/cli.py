@@ -60,11 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def user_message(exc: UserError) -> str:
+    """The error's one line. Raised inside a Ray actor (a trainer rank), it arrives wrapped in Ray's
+    RayTaskError, which is also a UserError but whose text carries the remote traceback: print the cause."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, UserError) else exc)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
