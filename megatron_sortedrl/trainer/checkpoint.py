@@ -210,18 +210,23 @@ def read_state(path: str | Path) -> dict:
     """The trainer state file of a checkpoint, read without executing code: only plain containers, numbers,
     strings, bytes and tensors load (`torch.load(weights_only=True)`), so opening someone else's checkpoint
     cannot run what a pickle would smuggle in."""
-    import pickle
-
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no {STATE_FILE}; it is not a trainer checkpoint of this project")
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds more than plain data and was not loaded "
-                              f"({reason[:160]}); only load checkpoints you trust, and re-save them with this "
-                              "version") from None
+    except Exception as exc:  # the restricted unpickler raises many types (IndexError on garbage, too)
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
+        # torch's refusal is a paragraph; the line naming what the pickle wanted to run is the useful one
+        if "Weights only load failed" in lines[0]:  # the restricted unpickler refused something it holds
+            reason = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1])
+            raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds more than plain data and was not loaded "
+                                  f"({reason[:160]}); only load checkpoints you trust, and re-save them with this "
+                                  "version") from None
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} could not be read as plain data "
+                              f"({type(exc).__name__}: {lines[-1][:160]}); the file is damaged or was not written by "
+                              "this project: resume from an earlier checkpoint (checkpoint.resume=<dir>) or start "
+                              "over (checkpoint.resume=never)") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds a {type(state).__name__}, not a dict")
     return state
