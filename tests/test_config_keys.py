@@ -7,12 +7,15 @@ run config (`megatron_sortedrl/config.py`, with `scheduler.*` and `speculative.*
 and of the simulator config (`scheduler/sim_config.py`), some Python file of the package, `scheduler/`,
 `speculative/` or `tools/` must read the attribute from an object that names its section: `cfg.data.seed`,
 `data_cfg.seed`, `tiny.seed`, `s.history_max_prompts` after `s = cfg.scheduler`, or a parameter annotated
-with the section's class (`def f(cfg: SchedulerConfig)`). A key only the Slurm scripts consume would go in
-`SLURM_ONLY` with the reason; the test checks that those keys really appear in `slurm/`.
+with the section's class (`def f(cfg: SchedulerConfig)`) or typed in its docstring. A leaf name that only
+one key has also counts when read from a generic `cfg`/`config`. Inside the config modules, only the loader
+functions count (the schema classes validating their own fields do not). A key only the Slurm scripts
+consume would go in `SLURM_ONLY` with the reason; the test checks that those keys really appear in `slurm/`.
 
-Left out: whether the value read changes behaviour (a read into a variable that is then ignored passes);
-the per-feature tests check that. Keys read through `getattr(cfg, name)` with a computed name would be
-missed; there are none today, and a missed key fails loudly here rather than passing silently.
+Left out: whether the value read changes behaviour, or whether the function reading it is ever called (a
+read inside an unused helper passes); the per-feature tests check that. Keys read through
+`getattr(cfg, name)` with a computed name would be missed; there are none today, and a missed key fails
+loudly here rather than passing silently.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def _start(args: list[str], log: Path, faults: str = "") -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def _wait_for(proc: subprocess.Popen, cond, what: str, log: Path, timeout: float = 400) -> None:
+def _wait_for(proc: subprocess.Popen, cond, what: str, log: Path, timeout: float = 1200) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():
@@ -135,7 +135,7 @@ def test_sigkill_four_times_then_run_to_end(policy, tiny_model_dir, tmp_path):
     log = tmp_path / "log5.txt"
     proc = _start(args, log)
     try:
-        assert proc.wait(900) == 0, log.read_text()[-4000:]
+        assert proc.wait(2400) == 0, log.read_text()[-4000:]
     finally:
         kill_group(proc)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -164,7 +164,7 @@ def test_disk_full_checkpoint_through_train_is_one_line(tiny_model_dir, tmp_path
                             stdout=open(tmp_path / "stdout.txt", "w"), stderr=open(err, "w"),
                             start_new_session=True, env=env)
     try:
-        assert proc.wait(900) == 2, (tmp_path / "stdout.txt").read_text()[-3000:] + err.read_text()[-3000:]
+        assert proc.wait(2400) == 2, (tmp_path / "stdout.txt").read_text()[-3000:] + err.read_text()[-3000:]
     finally:
         kill_group(proc)
     text = err.read_text()
