@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import kill_group, step_rows, wait_for_step
+from helpers import kill_group, step_rows
 
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.data import load_prompts
