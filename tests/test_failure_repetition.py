@@ -48,6 +48,7 @@ def _start(args: list[str], log: Path, faults: str = "") -> subprocess.Popen:
     # A session of its own, so that SIGKILL takes the driver with its Ray processes, as a node failure does.
     env = {k: v for k, v in os.environ.items() if k != "MSRL_FAULTS"}
     env.setdefault("RAY_raylet_start_wait_time_s", "600")  # a busy 2-core machine starts Ray slowly
+    env["PYTHONUNBUFFERED"] = "1"  # the kill moments are read from the log as it is written
     if faults:
         env["MSRL_FAULTS"] = faults
     return subprocess.Popen([sys.executable, "-m", "megatron_sortedrl", "train", "configs/tiny_cpu.yaml", *args],
