@@ -30,6 +30,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (argparse prints the usage block first), exit 2 as before."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} ({self.prog} --help shows the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-sortedrl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="<subcommand>")
@@ -45,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"error: unknown subcommand '{argv[0]}'; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-            parser.print_help(sys.stderr)
+            print(f"error: unknown subcommand '{argv[0]}'; choose one of: {', '.join(SUBCOMMANDS)} "
+                  "(python -m megatron_sortedrl --help lists them)", file=sys.stderr)
             return 2
         parser.print_help()
         return 0
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-    sub = argparse.ArgumentParser(prog=f"megatron-sortedrl {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
+    sub = _OneLineParser(prog=f"megatron-sortedrl {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
     module.add_arguments(sub)
     try:  # key=value overrides may follow options, as users type them
         args = sub.parse_intermixed_args(argv[1:])
@@ -60,11 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def user_message(exc: UserError) -> str:
+    """The error's one line. Raised inside a Ray actor (a trainer rank), it arrives wrapped in Ray's
+    RayTaskError, which is also a UserError but whose text carries the remote traceback: print the cause."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, UserError) else exc)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

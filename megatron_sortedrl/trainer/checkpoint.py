@@ -15,7 +15,9 @@ Layout of one checkpoint directory:
 Atomicity: everything is written into `<parent>/.<name>.partial`; only after every rank has finished and
 COMPLETE.json is fsynced is that directory renamed to `<path>` (an existing checkpoint at `<path>` is
 moved aside first and deleted afterwards). A crash at any point leaves either the old checkpoint or the
-new one, plus perhaps a `.partial` directory that the next save removes. `load_checkpoint` refuses a
+new one, plus perhaps a `.partial` directory that the next save removes. A write that fails (disk full)
+removes its partial directory and raises one `CheckpointError` naming the newest complete checkpoint;
+`faults.py` can make it fail on purpose (`MSRL_FAULTS=checkpoint.after_shards=enospc`). `load_checkpoint` refuses a
 directory without COMPLETE.json with a `CheckpointError`, and `find_latest_checkpoint` skips it. It also
 refuses a checkpoint whose tensors do not match the model (missing or unknown names), instead of loading
 what matches and leaving the rest at their initial values.
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_sortedrl import faults
 from megatron_sortedrl.errors import CheckpointError
 
 MARKER = "COMPLETE.json"
@@ -72,36 +75,85 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 def save_checkpoint(path: str | Path, model, opt, sched, trainer_state: dict, meta: dict) -> Path:
-    """Writes a checkpoint atomically (collective over all trainer ranks); returns its path."""
+    """Writes a checkpoint atomically (collective over all trainer ranks); returns its path.
+
+    A write that fails (a full disk, a lost mount) on any rank removes the partial directory and raises one
+    `CheckpointError` on rank 0 naming the newest complete checkpoint, which stays untouched. Only rank 0
+    raises: the trainer group reads rank 0's answer, and an error on every rank would leave Ray's reports of
+    the unread ones on stderr."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     final = Path(path).resolve()
     tmp = final.parent / f".{final.name}.partial"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    error = None
     if rank0:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by an earlier crash
-        tmp.mkdir()
-    _barrier()
-    dist_checkpointing.save(_sharded_state(model, opt, is_loading=False), str(tmp))
-    _barrier()
-    if rank0:
-        state = dict(trainer_state)
-        if sched is not None:
-            state["lr_scheduler"] = sched.state_dict()
-        torch.save(state, tmp / STATE_FILE)
-        _fsync_write(tmp / MARKER, json.dumps({**meta, "saved_at": time.time()}, indent=1))
-        old = final.parent / f".{final.name}.old"
-        if final.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by an earlier crash
+            tmp.mkdir()
+        except OSError as exc:
+            error = exc
+    if _first_error(error) is None:
+        try:
+            dist_checkpointing.save(_sharded_state(model, opt, is_loading=False), str(tmp))
+            faults.hit("checkpoint.after_shards", final.name)
+        except (OSError, CheckpointException) as exc:  # a shard write failed on some rank
+            error = exc
+        if _first_error(error) is None and rank0:
+            try:
+                _finish(final, tmp, trainer_state, sched, meta)
+            except OSError as exc:
+                error = exc
+    error = _first_error(error)
+    if error is not None:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest = find_latest_checkpoint(final.parent)
+            raise CheckpointError(
+                f"checkpoint {final.name} could not be written to {final.parent} ({error}); the newest complete "
+                f"checkpoint is still {latest.name if latest else 'none'}; free space there (or point "
+                "checkpoint.dir elsewhere) and run the same command again to resume") from None
+        return final
+    return final
+
+
+def _finish(final: Path, tmp: Path, trainer_state: dict, sched, meta: dict) -> None:
+    """Rank 0, after every rank's shards: trainer state, the COMPLETE marker, then the rename into place."""
+    state = dict(trainer_state)
+    if sched is not None:
+        state["lr_scheduler"] = sched.state_dict()
+    torch.save(state, tmp / STATE_FILE)
+    _fsync_write(tmp / MARKER, json.dumps({**meta, "saved_at": time.time()}, indent=1))
+    old = final.parent / f".{final.name}.old"
+    if final.exists():
         if old.exists():
             shutil.rmtree(old)
-    _barrier()
-    return final
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _first_error(error: BaseException | None) -> str | None:
+    """One line for the first failure on any rank (a collective: every rank calls it at the same point)."""
+    mine = None if error is None else _one_line(error)
+    if not dist.is_initialized():
+        return mine
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next((e for e in every if e is not None), None)
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    text = str(exc).strip().splitlines()
+    # torch's CheckpointException lists the failing ranks with tracebacks; the cause's last line names it
+    line = next((ln.strip() for ln in reversed(text) if "Error" in ln), text[0] if text else type(exc).__name__)
+    return line[:200]
 
 
 def read_meta(path: str | Path) -> dict:
@@ -158,18 +210,23 @@ def read_state(path: str | Path) -> dict:
     """The trainer state file of a checkpoint, read without executing code: only plain containers, numbers,
     strings, bytes and tensors load (`torch.load(weights_only=True)`), so opening someone else's checkpoint
     cannot run what a pickle would smuggle in."""
-    import pickle
-
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no {STATE_FILE}; it is not a trainer checkpoint of this project")
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds more than plain data and was not loaded "
-                              f"({reason[:160]}); only load checkpoints you trust, and re-save them with this "
-                              "version") from None
+    except Exception as exc:  # the restricted unpickler raises many types (IndexError on garbage, too)
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
+        # torch's refusal is a paragraph; the line naming what the pickle wanted to run is the useful one
+        if "Weights only load failed" in lines[0]:  # the restricted unpickler refused something it holds
+            reason = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[-1])
+            raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds more than plain data and was not loaded "
+                                  f"({reason[:160]}); only load checkpoints you trust, and re-save them with this "
+                                  "version") from None
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} could not be read as plain data "
+                              f"({type(exc).__name__}: {lines[-1][:160]}); the file is damaged or was not written by "
+                              "this project: resume from an earlier checkpoint (checkpoint.resume=<dir>) or start "
+                              "over (checkpoint.resume=never)") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} holds a {type(state).__name__}, not a dict")
     return state

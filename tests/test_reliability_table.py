@@ -1,0 +1,136 @@
+"""Walks the table of bad inputs in docs/reliability.md: each row gets exactly its one line, exit 2.
+
+    python -m pytest tests/test_reliability_table.py -q        # about 20 s: in-process, no Ray
+
+Every row runs through the command line's `main()` in this process, in a scratch working directory (so
+nothing is written into the checkout), with `ray.init` replaced by a function that raises: a row whose
+input passed every check would fail here in a second instead of starting a run. Asserted per row: exit 2,
+stderr is one line starting with `error:` that contains the documented text, no traceback. The table must
+keep at least 40 rows, numbered 1..N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sortedrl.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+ROW = re.compile(r"^\| (\d+) \| ([^|]+) \| `([^`]+)` \| `([^`]+)` \|$")
+
+
+def table_rows() -> list[tuple[int, str, str, str]]:
+    rows = []
+    for line in (REPO / "docs" / "reliability.md").read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            rows.append((int(m.group(1)), m.group(2).strip(), m.group(3), m.group(4)))
+    return rows
+
+
+ROWS = table_rows()
+
+
+def test_table_has_at_least_40_numbered_rows():
+    assert len(ROWS) >= 40 and [r[0] for r in ROWS] == list(range(1, len(ROWS) + 1))
+    assert {area for _, area, _, _ in ROWS} >= {"config", "data", "model", "checkpoint", "CLI"}
+
+
+class _Payload:
+    def __init__(self, flag: Path) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+def _checkpoint(run: Path, state: object | None, complete: bool = True, raw: bytes | None = None) -> Path:
+    d = run / "checkpoints" / "iter_0000001"
+    d.mkdir(parents=True)
+    if raw is not None:
+        (d / "trainer_state.pt").write_bytes(raw)
+    elif state is not None:
+        torch.save(state, d / "trainer_state.pt")
+    if complete:
+        (d / "COMPLETE.json").write_text('{"step": 1}')
+    return run
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, tiny_model_dir):
+    """The prepared inputs the table's placeholders name (see the list above the table)."""
+    t = tmp_path_factory.mktemp("bad_inputs")
+
+    def write(name: str, text: str) -> Path:
+        (t / name).write_text(text)
+        return t / name
+
+    (t / "scratch").mkdir()
+    p = {"tiny": tiny_model_dir, "tmp": t / "scratch", "configs": REPO / "configs",
+         "bad_yaml": write("bad.yaml", "rollout: [unclosed\n"), "list_yaml": write("list.yaml", "- a\n- b\n"),
+         "env_yaml": write("env.yaml", "model:\n  path: ${oc.env:MSRL_NO_SUCH_VARIABLE}\n"),
+         "empty_jsonl": write("empty.jsonl", ""),
+         "bad_json": write("badjson.jsonl", '{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "2+2=", \n'),
+         "no_prompt": write("noprompt.jsonl", '{"question": "1+1=", "ground_truth": "2"}\n'),
+         "no_answer": write("noanswer.jsonl", '{"prompt": "1+1="}\n'),
+         "csv": write("data.csv", "prompt,answer\n1+1,2\n"), "bad_parquet": write("bad.parquet", "not parquet"),
+         "plain_file": write("plain_file", "x")}
+    p["no_config"] = t / "no_config"
+    p["no_config"].mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer_config.json", p["no_config"])
+    p["no_tokenizer"] = t / "no_tokenizer"
+    p["no_tokenizer"].mkdir()
+    shutil.copy(tiny_model_dir / "config.json", p["no_tokenizer"])
+    write("msrl_badreward.py", "def score(sample):\n    return 1.0\n\n\nNOT_CALLABLE = 3\n")
+    p["empty_dir"] = t / "empty_dir"
+    p["empty_dir"].mkdir()
+    p["flag"] = t / "pwned"
+    p["hostile_run"] = _checkpoint(t / "hostile", {"step": 1, "extra": {"x": _Payload(p["flag"])}})
+    p["garbage_run"] = _checkpoint(t / "garbage", None, raw=b"this is not a torch file")
+    p["nostate_run"] = _checkpoint(t / "nostate", None)
+    p["sorted_run"] = _checkpoint(t / "sorted", {"step": 1, "extra": {"scheduler": {"policy": "sorted"}}})
+    p["incomplete_run"] = _checkpoint(t / "incomplete", {"step": 1}, complete=False)
+    sys.path.insert(0, str(t))
+    yield p
+    sys.path.remove(str(t))
+    sys.modules.pop("msrl_badreward", None)
+    assert not p["flag"].exists(), "a checkpoint ran code while it was read"
+
+
+@pytest.fixture
+def no_run(monkeypatch, tmp_path):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this input passed every check and reached ray.init")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.chdir(tmp_path)  # defaults such as runs/tiny_cpu land here, not in the checkout
+    monkeypatch.delenv("MSRL_NO_SUCH_VARIABLE", raising=False)
+
+
+@pytest.mark.parametrize("number, area, command, text", ROWS, ids=[f"{r[0]}-{r[1]}" for r in ROWS])
+def test_bad_input_gets_its_one_line(number, area, command, text, inputs, no_run):
+    filled = re.sub(r"\{(\w+)\}", lambda m: str(inputs.get(m.group(1), m.group(0))), command)  # {rope_type: x} stays
+    argv = shlex.split(filled)
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse exits by itself
+            rc = exc.code
+    lines = err.getvalue().strip().splitlines()
+    assert rc == 2, f"row {number}: exit {rc}; stderr: {err.getvalue()[-2000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"row {number}: {lines}"
+    assert text in lines[0], f"row {number}: {lines[0]!r} lacks {text!r}"
+    assert "Traceback" not in err.getvalue() + out.getvalue()
