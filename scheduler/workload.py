@@ -53,11 +53,12 @@ class SyntheticWorkload:
         return self._z[key]
 
     def length(self, prompt_id: str, epoch: int, index: int, attempt: int = 0) -> int:
-        c = self.cfg
-        eps = random.Random(f"{c.seed}:eps:{prompt_id}:{epoch}:{index}:{attempt}").gauss(0.0, 1.0)
-        log_len = math.log(c.median_response) + c.sigma * (
-            math.sqrt(c.prompt_share) * self._level(prompt_id, epoch) + math.sqrt(1 - c.prompt_share) * eps)
-        return int(min(self.max_len, max(c.min_response, round(math.exp(log_len)))))
+        workload = self.cfg
+        eps = random.Random(f"{workload.seed}:eps:{prompt_id}:{epoch}:{index}:{attempt}").gauss(0.0, 1.0)
+        log_len = math.log(workload.median_response) + workload.sigma * (
+            math.sqrt(workload.prompt_share) * self._level(prompt_id, epoch)
+            + math.sqrt(1 - workload.prompt_share) * eps)
+        return int(min(self.max_len, max(workload.min_response, round(math.exp(log_len)))))
 
     def prompt_tokens(self, prompt_id: str) -> int:
         rng = random.Random(f"{self.cfg.seed}:prompt:{prompt_id}")
