@@ -51,6 +51,7 @@ from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.reward_pool import RewardPool
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
+from scheduler.selective import shape_batch
 
 
 @dataclass
@@ -127,7 +128,7 @@ class Driver:
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
-                                  num_epochs=cfg.data.num_epochs or None)
+                                  num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
         self.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
                                     max_responses_per_prompt=cfg.speculative.history_max_responses)
         self._shipped = 0
@@ -310,10 +311,11 @@ class Driver:
 
     def train(self, batch: list[Sample]) -> dict[str, float]:
         self._phase("train", "start")
+        batch, shaping = shape_batch(batch, self.cfg.sampling, self.cfg.rollout.max_response_length)  # overlong
         adv = self.trainer.advantages(batch)
         out = self.trainer.train_step(batch, advantages=adv)
         self._phase("train", "end")
-        return out
+        return {**out, **shaping}
 
     def sync_weights(self) -> dict[str, float]:
         self._phase("sync", "start")
@@ -395,11 +397,14 @@ class Driver:
         if rnd is None:
             return None
         harvest = self.generate(rnd)
+        while harvest.stats.get("more"):  # dynamic sampling: too few informative groups yet, another round first
+            harvest = self.generate(self.compose_round())
         train = self.train(harvest.batch)
         sync = self.sync_weights()
         spec = self.update_history(harvest.batch)
         step_s = time.monotonic() - t0
-        row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec)
+        row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
+                       harvest.stats.get("sampling", {}))
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:

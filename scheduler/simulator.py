@@ -229,6 +229,7 @@ class Simulator:
     def finished(self, engine: SimEngine, seq: _Seq) -> None:
         s = self._commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
+        s.reward = self.workload.reward(s.prompt_id, s.epoch, s.index)
         s.finish_time, s.worker_id = engine.t, engine.wid
         self.where.pop(s.sample_id, None)
         self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
@@ -302,15 +303,21 @@ class Simulator:
         self.emit("phase", "end", t_end, phase="rollout")
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
         c = self.sim.cluster
-        self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
-        self.phase("sync", c.weight_sync_s)
-        self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
+        if not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
+            self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
+            self.phase("sync", c.weight_sync_s)
+            self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
+        groups: dict[str, set] = {}
+        for s in h.batch:
+            groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
                 "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
-                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch]}
+                "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
+                "update": not h.stats.get("more"), "informative_groups": sum(len(r) > 1 for r in groups.values()),
+                "sampling": dict(h.stats.get("sampling", {}))}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
         engine = self.where.pop(sample_id, None)
@@ -362,7 +369,7 @@ def build_policy(sim: SimConfig, run: RunConfig, policy_name: str | None = None,
 
     policy = make_policy(cfg, workload.prompt_ids, n_samples=run.rollout.n_samples_per_prompt,
                          max_response_length=run.rollout.max_response_length, planner=planner,
-                         num_epochs=sim.workload.num_epochs, seed=run.seed, sample_factory=factory)
+                         num_epochs=sim.workload.num_epochs, seed=run.seed, sample_factory=factory, sampling=run.sampling)
     return policy, workload
 
 
