@@ -394,11 +394,11 @@ class Driver:
         t0 = time.monotonic()
         self.events = []  # the bubble ratio of a step needs only that step's events
         rnd = self.compose_round()
-        if rnd is None:
-            return None
-        harvest = self.generate(rnd)
-        while harvest.stats.get("more"):  # dynamic sampling: too few informative groups yet, another round first
+        harvest = self.generate(rnd) if rnd is not None else None
+        while harvest is not None and harvest.stats.get("more"):  # dynamic sampling: another round before training
             harvest = self.generate(self.compose_round())
+        if harvest is None or not harvest.batch:  # data used up (the filter may have dropped all that was left)
+            return None
         train = self.train(harvest.batch)
         sync = self.sync_weights()
         spec = self.update_history(harvest.batch)

@@ -18,7 +18,8 @@ nothing; the caller composes and generates another round (same policy version) b
   A final exact check runs on every harvested batch too.
 - *Accumulate.* Harvested informative groups collect in `pending`; the update trains once it holds
   `min_informative_groups` (default: the policy's own update size in prompts), or after `max_extra_rounds`
-  extra rounds (one log line, and the step trains on what it has), or when the data is used up. Groups,
+  extra rounds (one log line, and the step trains on what it has, if that is at least one group), or when the
+  data is used up (an empty final harvest: the caller ends the run). Groups,
   staleness and exactly-n rules hold: the version does not move between the rounds of one update.
 - *Skip.* The wrapped policy's data cursor is replaced by one that asks `SkipGate` about every prompt it
   yields: a prompt whose last `k >= 1` groups were uninformative (reward streak, `scheduler/history.py`) is
@@ -169,7 +170,7 @@ class SelectivePolicy:
 
     def compose_round(self, clock: Clock) -> Round | None:
         rnd = self.inner.compose_round(clock)
-        if rnd is None and self.pending:  # data used up mid-update: an empty round hands `pending` over
+        if rnd is None and (self.pending or self.extra_rounds):  # data used up mid-update: an empty round ends it
             self.flush = True
             layout = self.inner.round.layout if self.inner.round else self.inner.planner.plan("sync", [], 0)
             rnd = Round(index=self.inner.round_index, kind="sync", version=self.inner.version, layout=layout)
@@ -211,7 +212,7 @@ class SelectivePolicy:
         data_left = bool(self.inner.live) or not self.inner.cursor.exhausted
         if have >= self.target or not data_left:
             return self._train(h.abort, h.stats)
-        if self.extra_rounds >= self.cfg.max_extra_rounds:
+        if self.extra_rounds >= self.cfg.max_extra_rounds and have:  # an update needs one group to train at all
             log.warning("dynamic sampling: %d of %d informative groups after %d extra rounds "
                         "(sampling.max_extra_rounds); training on what there is", have, self.target, self.extra_rounds)
             self.step_counts["cap_hit"] += 1

@@ -229,7 +229,8 @@ class Simulator:
     def finished(self, engine: SimEngine, seq: _Seq) -> None:
         s = self._commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
-        s.reward = self.workload.reward(s.prompt_id, s.epoch, s.index)
+        if hasattr(self.workload, "reward"):  # a workload without a pass-rate process leaves rewards unset
+            s.reward = self.workload.reward(s.prompt_id, s.epoch, s.index)
         s.finish_time, s.worker_id = engine.t, engine.wid
         self.where.pop(s.sample_id, None)
         self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
@@ -303,7 +304,8 @@ class Simulator:
         self.emit("phase", "end", t_end, phase="rollout")
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
         c = self.sim.cluster
-        if not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
+        update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
+        if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
             self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
             self.phase("sync", c.weight_sync_s)
             self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
@@ -316,7 +318,7 @@ class Simulator:
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
-                "update": not h.stats.get("more"), "informative_groups": sum(len(r) > 1 for r in groups.values()),
+                "update": update and not h.stats.get("more"), "informative_groups": sum(len(r) > 1 for r in groups.values()),
                 "sampling": dict(h.stats.get("sampling", {}))}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
