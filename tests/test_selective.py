@@ -233,3 +233,14 @@ def test_sampling_config_errors_name_the_key():
         load_config(None, ["sampling.overlong_buffer=256", "rollout.max_response_length=256"])
     with pytest.raises(ConfigError, match="sampling.skip_floor"):
         load_config(None, ["sampling.skip_floor=0"])
+
+
+def test_run_report_draws_the_sampling_panel(tmp_path):
+    from megatron_sortedrl.telemetry.run_report import write_run_report
+
+    rows = [{"step": s, "t": float(s), "reward/mean": 0.5, "sampling/trained_groups": 8, "sampling/filtered_groups": 10 - s,
+             "sampling/skipped_prompts": s, "sampling/predicted_informative": 9, "sampling/actual_informative": 8,
+             "sampling/generated_per_trained_token": 2.0 - 0.1 * s} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = write_run_report(tmp_path).read_text()
+    assert "Dynamic sampling and history skip" in page and (tmp_path / "report" / "selective_rollout.png").is_file()
