@@ -96,7 +96,7 @@ class SamplingConfig:
         default=0.25, metadata={"help": "history_skip: the skip probability adapts so that this share of generated groups is uninformative."}
     )
     skip_initial_probability: float = field(default=0.5, metadata={"help": "history_skip: skip probability at the start."})
-    skip_adapt_step: float = field(default=0.1, metadata={"help": "history_skip: change of the skip probability per update."})
+    skip_adapt_step: float = field(default=0.1, metadata={"help": "history_skip: change of the skip probability per harvested round."})
     skip_floor: float = field(
         default=0.1, metadata={"help": "history_skip: every prompt is tried with at least this probability (prompts that become informative again come back)."}
     )

@@ -24,7 +24,7 @@ nothing; the caller composes and generates another round (same policy version) b
 - *Skip.* The wrapped policy's data cursor is replaced by one that asks `SkipGate` about every prompt it
   yields: a prompt whose last `k >= 1` groups were uninformative (reward streak, `scheduler/history.py`) is
   tried with probability `max(floor, (1 - p) ** k)` and otherwise skipped (counted, consumed for its epoch).
-  `p` adapts after each update so that the share of uninformative generated groups approaches the target
+  `p` adapts after each harvested round so that the share of uninformative generated groups approaches the target
   (GRESO, arXiv 2506.02177, uses the same feedback). Each draw is seeded by (seed, prompt, epoch), so the
   decisions are deterministic under the seed and independent of event order.
 - *Shaping* (`shape_batch`): DAPO's soft overlong penalty and overlong filtering, applied to the trained
@@ -138,6 +138,7 @@ class SelectivePolicy:
         self.predicted: dict[str, bool] = {}  # live prompt key -> predicted informative when it was let through
         self.consumed: dict[int, Counter] = {}  # epoch -> outcome -> prompts
         self.step_counts: Counter = Counter()  # this update's outcomes and prediction hits
+        self.round_counts: Counter = Counter()  # outcomes since the last harvested round (the skip's feedback)
         self.step_tokens = Counter()  # generated / trained response tokens this update
         self._wasted_seen = 0
         self.totals: Counter = Counter()  # whole run: outcomes, tokens
@@ -153,6 +154,7 @@ class SelectivePolicy:
         epoch = int(key.rsplit("/e", 1)[1])
         self.consumed.setdefault(epoch, Counter())[outcome] += 1
         self.step_counts[outcome] += 1
+        self.round_counts[outcome] += 1
         self.totals[outcome] += 1
         if rewards is not None:
             pid = key.rsplit("/e", 1)[0]
@@ -208,6 +210,9 @@ class SelectivePolicy:
                 self.pending.extend(samples)
             else:
                 self.step_tokens["filtered"] += sum(s.response_length for s in samples)
+        # Feedback after every harvested round, not every update: an update may span several rounds.
+        self.gate.adapt(self.round_counts["filtered"], self.round_counts["filtered"] + self.round_counts["trained"])
+        self.round_counts = Counter()
         have = len({prompt_key(s.prompt_id, s.epoch) for s in self.pending})
         data_left = bool(self.inner.live) or not self.inner.cursor.exhausted
         if have >= self.target or not data_left:
@@ -229,7 +234,6 @@ class SelectivePolicy:
         trained_tokens = sum(s.response_length for s in batch)
         generated = trained_tokens + t["filtered"] + wasted
         groups = c["trained"] + c["filtered"]
-        self.gate.adapt(c["filtered"], groups)
         self.totals.update({"generated_tokens": generated, "trained_tokens": trained_tokens})
         metrics = {
             "sampling/trained_groups": c["trained"], "sampling/filtered_groups": c["filtered"],
