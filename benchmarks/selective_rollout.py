@@ -30,6 +30,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import socket
 import shlex
 import statistics
 import subprocess
@@ -47,6 +49,11 @@ VARIANTS = {
 }
 BASELINE = "dynamic_sampling"
 RAY_STARTUP_ERROR = "timed out during startup"
+# Ray's start-up waits (node registration, dashboard-agent ports, worker registration) raised for a machine
+# whose load average is far above its core count; they only matter while processes start.
+RAY_PATIENCE = {"RAY_raylet_start_wait_time_s": "600", "RAY_agent_register_timeout_ms": "600000",
+                "RAY_worker_register_timeout_seconds": "600",
+                "RAY_AUTH_MODE": "disabled"}  # a head on this machine only, shared by this benchmark's own runs
 STARTUP_RETRIES = 4
 
 
@@ -55,6 +62,36 @@ def workload_overrides(args) -> list[str]:
             f"data.num_eval_prompts={args.eval_prompts}", f"data.max_difficulty={args.max_difficulty}",
             f"rollout.max_response_length={args.max_response_length}", f"rollout.n_samples_per_prompt={args.n}",
             "logging.tensorboard=false", "speculative.enabled=false"]
+
+
+def start_ray_head(work: Path) -> tuple[subprocess.Popen, str]:
+    """One local Ray head for every run of the benchmark (`ray start --head --block`, ended by its pid at the end).
+    On a crowded machine a fresh local Ray per run often misses Ray's fixed 30 s node start-up; attaching to a
+    running head needs no node start-up. Retried until it comes up."""
+    # Ray 2.60 waits a fixed 30 s for the new node to register (ray/_private/node.py); on a machine with a load
+    # average of 50 that is not enough, so the head is started with that one constant raised to 600 s.
+    launcher = ("import sys, ray._private.node as n; c = n.Node.__init__.__code__; "
+                "n.Node.__init__.__code__ = c.replace(co_consts=tuple(600 if k == 30 else k for k in c.co_consts)); "
+                "from ray.scripts.scripts import main; sys.argv = ['ray'] + sys.argv[1:]; main()")
+    for attempt in range(8):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        log = work / f"ray_head_{attempt}.log"
+        proc = subprocess.Popen([sys.executable, "-c", launcher, "start", "--head", f"--port={port}", "--num-cpus=8", "--block",
+                                 "--include-dashboard=false", "--disable-usage-stats"],
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                env={**os.environ, **RAY_PATIENCE})
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"--address='([^']+)'", log.read_text(errors="replace"))
+            if m:
+                return proc, m.group(1)
+            time.sleep(2)
+        proc.terminate()
+        proc.wait(timeout=60)
+        print(f"Ray head did not come up (attempt {attempt + 1}, {log}); retrying", flush=True)
+    raise RuntimeError("could not start a Ray head")
 
 
 def warm_start_and_probe(args, model_dir: Path, work: Path) -> dict:
@@ -66,7 +103,7 @@ def warm_start_and_probe(args, model_dir: Path, work: Path) -> dict:
 
     cfg = load_config(ROOT / BASE_CONFIG, workload_overrides(args) + [
         f"model.path={work / 'base_model'}", "model.build_tiny_if_missing=true", f"logging.run_dir={work / 'warmup'}",
-        f"trainer.warmup_sft_steps={args.warmup_steps}", "checkpoint.resume=never"])
+        f"trainer.warmup_sft_steps={args.warmup_steps}", "checkpoint.resume=never", f"cluster.ray_address={args.ray}"])
     t0 = time.monotonic()
     driver = Driver(cfg, printer=lambda line: print(f"  [warm-up] {line}", flush=True))
     try:
@@ -112,13 +149,14 @@ def run_variant(name: str, repeat: int, args, model_dir: Path, work: Path) -> di
            "checkpoint.save_interval=0", "checkpoint.resume=never", f"logging.run_dir={run_dir}",
            f"scheduler.policy={args.policy}", f"scheduler.rollout_batch_size={args.rollout_batch}",
            f"scheduler.update_batch_size={args.rollout_batch * args.n}", f"scheduler.group_size={2 * args.rollout_batch}",
-           *VARIANTS[name], *args.extra]
+           f"cluster.ray_address={args.ray}", *VARIANTS[name], *args.extra]
     log = work / f"{run_dir.name}.log"
     for attempt in range(STARTUP_RETRIES):  # on a crowded machine Ray's fixed 30 s node start-up can time out
         t0 = time.monotonic()
         with open(log, "w") as fh:
             try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.run_timeout).returncode
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=args.run_timeout,
+                                env={**os.environ, **RAY_PATIENCE}).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         if rc == 0 or RAY_STARTUP_ERROR not in log.read_text(errors="replace"):
@@ -233,21 +271,22 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = (args.model_dir or work / "warm_model").resolve()
     t_all = time.monotonic()
+    os.environ.update(RAY_PATIENCE)  # the warm-up driver runs in this process
+    head, args.ray = start_ray_head(work)
+    print(f"Ray head at {args.ray}", flush=True)
+    try:
+        return measure(args, model_dir, work, t_all)
+    finally:
+        head.terminate()  # `ray start --block` stops the processes it started when it is terminated
+        head.wait(timeout=120)
+
+
+def measure(args, model_dir: Path, work: Path, t_all: float) -> int:
     if (model_dir / "warm_start.json").is_file():
         warm = json.loads((model_dir / "warm_start.json").read_text())
         print(f"reusing warm-started model {model_dir}", flush=True)
     else:
-        for attempt in range(STARTUP_RETRIES):
-            try:
-                warm = warm_start_and_probe(args, model_dir, work)
-                break
-            except Exception as exc:  # Ray's node start-up on a crowded machine; anything else is re-raised
-                if RAY_STARTUP_ERROR not in str(exc) or attempt + 1 == STARTUP_RETRIES:
-                    raise
-                print(f"warm-up: Ray start-up timed out (attempt {attempt + 1}); retrying", flush=True)
-                import ray
-
-                ray.shutdown()
+        warm = warm_start_and_probe(args, model_dir, work)
     print(f"warm start: {json.dumps(warm)}", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in VARIANTS}
     try:
