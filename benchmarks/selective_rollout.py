@@ -64,6 +64,16 @@ def workload_overrides(args) -> list[str]:
             "logging.tensorboard=false", "speculative.enabled=false"]
 
 
+def free_ports(k: int) -> list[int]:
+    socks = [socket.socket() for _ in range(k)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
 def start_ray_head(work: Path) -> tuple[subprocess.Popen, str]:
     """One local Ray head for every run of the benchmark (`ray start --head --block`, ended by its pid at the end).
     On a crowded machine a fresh local Ray per run often misses Ray's fixed 30 s node start-up; attaching to a
@@ -74,11 +84,12 @@ def start_ray_head(work: Path) -> tuple[subprocess.Popen, str]:
                 "n.Node.__init__.__code__ = c.replace(co_consts=tuple(600 if k == 30 else k for k in c.co_consts)); "
                 "from ray.scripts.scripts import main; sys.argv = ['ray'] + sys.argv[1:]; main()")
     for attempt in range(8):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port, metrics, agent_grpc, agent_http, runtime_env = free_ports(5)
         log = work / f"ray_head_{attempt}.log"
         proc = subprocess.Popen([sys.executable, "-c", launcher, "start", "--head", f"--port={port}", "--num-cpus=8", "--block",
+                                 # fixed agent ports: the raylet then need not wait for the agents to report theirs
+                                 f"--metrics-export-port={metrics}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                                 f"--dashboard-agent-listen-port={agent_http}", f"--runtime-env-agent-port={runtime_env}",
                                  "--include-dashboard=false", "--disable-usage-stats"],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                 env={**os.environ, **RAY_PATIENCE})

@@ -244,3 +244,42 @@ def test_run_report_draws_the_sampling_panel(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     page = write_run_report(tmp_path).read_text()
     assert "Dynamic sampling and history skip" in page and (tmp_path / "report" / "selective_rollout.png").is_file()
+
+
+def test_driver_generates_more_rounds_before_training_and_ends_on_an_empty_harvest():
+    """The driver's hook lines (megatron_sortedrl/driver.py `rl_step`) with stub phases around them."""
+    from types import SimpleNamespace
+
+    from megatron_sortedrl.driver import Driver
+    from scheduler.protocol import Harvest
+
+    def stub(harvests):
+        calls = []
+        d = SimpleNamespace(events=[], step=1, calls=calls)
+        d.compose_round = lambda: calls.append("compose") or "round"
+        d.generate = lambda rnd: calls.append("generate") or harvests.pop(0)
+        d.train = lambda batch: calls.append(("train", len(batch))) or {}
+        d.sync_weights = d.update_history = lambda *a: {}
+        d.log = lambda *a: {}
+        return d
+
+    batch = [Sample(prompt_id="p", index=i, reward=float(i)) for i in range(2)]
+    d = stub([Harvest([], [], {"more": True}), Harvest([], [], {"more": True}), Harvest(batch, [], {"sampling": {}})])
+    assert Driver.rl_step(d) is not None
+    assert d.calls == ["compose", "generate", "compose", "generate", "compose", "generate", ("train", 2)]
+    d = stub([Harvest([], [], {"more": True}), Harvest([], [], {"sampling": {}})])  # the data ran out mid-update
+    assert Driver.rl_step(d) is None and ("train", 0) not in d.calls
+
+
+def test_overlong_filter_masks_the_truncated_response_out_of_the_trainer_items():
+    from types import SimpleNamespace
+
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    cfg = load_config(None, ["algorithm.tis_cap=0"])
+    fake = SimpleNamespace(cfg=cfg, _item=TrainerGroup._item)
+    samples = [Sample(prompt_id="p", index=i, prompt_tokens=[1, 2], response_tokens=[3] * (i + 2), reward=1.0)
+               for i in range(2)]
+    samples[1].meta["loss_masked"] = True
+    items = TrainerGroup._rl_items(fake, samples, [0.5, -0.5], None)
+    assert items[0]["mask"] is None and items[1]["mask"] == [0.0, 0.0, 0.0]
