@@ -87,15 +87,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.27
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
     for j, filt in enumerate(FILTERS):
-        sel = [next(r for r in rows if r["policy"] == p and r["filter"] == filt) for p in POLICIES]
-        xs = [i + (j - 1) * width for i in range(len(POLICIES))]
+        sel = [next(r for r in rows if r["policy"] == p and r["filter"] == filt) for p in policies]
+        xs = [i + (j - 1) * width for i in range(len(policies))]
         ax[0].bar(xs, [1.0 / r["time_per_informative_group_vs_sync_ds"] for r in sel], width, label=filt)
         ax[1].bar(xs, [r["generated_tokens_per_trained_token"] for r in sel], width, label=filt)
     ax[0].axhline(1.0, color="gray", lw=0.8)
-    ax[0].set(xticks=range(len(POLICIES)), xticklabels=POLICIES, ylabel="informative groups per second vs sync + DS",
+    ax[0].set(xticks=range(len(policies)), xticklabels=policies, ylabel="informative groups per second vs sync + DS",
               title="Speed per trained informative group")
-    ax[1].set(xticks=range(len(POLICIES)), xticklabels=POLICIES, ylabel="tokens", title="Generated per trained token")
+    ax[1].set(xticks=range(len(policies)), xticklabels=policies, ylabel="tokens", title="Generated per trained token")
     ax[0].legend(title="filter")
     fig.suptitle(title)
     fig.tight_layout()
@@ -107,12 +108,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/sim_qwen32b_128gpu.yaml")
     ap.add_argument("--epochs", type=int, default=3, help="workload.num_epochs")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list (sync and twotier needed)")
     ap.add_argument("--jobs", type=int, default=3, help="simulations run in parallel")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="extra sim overrides (key=value; run.* for the run config)")
     args = ap.parse_args()
     t_all = time.time()
-    jobs = [(args.config, args.epochs, policy, filt, args.overrides) for policy in POLICIES for filt in FILTERS]
+    policies = [p for p in args.policies.split(",") if p]
+    if not {"sync", "twotier"} <= set(policies) or set(policies) - set(POLICIES):
+        print(f"error: --policies must include sync and twotier, from {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    jobs = [(args.config, args.epochs, policy, filt, args.overrides) for policy in policies for filt in FILTERS]
     with multiprocessing.Pool(args.jobs) as pool:  # independent simulations; each is single-threaded
         rows = pool.starmap(one, jobs)
     base = next(r for r in rows if r["policy"] == "sync" and r["filter"] == "ds")
