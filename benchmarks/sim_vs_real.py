@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile

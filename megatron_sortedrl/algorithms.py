@@ -21,6 +21,8 @@ Conventions (each matches the reference formula in tests/test_algorithms.py):
   of a partial rollout sampled by older versions `logp_rollout` is the per-token behaviour log-prob of the
   version that sampled it, so the same weight also corrects staleness.
 * KL to the reference: the k3 estimator `exp(ref - logp) - (ref - logp) - 1` (non-negative, unbiased).
+* DAPO soft overlong penalty (`overlong_penalty`): 0 up to `max_len - buffer` tokens, then
+  `((max_len - buffer) - L) / buffer * factor`, linear down to `-factor` at `max_len`, and `-factor` beyond.
 * Aggregation: `token` = sum over all tokens / number of tokens; `sequence` = mean over sequences of the
   per-sequence token mean. `token_weights` gives the weights so a sharded batch (micro-batches, data
   parallel ranks) can sum its parts against global counts.
@@ -105,6 +107,18 @@ def compute_advantages(rewards: torch.Tensor, group_ids: Sequence, method: str, 
     else:
         raise ValueError(f"unknown advantage estimator {method!r}; expected one of {ADVANTAGES}")
     return out.to(torch.float32)
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), added to the task reward."""
+    if buffer <= 0:
+        return 0.0
+    start = max_len - buffer
+    if length <= start:
+        return 0.0
+    if length > max_len:
+        return -factor
+    return (start - length) / buffer * factor
 
 
 # ------------------------------------------------------------------------------------------- losses

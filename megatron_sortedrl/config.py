@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.layout import check_layout
-from scheduler.config import SchedulerConfig
+from scheduler.config import SamplingConfig, SchedulerConfig
 from speculative.config import SpeculativeConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -427,6 +427,7 @@ class RunConfig:
     cluster: ClusterConfig = help_field("Machines and devices.", factory=ClusterConfig)
     plan: PlanConfig = help_field("Launch planner: memory fit check before a run starts.", factory=PlanConfig)
     reward: RewardConfig = help_field("Reward stage: workers, scaling, timeouts, order, sandbox.", factory=RewardConfig)
+    sampling: SamplingConfig = help_field("DAPO dynamic sampling, overlong shaping, reward-history skip.", factory=SamplingConfig)
 
     def __post_init__(self) -> None:
         hf_config = Path(self.model.path) / "config.json"
@@ -457,6 +458,9 @@ class RunConfig:
             )
         if self.algorithm.advantage in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
             raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt, f">= 2 for {self.algorithm.advantage}")
+        if self.sampling.overlong_buffer >= r.max_response_length:
+            raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
+                              f"fewer tokens than rollout.max_response_length ({r.max_response_length})")
         check_layout(self)
 
     @property

@@ -51,6 +51,7 @@ from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.reward_stage import make_reward_stage
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
+from scheduler.selective import shape_batch
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Driver:
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
-                                  num_epochs=cfg.data.num_epochs or None)
+                                  num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
         self.stream = DriverStream(self.trainer, self.policy) if cfg.trainer.stream else None  # trainer/stream.py
         self.feed = HistoryFeed(cfg.speculative, self.pool)  # HistoSpec: records, ships, measures (speculative/feed.py)
         self.history = self.feed.store
@@ -317,10 +318,11 @@ class Driver:
 
     def train(self, batch: list[Sample]) -> dict[str, float]:
         self._phase("train", "start")
+        batch, shaping = shape_batch(batch, self.cfg.sampling, self.cfg.rollout.max_response_length)  # overlong
         adv = self.trainer.advantages(batch)
         out = self.stream.train(batch, adv) if self.stream else self.trainer.train_step(batch, advantages=adv)
         self._phase("train", "end")
-        return out
+        return {**out, **shaping}
 
     def sync_weights(self) -> dict[str, float]:
         self._phase("sync", "start")
@@ -385,15 +387,17 @@ class Driver:
         t0 = time.monotonic()
         self.events = []  # the bubble ratio of a step needs only that step's events
         rnd = self.compose_round()
-        if rnd is None:
+        harvest = self.generate(rnd) if rnd is not None else None
+        while harvest is not None and harvest.stats.get("more"):  # dynamic sampling: another round before training
+            harvest = self.generate(self.compose_round())
+        if harvest is None or not harvest.batch:  # data used up (the filter may have dropped all that was left)
             return None
-        harvest = self.generate(rnd)
         train = self.train(harvest.batch)
         sync = self.sync_weights()
         spec = self.update_history(harvest.batch, rnd.kind)
         step_s = time.monotonic() - t0
         row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
-                       self.rewards.step_metrics(harvest.batch, step_s))
+                       self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}))
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:

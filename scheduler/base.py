@@ -194,6 +194,24 @@ class PolicyBase:
         times = sorted(st.done_at.values())
         return times[min(len(times), need or len(st.samples)) - 1] if times else 0.0
 
+    def states(self, keys: Sequence[str]) -> list[PromptState]:
+        """The live prompts among `keys`: a prompt dropped by the dynamic-sampling filter has left the live set."""
+        return [self.live[k] for k in keys if k in self.live]
+
+    def drop(self, st: PromptState) -> list[str]:
+        """Removes a prompt without training it (dynamic sampling: its group is uninformative); returns the ids of
+        its samples still running, which the driver must abort. Its tokens count as `filtered_tokens`."""
+        running = st.ids("running")
+        for s in st.samples:
+            self.by_sample.pop(s.sample_id, None)
+            self.stats["filtered_tokens"] = self.stats.get("filtered_tokens", 0) + s.response_length
+        del self.live[st.key]
+        for name in ("queue", "carry"):  # the policies' own key lists (long-tail queue, carried prompts)
+            keys = getattr(self, name, None)
+            if isinstance(keys, list) and st.key in keys:
+                keys.remove(st.key)
+        return running
+
     def running_ids(self) -> list[str]:
         return [sid for st in self.live.values() for sid in st.ids("running")]
 

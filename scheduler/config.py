@@ -71,3 +71,53 @@ class SchedulerConfig:
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(key, value, "one of " + ", ".join(allowed))
+
+
+@dataclass
+class SamplingConfig:
+    """DAPO's rollout-side rules and reward-history skip (`sampling.*`); see docs/selective_rollout.md."""
+
+    dynamic: bool = field(
+        default=False,
+        metadata={"help": "Dynamic sampling: drop prompt groups whose n rewards are all equal (zero advantage) and keep generating until the update holds `min_informative_groups`."},
+    )
+    min_informative_groups: int = field(
+        default=0,
+        metadata={"help": "Informative groups an update needs (0: the policy's own update size in prompts: update_batch_size / n for sorted, rollout_batch_size otherwise)."},
+    )
+    max_extra_rounds: int = field(
+        default=4, metadata={"help": "Cap on extra rounds generated per update when too few groups are informative (DAPO's max_num_gen_batches - 1); past it the update trains on what it has."}
+    )
+    history_skip: bool = field(
+        default=False,
+        metadata={"help": "Skip prompts whose reward history predicts an uninformative group before they are generated (needs dynamic)."},
+    )
+    skip_target_uninformative: float = field(
+        default=0.25, metadata={"help": "history_skip: the skip probability adapts so that this share of generated groups is uninformative."}
+    )
+    skip_initial_probability: float = field(default=0.5, metadata={"help": "history_skip: skip probability at the start."})
+    skip_adapt_step: float = field(default=0.1, metadata={"help": "history_skip: change of the skip probability per harvested round."})
+    skip_floor: float = field(
+        default=0.1, metadata={"help": "history_skip: every prompt is tried with at least this probability (prompts that become informative again come back)."}
+    )
+    overlong_buffer: int = field(
+        default=0, metadata={"help": "DAPO soft overlong penalty: tokens before max_response_length over which the penalty grows linearly to -overlong_penalty (0: off)."}
+    )
+    overlong_penalty: float = field(default=1.0, metadata={"help": "Penalty at max_response_length (DAPO's penalty factor)."})
+    overlong_filter: bool = field(
+        default=False, metadata={"help": "Overlong filtering: responses cut at max_response_length are masked out of the loss."}
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("min_informative_groups", "max_extra_rounds", "overlong_buffer"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"sampling.{key}", getattr(self, key), "an integer >= 0")
+        for key in ("skip_target_uninformative", "skip_initial_probability", "skip_adapt_step", "skip_floor"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sampling.{key}", getattr(self, key), "a float in [0, 1]")
+        if self.skip_floor <= 0.0:
+            raise ConfigError("sampling.skip_floor", self.skip_floor, "a float in (0, 1]: a prompt must be able to come back")
+        if self.overlong_penalty < 0:
+            raise ConfigError("sampling.overlong_penalty", self.overlong_penalty, "a float >= 0")
+        if self.history_skip and not self.dynamic:
+            raise ConfigError("sampling.history_skip", self.history_skip, "false unless sampling.dynamic=true (the skip learns from the filter's outcomes)")

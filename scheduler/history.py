@@ -10,6 +10,11 @@ a lower bound from aborted samples (an aborted sample that reached L tokens says
 L long). Memory is bounded: at most `max_prompts` prompts (least recently recorded evicted) and a ring of
 `global_window` recent lengths for the dataset-wide fallback. `state_dict()` is plain JSON.
 
+Rewards join the same store (`record_rewards`): per prompt, the rewards of its latest complete group and
+the *streak*, how many of its most recent epochs in a row gave a group whose rewards were all equal (an
+uninformative group: zero group-relative advantage). `scheduler/selective.py` skips prompts by it. Bounded
+by the same `max_prompts` (least recently recorded evicted) and saved in the same `state_dict()`.
+
 Left out: per-token history (that lives in speculative/, which keeps the responses themselves) and any
 learned predictor; the papers report that the previous epoch's lengths already predict well.
 """
@@ -42,6 +47,8 @@ class LengthHistory:
         self._lengths: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
         self._lower: dict[str, int] = {}  # prompt_id -> longest aborted partial seen (tokens)
         self._recent: deque[int] = deque(maxlen=global_window)
+        # prompt_id -> [last epoch with a complete group, uninformative streak, that group's rewards]; LRU order.
+        self._rewards: OrderedDict[str, list[Any]] = OrderedDict()
 
     # -- recording ----------------------------------------------------------------------------------------
 
@@ -63,6 +70,25 @@ class LengthHistory:
             self._lower[prompt_id] = int(tokens)
             if len(self._lower) > self.max_prompts:  # bounded even for prompts that never finish
                 self._lower.pop(next(iter(self._lower)))
+
+    def record_rewards(self, prompt_id: str, epoch: int, rewards: list[float]) -> None:
+        """The complete group of `prompt_id` in `epoch` scored `rewards` (trained or filtered alike)."""
+        last, streak, _ = self._rewards.pop(prompt_id, [-1, 0, []])
+        uninformative = len(set(rewards)) <= 1
+        if epoch != last:  # a prompt has one group per epoch; a repeat record only refreshes the rewards
+            streak = streak + 1 if uninformative else 0
+        self._rewards[prompt_id] = [epoch, streak, [float(r) for r in rewards]]
+        while len(self._rewards) > self.max_prompts:
+            self._rewards.popitem(last=False)
+
+    def reward_streak(self, prompt_id: str) -> int:
+        """Consecutive most recent epochs whose group of this prompt was uninformative (0: unseen or informative)."""
+        rec = self._rewards.get(prompt_id)
+        return rec[1] if rec else 0
+
+    def last_rewards(self, prompt_id: str) -> list[float]:
+        rec = self._rewards.get(prompt_id)
+        return list(rec[2]) if rec else []
 
     # -- queries ------------------------------------------------------------------------------------------
 
@@ -112,9 +138,12 @@ class LengthHistory:
             "predictor": self.predictor, "quantile": self.q,
             "lengths": [[pid, {str(e): v for e, v in per.items()}] for pid, per in self._lengths.items()],
             "lower": dict(self._lower), "recent": list(self._recent),
+            "rewards": [[pid, rec] for pid, rec in self._rewards.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._lengths = OrderedDict((pid, {int(e): list(v) for e, v in per.items()}) for pid, per in state["lengths"])
         self._lower = {k: int(v) for k, v in state.get("lower", {}).items()}
         self._recent = deque(state.get("recent", []), maxlen=self._recent.maxlen)
+        self._rewards = OrderedDict((pid, [int(r[0]), int(r[1]), [float(x) for x in r[2]]])
+                                    for pid, r in state.get("rewards", []))

@@ -99,8 +99,7 @@ class SortedPolicy(PolicyBase):
         if short:
             self.final = len(short) <= self.need
             return self.make_round("short", short, deferred)
-        states = [self.live[k] for k in self.queue]
-        return self.make_round("long", states, deferred)
+        return self.make_round("long", self.states(self.queue), deferred)
 
     def _defer(self, st: PromptState) -> str:
         st.long = True
@@ -109,9 +108,9 @@ class SortedPolicy(PolicyBase):
 
     def harvest(self, clock: Clock) -> Harvest | None:
         assert self.round is not None, "harvest before compose_round"
-        states = [self.live[k] for k in self.round.prompts]
+        states = self.states(self.round.prompts)  # (dynamic sampling may have dropped some)
         done = [st for st in states if self.complete(st)]
-        if self.round.kind == "long" or self.final:
+        if self.round.kind == "long" or self.final or len(states) <= self.need:
             if len(done) < len(states):
                 return None
             chosen = done
@@ -149,7 +148,7 @@ class TwoTierPolicy(PolicyBase):
         self.decision: dict[str, Any] = {}
 
     def compose_round(self, clock: Clock) -> Round | None:
-        carried = [self.live[k] for k in self.carry]
+        carried = self.states(self.carry)
         window = max(self.cfg.rollout_batch_size, self.cfg.group_size)
         fresh = [self.open_prompt(pid, epoch, self.n) for pid, epoch in self.cursor.take(window - len(carried))]
         states = carried + fresh
@@ -163,12 +162,12 @@ class TwoTierPolicy(PolicyBase):
 
     def harvest(self, clock: Clock) -> Harvest | None:
         assert self.round is not None, "harvest before compose_round"
-        states = [self.live[k] for k in self.round.prompts]
-        due = set(self.carry)
+        states = self.states(self.round.prompts)  # (dynamic sampling may have dropped some)
+        due = {k for k in self.carry if k in self.live}
         if not all(self.complete(self.live[k]) for k in due):
             return None  # carried prompts hold tokens of the previous version: trained now, or they would go stale
         done = [st for st in states if self.complete(st)]
-        if len(done) < self.target:
+        if len(done) < min(self.target, len(states)):
             return None
         rest = sorted((st for st in done if st.key not in due), key=self.completed_at)
         chosen = [st for st in done if st.key in due] + rest[: max(0, self.target - len(due))]
@@ -222,14 +221,14 @@ class TailPolicy(PolicyBase):
 
     def _long_round(self, deferred: list[str] | None = None) -> Round:
         keys, self.queue = self.queue[: self.cfg.rollout_batch_size], self.queue[self.cfg.rollout_batch_size:]
-        states = [self.live[k] for k in keys]
+        states = self.states(keys)
         for st in states:  # fresh n responses, no over-provisioning
             for s in st.samples:
                 self.by_sample.pop(s.sample_id, None)
                 self.stats["wasted_tokens"] += s.response_length
             del self.live[st.key]
             self.open_prompt(st.prompt_id, st.epoch, self.n).long = True
-        return self.make_round("long", [self.live[k] for k in keys], deferred or [])
+        return self.make_round("long", self.states(keys), deferred or [])
 
     def on_sample_finished(self, sample: Any, clock: Clock) -> list[str]:
         super().on_sample_finished(sample, clock)
@@ -240,13 +239,13 @@ class TailPolicy(PolicyBase):
 
     def harvest(self, clock: Clock) -> Harvest | None:
         assert self.round is not None, "harvest before compose_round"
-        states = [self.live[k] for k in self.round.prompts]
+        states = self.states(self.round.prompts)  # (dynamic sampling may have dropped some)
         if self.round.kind == "long":
             if not all(self.complete(st, self.n) for st in states):
                 return None
             return self.finish_harvest(self.take(states, self.n), [])
         done = [st for st in states if self.complete(st, self.n)]
-        if len(done) < self.target:
+        if len(done) < min(self.target, len(states)):
             return None
         chosen = sorted(done, key=lambda st: self.completed_at(st, self.n))[: self.target]
         chosen_keys = {st.key for st in chosen}
@@ -271,6 +270,12 @@ POLICY_CLASSES: dict[str, type[PolicyBase]] = {
 }
 
 
-def make_policy(cfg: Any, prompt_ids: Any, **kw: Any) -> PolicyBase:
-    """The policy named by `cfg.policy` (a `SchedulerConfig`); keyword arguments as `PolicyBase`."""
-    return POLICY_CLASSES[cfg.policy](cfg, prompt_ids, **kw)
+def make_policy(cfg: Any, prompt_ids: Any, *, sampling: Any = None, **kw: Any) -> Any:
+    """The policy named by `cfg.policy` (a `SchedulerConfig`); keyword arguments as `PolicyBase`. With a
+    `SamplingConfig` whose `dynamic` is on, it is wrapped in `scheduler.selective.SelectivePolicy`."""
+    policy = POLICY_CLASSES[cfg.policy](cfg, prompt_ids, **kw)
+    if sampling is not None and sampling.dynamic:
+        from scheduler.selective import SelectivePolicy
+
+        policy = SelectivePolicy(policy, sampling, seed=kw.get("seed", 0))
+    return policy

@@ -69,6 +69,11 @@ class WorkloadConfig:
     persistence: float = help_field("Correlation of a prompt's length level between consecutive epochs (0..1).", 0.8)
     min_response: int = help_field("Shortest response in tokens.", 1)
     seed: int = help_field("Seed of the synthetic lengths.", 0)
+    unsolved_share_start: float = help_field("Rewards: share of prompts never solved in the first epoch.", 0.40)
+    unsolved_share_end: float = help_field("Rewards: share of prompts never solved in the last epoch.", 0.20)
+    mixed_share_start: float = help_field("Rewards: share of prompts solved sometimes (informative groups) in the first epoch.", 0.32)
+    mixed_share_end: float = help_field("Rewards: share of prompts solved sometimes in the last epoch.", 0.21)
+    pass_rate_jitter: float = help_field("Rewards: per-epoch random move of a prompt's skill rank (0: classes persist exactly).", 0.04)
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -81,6 +86,13 @@ class WorkloadConfig:
         for key in ("prompt_share", "persistence"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"workload.{key}", getattr(self, key), "a float in [0, 1]")
+        for key in ("unsolved_share_start", "unsolved_share_end", "mixed_share_start", "mixed_share_end", "pass_rate_jitter"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"workload.{key}", getattr(self, key), "a float in [0, 1]")
+        for when in ("start", "end"):
+            if getattr(self, f"unsolved_share_{when}") + getattr(self, f"mixed_share_{when}") > 1.0:
+                raise ConfigError(f"workload.mixed_share_{when}", getattr(self, f"mixed_share_{when}"),
+                                  f"at most 1 - unsolved_share_{when}")
         if self.median_response <= 0 or self.sigma < 0:
             raise ConfigError("workload.sigma", (self.median_response, self.sigma), "median_response > 0, sigma >= 0")
 

@@ -262,6 +262,8 @@ class Simulator:
     def finished(self, engine: SimEngine, seq: _Seq) -> None:
         s = self._commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
+        if hasattr(self.workload, "reward"):  # a workload without a pass-rate process leaves rewards unset
+            s.reward = self.workload.reward(s.prompt_id, s.epoch, s.index)
         s.finish_time, s.worker_id = engine.t, engine.wid
         if self.spec is not None:
             self.spec.record(s.prompt_id, s.epoch, self.policy.version)
@@ -343,9 +345,14 @@ class Simulator:
         self.emit("phase", "end", t_end, phase="rollout")
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
         c = self.sim.cluster
-        self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
-        self.phase("sync", c.weight_sync_s)
-        self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
+        update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
+        if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
+            self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
+            self.phase("sync", c.weight_sync_s)
+            self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
+        groups: dict[str, set] = {}
+        for s in h.batch:
+            groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
                 "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
@@ -353,7 +360,9 @@ class Simulator:
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
                 "reward_critical_s": self.rewards.critical_path(h.batch, t0, t_end), "reward_timeouts": self.rewards.timeouts,
-                "sample_ids": [s.sample_id for s in h.batch]}
+                "sample_ids": [s.sample_id for s in h.batch],
+                "update": update and not h.stats.get("more"), "informative_groups": sum(len(r) > 1 for r in groups.values()),
+                "sampling": dict(h.stats.get("sampling", {}))}
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
         engine = self.where.pop(sample_id, None)
@@ -405,7 +414,7 @@ def build_policy(sim: SimConfig, run: RunConfig, policy_name: str | None = None,
 
     policy = make_policy(cfg, workload.prompt_ids, n_samples=run.rollout.n_samples_per_prompt,
                          max_response_length=run.rollout.max_response_length, planner=planner,
-                         num_epochs=sim.workload.num_epochs, seed=run.seed, sample_factory=factory)
+                         num_epochs=sim.workload.num_epochs, seed=run.seed, sample_factory=factory, sampling=run.sampling)
     return policy, workload
 
 

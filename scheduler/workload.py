@@ -19,6 +19,14 @@ coordinates, so all policies see the same lengths. The median-to-max ratio of re
 Replay: a run timeline (`finish` events, sample ids "<prompt>/e<epoch>/<index>") or a JSON file
 {prompt_id: {epoch: [lengths]}}; a regenerated sample takes the next recorded length of that prompt.
 
+Rewards (`reward`, every workload): a per-prompt pass-rate process that persists across epochs and drifts as
+the policy learns, DAPO-like. Each prompt has a fixed skill rank u ~ U(0, 1), moved per epoch by
+`pass_rate_jitter` * N(0, 1); prompts below the epoch's `unsolved` share never pass, those above
+`unsolved + mixed` always pass, and those in between pass with a rate rising from 0.05 to 0.95 across the
+band. The shares move linearly from `*_start` to `*_end` over the epochs (more prompts solved, fewer in
+between), so with n = 16 about 30% of groups are informative early and 20% late. A sample's reward is a
+seeded Bernoulli draw of its prompt's rate, the same for every policy.
+
 Left out: correlation between length and reward, and length drift over training.
 """
 
@@ -34,11 +42,49 @@ from megatron_sortedrl.errors import UserError
 from scheduler.sim_config import WorkloadConfig
 
 
+class PassRates:
+    """Per-prompt pass rates per epoch (see the module docstring) and the seeded 0/1 reward of each sample."""
+
+    def __init__(self, cfg: WorkloadConfig) -> None:
+        self.cfg = cfg
+        self._rate: dict[tuple[str, int], float] = {}
+
+    def shares(self, epoch: int) -> tuple[float, float]:
+        """(unsolved, mixed) shares of the prompts in `epoch`."""
+        c = self.cfg
+        f = min(1.0, epoch / max(1, c.num_epochs - 1))
+        unsolved = c.unsolved_share_start + f * (c.unsolved_share_end - c.unsolved_share_start)
+        mixed = c.mixed_share_start + f * (c.mixed_share_end - c.mixed_share_start)
+        return unsolved, mixed
+
+    def rate(self, prompt_id: str, epoch: int) -> float:
+        key = (prompt_id, epoch)
+        if key not in self._rate:
+            c = self.cfg
+            u = random.Random(f"{c.seed}:skill:{prompt_id}").random()
+            u += c.pass_rate_jitter * random.Random(f"{c.seed}:skill:{prompt_id}:{epoch}").gauss(0.0, 1.0)
+            lo, mixed = self.shares(epoch)
+            if u <= lo:
+                rate = 0.0
+            elif u >= lo + mixed:
+                rate = 1.0
+            else:
+                rate = 0.05 + 0.9 * (u - lo) / mixed
+            self._rate[key] = rate
+        return self._rate[key]
+
+    def reward(self, prompt_id: str, epoch: int, index: int) -> float:
+        draw = random.Random(f"{self.cfg.seed}:reward:{prompt_id}:{epoch}:{index}").random()
+        return 1.0 if draw < self.rate(prompt_id, epoch) else 0.0
+
+
 class SyntheticWorkload:
     def __init__(self, cfg: WorkloadConfig, max_response_length: int) -> None:
         self.cfg, self.max_len = cfg, max_response_length
         self._z: dict[tuple[str, int], float] = {}
         self.prompt_ids = [f"p{i}" for i in range(cfg.num_prompts)]
+        self.pass_rates = PassRates(cfg)
+        self.reward = self.pass_rates.reward
 
     def _level(self, prompt_id: str, epoch: int) -> float:
         key = (prompt_id, epoch)
@@ -70,6 +116,8 @@ class ReplayWorkload:
         self.cfg, self.max_len = cfg, max_response_length
         self.table = load_lengths(cfg.replay_path)
         self.prompt_ids = sorted(self.table)
+        self.pass_rates = PassRates(cfg)
+        self.reward = self.pass_rates.reward
 
     def length(self, prompt_id: str, epoch: int, index: int, attempt: int = 0) -> int:
         per_epoch = self.table[prompt_id]

@@ -66,7 +66,7 @@ def test_event_json_round_trip_leaves_out_unset_fields():
 def test_malformed_line_is_reported_with_file_and_line(tmp_path, bad):
     path = tmp_path / "timeline.jsonl"
     path.write_text(phase(0, "start", 0, "rollout").to_json() + "\n\n" + bad + "\n")
-    with pytest.raises(TimelineError, match=rf"timeline.jsonl:3: malformed"):
+    with pytest.raises(TimelineError, match=r"timeline.jsonl:3: malformed"):
         read_timeline(path)
 
 

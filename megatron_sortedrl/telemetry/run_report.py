@@ -13,7 +13,8 @@ or unreadable input leaves out the figures that need it and the page says so; no
 killed run. The page: a summary table; reward and accuracy per step with the evaluations; the step-time
 breakdown; a Gantt of requests per rollout worker with the bubble shaded (last `GANTT_STEPS` steps); the
 worker bubble ratio per step and the engine time lost waiting on the driver (driver idle, in the summary and
-the per-step table); draft acceptance (speculative decoding); the staleness histogram; and a per-step table
+the per-step table); draft acceptance (speculative decoding); dynamic sampling and history skip
+(`sampling/*`, when on); the staleness histogram; and a per-step table
 (also `steps.csv`). Plot helpers, colours and the page style come from `report.py`.
 
 Left out: the slot bubble ratio (it needs one engine's `max_num_seqs`, which the run directory does not
@@ -334,6 +335,35 @@ def plot_tokens_per_forward(run: RunData, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_selective(run: RunData, path: Path) -> Path | None:
+    """Dynamic sampling and history skip (sampling.*): groups per step by outcome, predicted vs actual informative
+    groups, and generated tokens per trained token (right axis)."""
+    steps = [s for s in sorted(run.steps) if "sampling/trained_groups" in run.steps[s]]
+    if not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3))
+    get = lambda key: [run.steps[s].get(key, 0) for s in steps]  # noqa: E731
+    bottom = [0.0] * len(steps)
+    for key, label, color in (("sampling/trained_groups", "trained (informative)", "#55A868"),
+                              ("sampling/filtered_groups", "filtered (all rewards equal)", "#C44E52"),
+                              ("sampling/skipped_prompts", "skipped by history", "#BBBBBB")):
+        ax.bar(steps, get(key), bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, get(key))]
+    ax.plot(steps, get("sampling/predicted_informative"), "k--", marker=".", label="predicted informative")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("prompt groups")
+    ax2 = ax.twinx()
+    ax2.plot(steps, get("sampling/generated_per_trained_token"), color="#4C72B0", marker="o",
+             label="generated / trained tokens (right)")
+    ax2.set_ylabel("tokens")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1.0))
+    _integer_steps(ax)
+    ax.set_title("Dynamic sampling and history skip per step", fontsize=10)
+    return _save(fig, path)
+
+
 def plot_staleness(totals: dict[int, int], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(totals) + 2), 3))
     xs = list(totals)
@@ -360,6 +390,10 @@ _CAPTIONS = {
     "acceptance": "Mean accepted draft length, tokens per target forward and acceptance rate of the drafter.",
     "tokens_per_forward": "Tokens per target forward of each step's rollout (vLLM's counters: tokens / (tokens - "
                           "accepted draft tokens)), short and long rounds apart; dashed: each kind over the run.",
+    "selective": "Prompt groups per update by outcome: trained (rewards differ), filtered by dynamic sampling "
+                 "(all rewards equal), skipped before generation by the reward history; the dashed line is how many "
+                 "of the generated groups the history predicted informative, the blue line the generated response "
+                 "tokens (trained, filtered, aborted) per trained token.",
     "staleness": "How many policy versions behind the trained policy each trained sample was generated, "
                  "summed over steps (0 = on-policy).",
 }
@@ -504,6 +538,11 @@ def write_run_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | No
         figure("tokens_per_forward", plot_tokens_per_forward(run, out / "tokens_per_forward.png"))
     else:
         parts.append("<p>Speculative decoding was off in this run (no spec/* metrics), so there is no draft acceptance.</p>")
+
+    selective = plot_selective(run, out / "selective_rollout.png")
+    if selective is not None:
+        parts.append("<h2>Dynamic sampling and history skip</h2>")
+        figure("selective", selective)
 
     parts.append("<h2>Staleness</h2>")
     totals = staleness_totals(list(run.steps.values()))

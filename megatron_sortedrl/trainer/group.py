@@ -176,7 +176,8 @@ class TrainerGroup:
                 ex["old_logprobs"] = list(old_logprobs[i])
             if ref is not None:
                 ex["ref_logprobs"] = ref[i]
-            items.append(self._item(s.prompt_tokens, s.response_tokens, ex))
+            # Overlong filtering (scheduler/selective.py) masks a truncated response out of the loss entirely.
+            items.append(self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked") else None))
         return items
 
     def _report(self, outs: list) -> dict:
