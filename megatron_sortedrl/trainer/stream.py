@@ -47,8 +47,6 @@ class StreamTrainingMixin:
         """Normalises the accumulated gradients by the whole batch's counts and makes one update."""
         import torch
 
-        from megatron_sortedrl.trainer.optimizer import optimizer_step
-
         parts = getattr(self, "_stream_parts", None) or []
         self._stream_parts = []
         if not parts:
@@ -70,17 +68,10 @@ class StreamTrainingMixin:
             for k in last_stage[0]:
                 if k not in ("loss", "n_tokens"):
                     metrics[k] = sum(m[k] * m["n_tokens"] for m in last_stage) / max(tokens, 1.0)
-        loss = self._broadcast_loss(metrics)
-        lr = self.cfg.trainer.warmup_sft_lr if kind == "sft" else None
-        stepped = optimizer_step(self.opt, self.sched, [self.model], loss, grad_clip=self.cfg.trainer.grad_clip,
-                                 on_gpu=self.gpu, lr_override=lr)
-        if stepped["skipped"]:
-            self.skipped_steps += 1
-        elif kind == "rl":
-            self.step += 1
-        metrics.update(stepped, skipped_total=float(self.skipped_steps), step=float(self.step),
-                       stream_parts=float(len(parts)))
-        return metrics if self.reporter else {}
+        metrics = self._update(metrics, kind)  # the same update as TrainerWorker.train_step
+        if metrics:
+            metrics["stream_parts"] = float(len(parts))
+        return metrics
 
     def stream_discard(self) -> dict[str, float]:
         """Drops the accumulated parts (gradients zeroed): the batch is then trained the ordinary way."""

@@ -300,10 +300,15 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
 
     def train_step(self, items: list[dict], kind: str = "rl") -> dict[str, float]:
         """Forward/backward over all items, then one optimizer update (skipped if anything is non-finite)."""
-        from megatron_sortedrl.trainer.optimizer import optimizer_step
-
         self.model.train()
         metrics = self._forward_backward(items, kind)
+        return self._update(metrics, kind)
+
+    def _update(self, metrics: dict[str, float], kind: str) -> dict[str, float]:
+        """One optimizer update from the accumulated gradients (skipped if anything is non-finite); shared by
+        `train_step` and the stream trainer's `stream_step`."""
+        from megatron_sortedrl.trainer.optimizer import optimizer_step
+
         loss = self._broadcast_loss(metrics)
         lr = self.cfg.trainer.warmup_sft_lr if kind == "sft" else None
         stepped = optimizer_step(self.opt, self.sched, [self.model], loss, grad_clip=self.cfg.trainer.grad_clip,
