@@ -256,11 +256,12 @@ def test_driver_generates_more_rounds_before_training_and_ends_on_an_empty_harve
     def stub(harvests):
         calls = []
         d = SimpleNamespace(events=[], step=1, calls=calls)
-        d.compose_round = lambda: calls.append("compose") or "round"
+        d.compose_round = lambda: calls.append("compose") or SimpleNamespace(kind="short")
         d.generate = lambda rnd: calls.append("generate") or harvests.pop(0)
         d.train = lambda batch: calls.append(("train", len(batch))) or {}
         d.sync_weights = d.update_history = lambda *a: {}
         d.log = lambda *a: {}
+        d.rewards = SimpleNamespace(step_metrics=lambda *a: {})
         return d
 
     batch = [Sample(prompt_id="p", index=i, reward=float(i)) for i in range(2)]
