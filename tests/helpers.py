@@ -1,4 +1,5 @@
-"""Helpers shared by the end-to-end tests that run `train` (directly or through the Slurm emulation)."""
+"""Helpers shared by the tests: end-to-end runs of `train` (directly or through the Slurm emulation) and trainer
+inputs."""
 
 from __future__ import annotations
 
@@ -85,3 +86,23 @@ def tp2_trainer_after_sft(model_dir: Path, sft_steps: int = 3, pp: int = 1, num_
         group.sft_step(pairs)
     return group, pairs
 
+
+
+def random_rl_samples(n: int = 8, seed: int = 0) -> list:
+    """`n` RL samples with random prompts and responses (groups of 2), rewards and behaviour log-probs slightly off
+    the trainer's, as a rollout engine's would be; the same `seed` gives the same samples."""
+    import torch
+
+    from megatron_sortedrl.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
+        s = Sample(prompt_id=f"p{i // 2}", index=i % 2,
+                   prompt_tokens=torch.randint(4, 100, (plen,), generator=g).tolist(),
+                   response_tokens=torch.randint(4, 100, (rlen,), generator=g).tolist(),
+                   version_spans=[(0, 0)], reward=float(i % 3 == 0))
+        s.rollout_logprobs = (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()
+        out.append(s)
+    return out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import random_rl_samples
 
 from megatron_sortedrl.config import RunConfig, load_config
 from megatron_sortedrl.errors import ConfigError
@@ -22,17 +23,7 @@ from megatron_sortedrl.sample import Sample
 
 
 def _samples(n: int = 8, seed: int = 11) -> list[Sample]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
-        s = Sample(prompt_id=f"p{i // 2}", index=i % 2,
-                   prompt_tokens=torch.randint(4, 100, (plen,), generator=g).tolist(),
-                   response_tokens=torch.randint(4, 100, (rlen,), generator=g).tolist(),
-                   version_spans=[(0, 0)], reward=float(i % 3 == 0))
-        s.rollout_logprobs = (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()
-        out.append(s)
-    return out
+    return random_rl_samples(n, seed)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import random_rl_samples
 
 from megatron_sortedrl.config import RunConfig
 from megatron_sortedrl.errors import CheckpointError
@@ -36,18 +37,7 @@ def _cfg(model_dir: Path, tp: int = 1, pp: int = 1) -> RunConfig:
 
 
 def _samples(n: int = 8, seed: int = 0) -> list[Sample]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
-        s = Sample(prompt_id=f"p{i // 2}", index=i % 2,
-                   prompt_tokens=torch.randint(4, 100, (plen,), generator=g).tolist(),
-                   response_tokens=torch.randint(4, 100, (rlen,), generator=g).tolist(),
-                   version_spans=[(0, 0)], reward=float(i % 3 == 0))
-        # behaviour log-probs slightly off the trainer's, as a rollout engine's would be
-        s.rollout_logprobs = (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()
-        out.append(s)
-    return out
+    return random_rl_samples(n, seed)
 
 
 ADV = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25]
