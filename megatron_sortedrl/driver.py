@@ -31,7 +31,7 @@ directory resumes from the newest complete one (`checkpoint.resume=auto`): the m
 TensorBoard records of steps after it are dropped (they will be run again), so every step appears once.
 
 The bookkeeping around the loop (resume point, record files, the metrics row, summary, report, stop signals)
-lives in `run_records.py`.
+lives in `run_records.py`; the streamed round (the `generate` phase) in `round_stream.py`.
 
 Left out: asynchronous (overlapping) rollout and training.
 """
@@ -49,6 +49,7 @@ from typing import Any, Callable
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.reward_stage import make_reward_stage
+from megatron_sortedrl.round_stream import stream_round
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
 from scheduler.selective import shape_batch
@@ -219,98 +220,9 @@ class Driver:
                 "top_k": r.top_k, "stop_token_ids": [self.eos]}
 
     def generate(self, rnd):
-        """Streams the round: submits up to the engine batch per worker, scores completions as they land, and
-        lets the policy harvest; returns the `Harvest`."""
-        from megatron_sortedrl.rollout import GenRequest
-        from scheduler.placement import WorkerQueues
-
-        queues = WorkerQueues(rnd.layout.num_engines)
-        queues.add(rnd.requests)
-        live: dict[str, Sample] = {}  # submitted to the pool or the reward pool, not yet handed back
-        inflight = [0] * rnd.layout.num_engines
-        cap = self.cfg.rollout.max_num_seqs
-
-        def fill() -> None:
-            items = []
-            for steal in (False, True):  # own queues first, else the first worker with free slots takes all
-                for w in range(len(inflight)):
-                    while inflight[w] < cap and (req := queues.pop(w, steal=steal)) is not None:
-                        s = req.sample
-                        if req.max_tokens <= 0:  # a resumed partial already at the length limit
-                            s.finish_reason = "length"
-                            self._score(s)
-                            live[s.sample_id] = s
-                            continue
-                        s.submit_time = s.submit_time or self.clock.now()
-                        items.append((GenRequest(s.sample_id, s.prompt_tokens + s.response_tokens,
-                                                 self._sampling(req.max_tokens)), w))
-                        live[s.sample_id], inflight[w] = s, inflight[w] + 1
-                        self.events.append(self.timeline.record("request", "submit", self.step, worker=w,
-                                                                sample_id=s.sample_id, tokens=s.response_length))
-            if items:
-                self.pool.submit_many(items)
-
-        def on_completion(c) -> None:
-            s = live[c.request_id]
-            inflight[c.worker_id] = max(0, inflight[c.worker_id] - 1) if c.worker_id >= 0 else 0
-            if c.finish_reason == "lost":  # the engine died: run it again (the pool restarted the slot)
-                del live[c.request_id]
-                s.reset_response() if not s.response_length else None
-                queues.add([_request_of(s, self.cfg.rollout.max_response_length)])
-                return
-            if c.first_token_time:  # the engine's stamp (driver monotonic clock) put on the run clock
-                self.events.append(self.timeline.record(
-                    "request", "first_token", self.step, t=self.clock.now() - (time.monotonic() - c.first_token_time),
-                    worker=c.worker_id, sample_id=s.sample_id, tokens=s.response_length + 1))
-            c.to_sample(s)
-            self.events.append(self.timeline.record("request", "finish" if c.finished else "abort", self.step,
-                                                    worker=c.worker_id, sample_id=s.sample_id,
-                                                    tokens=s.response_length))
-            if c.finished:
-                self._score(s)
-                self.feed.on_finished(s)  # siblings still running draft from it
-            else:
-                del live[s.sample_id]
-                self.policy.on_sample_aborted(s, self.clock)
-
-        def abort(ids: list[str]) -> None:
-            for sid in ids:
-                req = queues.remove(sid)
-                if req is not None:
-                    live.pop(sid, None)
-                    self.policy.on_sample_aborted(req.sample, self.clock)
-            for c in self.pool.abort([sid for sid in ids if sid in live]):
-                on_completion(c)
-
-        def scored() -> None:
-            for s in self.rewards.poll():
-                live.pop(s.sample_id, None)
-                abort(self.policy.on_sample_finished(s, self.clock))
-                if self.stream:  # backward of a finished group that will be trained, while the rest generates
-                    self.stream.on_finished(s)
-
-        fill()
-        while (harvest := self.policy.harvest(self.clock)) is None:
-            if not live and not len(queues):  # checked against the harvest decision just taken, not a stale one
-                raise RuntimeError(f"step {self.step}: the {self.policy.name} policy waits for samples that no "
-                                   f"engine or queue holds (round {rnd.index}, {rnd.kind}); this is a policy bug")
-            for c in self.pool.poll(0.02):
-                on_completion(c)
-            scored()
-            fill()
-            self.feed.maybe_ship()
-        abort(harvest.abort)
-        # Whatever finished while the abort was on its way still comes back once: hand it over too.
-        while self.pool.in_flight:
-            for c in self.pool.poll(0.02):
-                on_completion(c)
-        for s in self.rewards.drain():
-            live.pop(s.sample_id, None)
-            self.policy.on_sample_finished(s, self.clock)
-        for req in queues.drain():
-            self.policy.on_sample_aborted(req.sample, self.clock)
-        self._phase("rollout", "end")
-        return harvest
+        """Streams the round (`round_stream.py`): submits, scores completions as they land, lets the policy
+        harvest; returns the `Harvest`."""
+        return stream_round(self, rnd)
 
     def _score(self, s: Sample) -> None:
         s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
@@ -480,13 +392,6 @@ class Driver:
                 self.say(f"warning: {closer.__qualname__} failed: {exc}")
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def _request_of(s: Sample, max_len: int):
-    from scheduler.protocol import Request
-
-    return Request(sample=s, worker=0, predicted_length=s.predicted_length,
-                   max_tokens=max_len - s.response_length)
 
 
 def _cluster_gpus() -> float:

@@ -1,0 +1,121 @@
+"""One rollout round, streamed: the driver's `generate` phase.
+
+    harvest = stream_round(driver, rnd)
+
+Submits up to the engine batch per worker (own queue first, then stealing), polls completions, records
+first-token/finish/abort events on the timeline, hands finished samples to the reward stage, lets the policy
+decide the harvest and what to abort, feeds finished siblings to HistoSpec and, with `trainer.stream`, starts
+the backward of finished groups while the rest generates. Split out of `driver.py` so that the driver stays
+a short file of named phases; `d` is the `Driver` whose engines, policy, reward stage and timeline it uses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from megatron_sortedrl.sample import Sample
+
+
+def stream_round(d: Any, rnd: Any):
+    """Streams the round: submits up to the engine batch per worker, scores completions as they land, and
+    lets the policy harvest; returns the `Harvest`."""
+    from megatron_sortedrl.rollout import GenRequest
+    from scheduler.placement import WorkerQueues
+
+    queues = WorkerQueues(rnd.layout.num_engines)
+    queues.add(rnd.requests)
+    live: dict[str, Sample] = {}  # submitted to the pool or the reward pool, not yet handed back
+    inflight = [0] * rnd.layout.num_engines
+    cap = d.cfg.rollout.max_num_seqs
+
+    def fill() -> None:
+        items = []
+        for steal in (False, True):  # own queues first, else the first worker with free slots takes all
+            for w in range(len(inflight)):
+                while inflight[w] < cap and (req := queues.pop(w, steal=steal)) is not None:
+                    s = req.sample
+                    if req.max_tokens <= 0:  # a resumed partial already at the length limit
+                        s.finish_reason = "length"
+                        d._score(s)
+                        live[s.sample_id] = s
+                        continue
+                    s.submit_time = s.submit_time or d.clock.now()
+                    items.append((GenRequest(s.sample_id, s.prompt_tokens + s.response_tokens,
+                                             d._sampling(req.max_tokens)), w))
+                    live[s.sample_id], inflight[w] = s, inflight[w] + 1
+                    d.events.append(d.timeline.record("request", "submit", d.step, worker=w,
+                                                            sample_id=s.sample_id, tokens=s.response_length))
+        if items:
+            d.pool.submit_many(items)
+
+    def on_completion(c) -> None:
+        s = live[c.request_id]
+        inflight[c.worker_id] = max(0, inflight[c.worker_id] - 1) if c.worker_id >= 0 else 0
+        if c.finish_reason == "lost":  # the engine died: run it again (the pool restarted the slot)
+            del live[c.request_id]
+            s.reset_response() if not s.response_length else None
+            queues.add([request_of(s, d.cfg.rollout.max_response_length)])
+            return
+        if c.first_token_time:  # the engine's stamp (driver monotonic clock) put on the run clock
+            d.events.append(d.timeline.record(
+                "request", "first_token", d.step, t=d.clock.now() - (time.monotonic() - c.first_token_time),
+                worker=c.worker_id, sample_id=s.sample_id, tokens=s.response_length + 1))
+        c.to_sample(s)
+        d.events.append(d.timeline.record("request", "finish" if c.finished else "abort", d.step,
+                                                worker=c.worker_id, sample_id=s.sample_id,
+                                                tokens=s.response_length))
+        if c.finished:
+            d._score(s)
+            d.feed.on_finished(s)  # siblings still running draft from it
+        else:
+            del live[s.sample_id]
+            d.policy.on_sample_aborted(s, d.clock)
+
+    def abort(ids: list[str]) -> None:
+        for sid in ids:
+            req = queues.remove(sid)
+            if req is not None:
+                live.pop(sid, None)
+                d.policy.on_sample_aborted(req.sample, d.clock)
+        for c in d.pool.abort([sid for sid in ids if sid in live]):
+            on_completion(c)
+
+    def scored() -> None:
+        for s in d.rewards.poll():
+            live.pop(s.sample_id, None)
+            abort(d.policy.on_sample_finished(s, d.clock))
+            if d.stream:  # backward of a finished group that will be trained, while the rest generates
+                d.stream.on_finished(s)
+
+    fill()
+    while (harvest := d.policy.harvest(d.clock)) is None:
+        if not live and not len(queues):  # checked against the harvest decision just taken, not a stale one
+            raise RuntimeError(f"step {d.step}: the {d.policy.name} policy waits for samples that no "
+                               f"engine or queue holds (round {rnd.index}, {rnd.kind}); this is a policy bug")
+        for c in d.pool.poll(0.02):
+            on_completion(c)
+        scored()
+        fill()
+        d.feed.maybe_ship()
+    abort(harvest.abort)
+    # Whatever finished while the abort was on its way still comes back once: hand it over too.
+    while d.pool.in_flight:
+        for c in d.pool.poll(0.02):
+            on_completion(c)
+    for s in d.rewards.drain():
+        live.pop(s.sample_id, None)
+        d.policy.on_sample_finished(s, d.clock)
+    for req in queues.drain():
+        d.policy.on_sample_aborted(req.sample, d.clock)
+    d._phase("rollout", "end")
+    return harvest
+
+
+def request_of(s: Sample, max_len: int):
+    """A queue entry that continues `s` (a lost request put back, or a resumed partial)."""
+    from scheduler.protocol import Request
+
+    return Request(sample=s, worker=0, predicted_length=s.predicted_length,
+                   max_tokens=max_len - s.response_length)
+
