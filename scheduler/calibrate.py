@@ -261,11 +261,25 @@ def _metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+_MEMO: dict[tuple, Calibration] = {}
+
+
 def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prompt_tokens: dict[str, int] | None = None,
                   init: Sequence[float] = (0.004, 0.0002, 1e-7, 5e-5, 0.005)) -> Calibration:
     """Measures a run directory (timeline*.jsonl + metrics.jsonl + config.yaml); see the module docstring.
-    `prompt_tokens` ({prompt id: tokens}) overrides re-encoding the run's prompts."""
+    `prompt_tokens` ({prompt id: tokens}) overrides re-encoding the run's prompts. A finished run measured
+    again with the same arguments is answered from memory (the decode fit takes seconds)."""
     run_dir = Path(run_dir)
+    stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.glob("timeline*.jsonl")))
+    key = (str(run_dir.resolve()), stamp, default_prompt_tokens, json.dumps(prompt_tokens, sort_keys=True), tuple(init))
+    if stamp and key in _MEMO:
+        return _MEMO[key]
+    _MEMO[key] = cal = _calibrate_run(run_dir, default_prompt_tokens, prompt_tokens, init)
+    return cal
+
+
+def _calibrate_run(run_dir: Path, default_prompt_tokens: float, prompt_tokens: dict[str, int] | None,
+                   init: Sequence[float]) -> Calibration:
     if not any(run_dir.glob("timeline*.jsonl")):
         raise UserError(f"--calibrate-from {run_dir}: no timeline*.jsonl there; give the run directory of a "
                         "`train` run (logging.run_dir)")
@@ -318,8 +332,31 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     cal.fit = {**fit, "a_s": a, "b_s": b, "c_s": c, "prefill_s_per_token": pi, "delivery_delay_s": delta,
                "train_points": len(train_x), "steps": len(other), "prompts": len(table),
                "epochs": 1 + max((e for per in table.values() for e in per), default=0),
-               "prompt_tokens_source": "re-encoded" if prompts else "workload.prompt_tokens"}
+               "prompt_tokens_source": "re-encoded" if prompts else "workload.prompt_tokens",
+               "probe_s": probe_seconds(events)}
     return cal
+
+
+def scale_to_probe(cal: Calibration, probe_s: float | None, gpus: int) -> Calibration:
+    """`cal` (costs measured on another run) with every engine slowed by probe_s / cal's own probe: the
+    engine speed of the machine at the time of the run to predict, from its identical pre-RL evaluation.
+    Unchanged when either run has no probe."""
+    own = cal.fit.get("probe_s")
+    if not own or not probe_s:
+        return cal
+    out = _slowed(cal, probe_s / own, gpus)
+    return replace(out, fit={**out.fit, "probe_scale": probe_s / own})
+
+
+def probe_seconds(events: Sequence[Event]) -> float | None:
+    """Seconds of the run's first evaluation (the pre-RL greedy eval at step 0), or None without one.
+
+    Runs that start from the same weights and evaluate the same held-out prompts greedily do identical
+    engine work there, whatever their policy; the ratio of two runs' probes is how much faster or slower
+    the machine ran their engines (a CPU shared with other jobs drifts 2-3x between runs)."""
+    start = [e.t for e in events if e.kind == "phase" and e.phase == "eval" and e.event == "start" and e.step == 0]
+    end = [e.t for e in events if e.kind == "phase" and e.phase == "eval" and e.event == "end" and e.step == 0]
+    return (min(end) - min(start)) if start and end and min(end) > min(start) else None
 
 
 def _round_start(events: Sequence[Event], reqs: list[_Req], pi: float, slow: dict[int, float]) -> float:
@@ -387,6 +424,11 @@ def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: 
     return replace(sim, engine=engine, cluster=cluster, workload=workload)
 
 
+def calibrate_probe(run_dir: str | Path) -> float | None:
+    """`probe_seconds` of a run directory's timeline."""
+    return probe_seconds(read_run_timeline(Path(run_dir)))
+
+
 def kv_bytes_per_token(model_path: str, dtype_bytes: int = 4) -> float | None:
     """2 * layers * kv_heads * head_dim * dtype bytes from a Hugging Face config.json (None if unreadable)."""
     try:
@@ -398,11 +440,71 @@ def kv_bytes_per_token(model_path: str, dtype_bytes: int = 4) -> float | None:
         return None
 
 
+def _scenario(sim: Any, run: Any, cal: Calibration, lengths_path: Path) -> Any:
+    """`sim` with `cal`'s costs and replay table, sized as run config `run` (engines, KV cache, batch)."""
+    kv = kv_bytes_per_token(run.model.path, 4 if run.model.dtype == "float32" else 2)
+    if kv:
+        sim = replace(sim, engine=replace(sim.engine, kv_bytes_per_token=kv))
+    sim = replace(sim, engine=replace(sim.engine, max_num_seqs=run.rollout.max_num_seqs))
+    sim = apply_calibration(sim, cal, lengths_path, tp=run.rollout.tensor_parallel_size,
+                            kv_cache_gib=run.rollout.kv_cache_gib)
+    if int(cal.cluster["gpus"]) != run.rollout.num_workers:  # an engine that got no request still counts
+        gpus = run.rollout.num_workers * run.rollout.tensor_parallel_size
+        sim = replace(sim, cluster=replace(sim.cluster, gpus=gpus, gpus_per_node=gpus))
+    return sim
+
+
+def _slowed(cal: Calibration, k: float, gpus: int) -> Calibration:
+    slow = list(cal.cluster.get("engine_slowdown") or []) or [1.0]
+    slow += [1.0] * (gpus - len(slow))
+    return replace(cal, cluster={**cal.cluster, "engine_slowdown": [k * x for x in slow]})
+
+
+def rollout_seconds(events: Sequence[Event]) -> float:
+    """Seconds of the rollout phases that ended (a run's last, unclosed rollout phase found no data)."""
+    ended = {(e.step, e.phase) for e in events if e.kind == "phase" and e.event == "end"}
+    from megatron_sortedrl.telemetry.timeline import phase_intervals
+
+    return sum(b - a for s, p, a, b in phase_intervals(events) if p == "rollout" and (s, p) in ended)
+
+
+def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir: str | Path, rounds: int = 3) -> Calibration:
+    """`cal` (measured on `run_dir`) with every engine's speed scaled so that replaying `run_dir` itself
+    spends as many seconds in rollout as the run did.
+
+    Why: the decode fit matches each request's step count between its first token and its end, so it sets
+    the shape of the step time (batch, context, prefill) and an average speed; when the step time jitters
+    (a CPU shared with other jobs) that average is not the one that sums to the measured rollout time, and
+    every policy predicted from these costs inherits the error. The level (one factor on all engines) is
+    found by simulating the run and rescaling by measured / simulated rollout seconds, a few times, since
+    round start and harvest latency do not scale. On a simulated run the factor is 1 (tests/test_calibrate.py)."""
+    from megatron_sortedrl.config import load_config
+    from scheduler.simulator import simulate
+
+    run_dir = Path(run_dir)
+    run = load_config(run_dir / "config.yaml", [])
+    target = rollout_seconds(read_run_timeline(run_dir))
+    gpus = run.rollout.num_workers
+    k, got = 1.0, None
+    for _ in range(rounds):
+        scen = _scenario(sim, run, _slowed(cal, k, gpus), Path(out_dir) / "level_lengths.json")
+        got = rollout_seconds(simulate(scen, run).events)
+        if target <= 0 or got <= 0 or abs(got / target - 1) < 1e-3:
+            break
+        k *= target / got
+    k = min(max(k, 0.2), 5.0)  # a run this far off its own replay is a measurement problem, not a level
+    out = _slowed(cal, k, gpus)
+    return replace(out, fit={**out.fit, "level_scale": k, "level_rollout_s": target, "level_sim_rollout_s": got})
+
+
 def calibrated_scenario(sim: Any, run_dir: str | Path, out_dir: str | Path, run_overrides: list[str] | None = None,
-                        costs_from: str | Path | None = None) -> tuple[Any, Any, Calibration]:
+                        costs_from: str | Path | None = None, probe: bool = False,
+                        match_level: bool = False) -> tuple[Any, Any, Calibration]:
     """(SimConfig, RunConfig, Calibration) that replay run `run_dir`: its own run config (`config.yaml`, plus
     `run_overrides`), its response lengths, and the costs measured on `costs_from` (default: the same run).
-    The replay table goes to `out_dir/lengths.json`."""
+    `match_level`: engine speed set so that the costs' run replays with its own rollout seconds
+    (`match_rollout_level`); `probe`: engines scaled by the ratio of the two runs' pre-RL evaluations
+    (`scale_to_probe`). The replay table goes to `out_dir/lengths.json`."""
     from megatron_sortedrl.config import load_config
 
     run_dir = Path(run_dir)
@@ -410,20 +512,19 @@ def calibrated_scenario(sim: Any, run_dir: str | Path, out_dir: str | Path, run_
         raise UserError(f"--calibrate-from {run_dir}: no config.yaml there; give the run directory of a `train` run")
     run = load_config(run_dir / "config.yaml", list(run_overrides or []))
     cal = calibrate_run(run_dir, default_prompt_tokens=sim.workload.prompt_tokens)
-    if costs_from is not None and Path(costs_from) != run_dir:
-        other = calibrate_run(costs_from, default_prompt_tokens=sim.workload.prompt_tokens)
+    source = Path(costs_from) if costs_from is not None else run_dir
+    other = cal if source == run_dir else calibrate_run(source, default_prompt_tokens=sim.workload.prompt_tokens)
+    if match_level:
+        other = match_rollout_level(sim, source, other, out_dir)
+    if source != run_dir:
         cal = replace(other, lengths=cal.lengths, prompt_tokens=cal.prompt_tokens,
                       fit={**other.fit, "prompts": cal.fit["prompts"], "epochs": cal.fit["epochs"],
                            "costs_from": str(costs_from)})
-    kv = kv_bytes_per_token(run.model.path, 4 if run.model.dtype == "float32" else 2)
-    if kv:
-        sim = replace(sim, engine=replace(sim.engine, kv_bytes_per_token=kv))
-    sim = replace(sim, engine=replace(sim.engine, max_num_seqs=run.rollout.max_num_seqs))
-    sim = apply_calibration(sim, cal, Path(out_dir) / "lengths.json", tp=run.rollout.tensor_parallel_size,
-                            kv_cache_gib=run.rollout.kv_cache_gib)
-    if int(cal.cluster["gpus"]) != run.rollout.num_workers:  # an engine that got no request still counts
-        gpus = run.rollout.num_workers * run.rollout.tensor_parallel_size
-        sim = replace(sim, cluster=replace(sim.cluster, gpus=gpus, gpus_per_node=gpus))
+        if probe:  # the engines ran as fast as the pre-RL evals say, not as fast as during `costs_from`
+            cal = scale_to_probe(cal, calibrate_probe(run_dir), run.rollout.num_workers)
+    else:
+        cal = other
+    sim = _scenario(sim, run, cal, Path(out_dir) / "lengths.json")
     return sim, run, cal
 
 

@@ -108,3 +108,58 @@ def test_simulate_command_calibrates_from_a_run_dir(tmp_path, capsys):
     assert main(["simulate", "configs/sim_tiny_cpu.yaml", "--calibrate-from", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--calibrate-from" in err[0] and "Traceback" not in err[0]
+
+
+def _with_config(sim, run, run_dir, policy, epochs=2):
+    """The run config `train` would have written beside a simulated run (policy, engines and batch as simulated)."""
+    run = replace(run, data=replace(run.data, num_epochs=epochs), scheduler=replace(run.scheduler, policy=policy),
+                  rollout=replace(run.rollout, max_num_seqs=sim.engine.max_num_seqs, num_workers=sim.cluster.gpus))
+    (run_dir / "config.yaml").write_text(to_yaml(run))
+    return run
+
+
+def test_level_match_is_one_on_an_exact_model_and_recovers_a_speed_error(tmp_path):
+    from scheduler.calibrate import _slowed, match_rollout_level, rollout_seconds
+
+    sim, run, result, run_dir, prompts = simulated_run(tmp_path, "sync", prompts=16)
+    _with_config(sim, run, run_dir, "sync")
+    cal = calibrate_run(run_dir, prompt_tokens=prompts)
+    # The fitted costs are the simulator's own: replaying the run needs no correction.
+    same = match_rollout_level(sim, run_dir, cal, tmp_path / "lvl")
+    assert same.fit["level_scale"] == pytest.approx(1.0, abs=2e-3)
+    assert same.fit["level_rollout_s"] == pytest.approx(rollout_seconds(result.events), rel=1e-9)
+    # Engines fitted 1.3x too fast: the level match slows every engine by 1.3 (and keeps their ratio).
+    fast = _slowed(cal, 1 / 1.3, 2)
+    fixed = match_rollout_level(sim, run_dir, fast, tmp_path / "lvl2")
+    assert fixed.fit["level_scale"] == pytest.approx(1.3, rel=5e-3)
+    assert fixed.cluster["engine_slowdown"] == pytest.approx(cal.cluster["engine_slowdown"], rel=5e-3)
+
+
+def test_rollout_seconds_leave_out_the_unclosed_last_rollout():
+    from megatron_sortedrl.telemetry.timeline import Event
+    from scheduler.calibrate import rollout_seconds
+
+    ev = [Event(t=0.0, kind="phase", event="start", step=1, phase="rollout"),
+          Event(t=2.0, kind="phase", event="end", step=1, phase="rollout"),
+          Event(t=3.0, kind="phase", event="start", step=2, phase="rollout"),  # data used up: never closed
+          Event(t=4.0, kind="phase", event="start", step=2, phase="eval"),
+          Event(t=9.0, kind="phase", event="end", step=2, phase="eval")]
+    assert rollout_seconds(ev) == pytest.approx(2.0)
+
+
+def test_probe_scales_every_engine_by_the_ratio_of_the_pre_rl_evals():
+    from megatron_sortedrl.telemetry.timeline import Event
+    from scheduler.calibrate import Calibration, probe_seconds, scale_to_probe
+
+    def evals(seconds):
+        return [Event(t=1.0, kind="phase", event="start", step=0, phase="eval"),
+                Event(t=1.0 + seconds, kind="phase", event="end", step=0, phase="eval"),
+                Event(t=50.0, kind="phase", event="start", step=6, phase="eval"),  # the post-RL eval: not the probe
+                Event(t=90.0, kind="phase", event="end", step=6, phase="eval")]
+
+    assert probe_seconds(evals(2.5)) == pytest.approx(2.5)
+    assert probe_seconds(evals(2.5)[2:]) is None
+    cal = Calibration(cluster={"engine_slowdown": [1.0, 1.5]}, fit={"probe_s": 2.0})
+    out = scale_to_probe(cal, probe_seconds(evals(3.0)), gpus=2)
+    assert out.cluster["engine_slowdown"] == pytest.approx([1.5, 2.25]) and out.fit["probe_scale"] == pytest.approx(1.5)
+    assert scale_to_probe(cal, None, gpus=2) is cal
