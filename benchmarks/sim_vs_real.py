@@ -206,6 +206,25 @@ def predicted(run_dir: Path, costs_from: Path, policy: str, out: Path, probe: bo
     return fig, {"engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}
 
 
+def attribution(run_dir: Path, costs_from: Path, policy: str, real: dict, out: Path) -> dict:
+    """Which modelled cost makes the prediction wrong: the time error when one group of sync's (level-matched)
+    costs is replaced by the same group measured on the run itself (also level-matched), group by group."""
+    from scheduler.calibrate import COST_GROUPS, calibrate_run, match_rollout_level, replay_scenario, with_costs_of
+    from scheduler.report import summarize
+    from scheduler.sim_config import load_sim_config
+    from scheduler.simulator import simulate
+
+    base, _ = load_sim_config(ROOT / "configs" / "sim_tiny_cpu.yaml")
+    src = match_rollout_level(base, costs_from, calibrate_run(costs_from, base.workload.prompt_tokens), out)
+    own = match_rollout_level(base, run_dir, calibrate_run(run_dir, base.workload.prompt_tokens), out)
+    errs = {}
+    for group, *_ in COST_GROUPS:
+        sim, run = replay_scenario(base, run_dir, with_costs_of(src, own, group), out)
+        row = summarize(simulate(sim, run, policy))
+        errs[group] = row["total_s"] / row["samples"] / real["s_per_sample"] - 1
+    return errs
+
+
 def compare(real: dict, sim: dict) -> dict:
     return {"time_rel_err": sim["s_per_sample"] / real["s_per_sample"] - 1,
             "bubble_abs_err": sim["worker_bubble"] - real["worker_bubble"]}
@@ -270,6 +289,16 @@ def markdown(result: dict) -> str:
             f"{1e3 * r[k]['s_per_sample']:.1f} | {r[f'err_{k}']['time_rel_err']:+.1%}" for k, *_ in KINDS)
             + f" | {m['worker_bubble']:.3f} | " + " | ".join(f"{r[k]['worker_bubble']:.3f}" for k, *_ in KINDS)
             + f" | {r.get('probe_scale') or 0:.2f} |")
+    groups = list(next((r["error_with_own"] for r in result["rows"] if r.get("error_with_own")), {}))
+    if groups:
+        lines += ["", "Which modelled cost is wrong: the time error of `predicted` when one group of sync's costs is "
+                  "replaced by the same group measured on the run itself (level-matched); the group whose swap "
+                  "removes most of the error is the one sync's costs got wrong for this run:", "",
+                  "| policy | repeat | predicted err | " + " | ".join(groups) + " |", "|---|---|---|" + "---|" * len(groups)]
+        for r in result["rows"]:
+            if r.get("error_with_own"):
+                lines.append(f"| {r['policy']} | {r['repeat']} | {r['err_predicted']['time_rel_err']:+.1%} | "
+                             + " | ".join(f"{r['error_with_own'][g]:+.1%}" for g in groups) + " |")
     lines += ["", "Where the time goes (seconds over the whole run: real / predicted / probe / self):", "",
               "| policy | repeat | steps | rollout | train | other (sync, history, driver gaps) |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -383,6 +412,8 @@ def main() -> int:
                     row["calibration_self"] = cal
                 if probe:
                     row["probe_scale"] = cal["fit"].get("probe_scale")
+            if run_dir != base:
+                row["error_with_own"] = attribution(run_dir, base, policy, real, work / f"sim_{policy}_r{rep}")
             rows.append(row)
             print(f"{policy} r{rep}: real {1e3 * real['s_per_sample']:.1f} ms/sample bubble {real['worker_bubble']:.3f} | "
                   + " | ".join(f"{k} {1e3 * row[k]['s_per_sample']:.1f} ({row[f'err_{k}']['time_rel_err']:+.1%}) "

@@ -528,6 +528,33 @@ def calibrated_scenario(sim: Any, run_dir: str | Path, out_dir: str | Path, run_
     return sim, run, cal
 
 
+# Cost groups of a calibration, as `(name, engine keys, cluster keys)`: the unit in which a prediction's
+# error is attributed (`with_costs_of`).
+COST_GROUPS = (("engine speed", ("step_overhead_s", "per_seq_s", "kv_s_per_token", "prefill_tokens_per_s"),
+                ("engine_slowdown",)),
+               ("train step", (), ("train_fixed_s", "train_tokens_per_s")),
+               ("per-update other (sync, history, gaps)", (), ("weight_sync_s",)),
+               ("round start + harvest latency", (), ("round_start_s", "reward_latency_s")))
+
+
+def with_costs_of(cal: Calibration, other: Calibration, group: str) -> Calibration:
+    """`cal` with the costs of one `COST_GROUPS` group taken from `other`."""
+    _, engine_keys, cluster_keys = next(g for g in COST_GROUPS if g[0] == group)
+    return replace(cal, engine={**cal.engine, **{k: other.engine[k] for k in engine_keys}},
+                   cluster={**cal.cluster, **{k: other.cluster[k] for k in cluster_keys if k in other.cluster}})
+
+
+def replay_scenario(sim: Any, run_dir: str | Path, cal: Calibration, out_dir: str | Path) -> tuple[Any, Any]:
+    """(SimConfig, RunConfig) replaying run `run_dir` (its config and response lengths) with `cal`'s costs."""
+    from megatron_sortedrl.config import load_config
+
+    own = calibrate_run(run_dir, default_prompt_tokens=sim.workload.prompt_tokens)
+    run = load_config(Path(run_dir) / "config.yaml", [])
+    cal = replace(cal, lengths=own.lengths, prompt_tokens=own.prompt_tokens,
+                  fit={**cal.fit, "prompts": own.fit["prompts"], "epochs": own.fit["epochs"]})
+    return _scenario(sim, run, cal, Path(out_dir) / "lengths.json"), run
+
+
 def describe(cal: Calibration, run_dir: str | Path) -> str:
     """A few lines naming the measured costs (printed by `simulate --calibrate-from`)."""
     f, e, c = cal.fit, cal.engine, cal.cluster
