@@ -149,12 +149,12 @@ class SimEngine:
             self.sim.preemptions += 1
         self.admit()
 
-    def admit(self) -> None:
+    def admit(self, steal: bool = True) -> None:
         prefill, started = 0, []
         while len(self.running) < self.max_seqs:
             if not self.preempted:
                 # Take work from another worker's queue only when there is KV room to start it now.
-                req = self.sim.queues.pop(self.wid, steal=self.ctx < 0.9 * self.cap)
+                req = self.sim.queues.pop(self.wid, steal=steal and self.ctx < 0.9 * self.cap)
                 if req is None:
                     break
                 self.preempted.append(self.sim.start(self, req))
@@ -301,7 +301,11 @@ class Simulator:
         self.queues.add(rnd.requests)
         for e in self.engines:
             e.t = t0 + self.sim.cluster.round_start_s
-            e.admit()
+        # As the driver fills a round (round_stream.fill): every engine takes its own queue first, then the
+        # ones with free slots steal; otherwise the first engine would steal a round that fits its batch.
+        for steal in (False, True):
+            for e in self.engines:
+                e.admit(steal=steal)
         while (h := self.policy.harvest(self.clock)) is None:
             if not self.heap:
                 raise SimulationError(f"{self.policy.name}: round {rnd.index} waits for samples but none is running")
