@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 POLICIES = ("sync", "tail", "sorted", "twotier")
 TIME_TARGET, BUBBLE_TARGET = 0.15, 0.05
+DRAWS = 8  # simulated replays per prediction when engines jitter (their mean is the prediction)
 WORK_PHASES = ("rollout", "train", "sync", "history", "logprob", "reward")
 
 
@@ -191,28 +192,35 @@ def predicted(run_dir: Path, costs_from: Path, policy: str, out: Path, probe: bo
               match_level: bool = True) -> tuple[dict, dict]:
     """Simulated figures of `run_dir` (its config and lengths) with costs calibrated on `costs_from`."""
     from scheduler.calibrate import calibrated_scenario
-    from scheduler.report import summarize
     from scheduler.sim_config import load_sim_config
-    from scheduler.simulator import simulate
 
     base, _ = load_sim_config(ROOT / "configs" / "sim_tiny_cpu.yaml")
     sim, run, cal = calibrated_scenario(base, run_dir, out, costs_from=costs_from, probe=probe,
                                         match_level=match_level)
-    row = summarize(simulate(sim, run, policy))
-    other = row["total_s"] - row["rollout_s"] - row["train_s"]
-    fig = {"samples": row["samples"], "total_s": row["total_s"], "s_per_sample": row["total_s"] / row["samples"],
-           "worker_bubble": row["worker_bubble"], "rollout_s": row["rollout_s"], "train_s": row["train_s"],
-           "other_s": other, "steps": row["rounds"]}
-    return fig, {"engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}
+    return simulated(sim, run, policy), {"engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}
+
+
+def simulated(sim, run, policy: str) -> dict:
+    """Figures of the simulated replay, the mean over draws of the engines' round-to-round speeds."""
+    import statistics
+
+    from scheduler.calibrate import draws_of
+    from scheduler.report import summarize
+    from scheduler.simulator import simulate
+
+    rows = [summarize(simulate(x, run, policy)) for x in draws_of(sim, DRAWS)]
+    m = {k: statistics.mean(r[k] for r in rows) for k in ("samples", "total_s", "worker_bubble", "rollout_s", "train_s", "rounds")}
+    return {"samples": m["samples"], "total_s": m["total_s"], "s_per_sample": m["total_s"] / m["samples"],
+            "worker_bubble": m["worker_bubble"], "rollout_s": m["rollout_s"], "train_s": m["train_s"],
+            "other_s": m["total_s"] - m["rollout_s"] - m["train_s"], "steps": round(m["rounds"]),
+            "draws": len(rows), "worker_bubble_draws": [r["worker_bubble"] for r in rows]}
 
 
 def attribution(run_dir: Path, costs_from: Path, policy: str, real: dict, out: Path) -> dict:
     """Which modelled cost makes the prediction wrong: the time error when one group of sync's (level-matched)
     costs is replaced by the same group measured on the run itself (also level-matched), group by group."""
     from scheduler.calibrate import COST_GROUPS, calibrate_run, match_rollout_level, replay_scenario, with_costs_of
-    from scheduler.report import summarize
     from scheduler.sim_config import load_sim_config
-    from scheduler.simulator import simulate
 
     base, _ = load_sim_config(ROOT / "configs" / "sim_tiny_cpu.yaml")
     src = match_rollout_level(base, costs_from, calibrate_run(costs_from, base.workload.prompt_tokens), out)
@@ -220,8 +228,7 @@ def attribution(run_dir: Path, costs_from: Path, policy: str, real: dict, out: P
     errs = {}
     for group, *_ in COST_GROUPS:
         sim, run = replay_scenario(base, run_dir, with_costs_of(src, own, group), out)
-        row = summarize(simulate(sim, run, policy))
-        errs[group] = row["total_s"] / row["samples"] / real["s_per_sample"] - 1
+        errs[group] = simulated(sim, run, policy)["s_per_sample"] / real["s_per_sample"] - 1
     return errs
 
 

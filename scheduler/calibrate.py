@@ -19,6 +19,10 @@ What is measured, and how (every figure is also in `Calibration.fit` for the rep
   scipy is not a dependency; about 20 lines). On a simulated timeline this model is the simulator's own,
   so the fit recovers its costs (tests/test_calibrate.py); on a real one it is the roofline the simulator
   uses, and `fit["decode_rel_rms"]` says how well it explains the run.
+- Engine jitter: per round and engine, how much slower than the fit the engine ran (predicted decode steps
+  / tokens made); the standard deviation of its log around each engine's mean is `cluster.engine_jitter`,
+  which the simulator draws per round (engines on shared cores change speed from round to round, and the
+  slower engine of a round sets the worker bubble).
 - Training: seconds of each step's `train` phase against the tokens (prompt + response) of the samples
   it trained (`reward/per_sample` in metrics.jsonl names them): least squares `fixed + tokens / rate`.
 - Weight sync: the mean per step of everything that is neither rollout nor training (sync, history
@@ -219,6 +223,28 @@ def fit_decode(reqs: list[_Req], init: Sequence[float], iters: int = 60) -> tupl
                    "decode_abs_err_share": float(np.abs(r).sum() / max(1.0, total))}
 
 
+def engine_jitter(reqs: list[_Req], theta: Sequence[float], min_tokens: int = 64) -> float:
+    """Round-to-round spread of engine speed the fitted costs do not explain: per (round, engine) the speed
+    factor k = (decode steps the fit predicts) / (tokens its requests made), i.e. how much slower the engine
+    ran that round than the fit; the result is the standard deviation of log k around each engine's own
+    mean (its constant slowdown is fitted apart), over groups with at least `min_tokens` tokens. Simulated
+    as `cluster.engine_jitter`; a steady engine gives 0."""
+    pred = predicted_steps(reqs, theta, {i: r.context0 for i, r in enumerate(reqs)})
+    groups: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r, p in zip(reqs, pred):
+        if r.finished:
+            g = groups[(r.worker, r.step)]
+            g[0] += p
+            g[1] += r.n
+    logs: dict[int, list[float]] = defaultdict(list)
+    for (worker, _), (p, n) in groups.items():
+        if n >= min_tokens and p > 0:
+            logs[worker].append(math.log(p / n))
+    dev = [x - statistics.mean(v) for v in logs.values() if len(v) >= 2 for x in v]
+    dof = len(dev) - sum(1 for v in logs.values() if len(v) >= 2)
+    return math.sqrt(sum(d * d for d in dev) / dof) if dof > 0 else 0.0
+
+
 # ------------------------------------------------------------------------------------------ the run
 
 
@@ -290,6 +316,7 @@ def _calibrate_run(run_dir: Path, default_prompt_tokens: float, prompt_tokens: d
     theta, fit = fit_decode(reqs, init)
     a, b, c, pi, delta = (float(x) for x in theta[:5])
     by_worker = dict(zip(sorted({r.worker for r in reqs}), [1.0, *(float(x) for x in theta[5:])]))
+    jitter = engine_jitter(reqs, theta)
     slowdown = [by_worker.get(w, 1.0) for w in range(max(by_worker) + 1)]  # indexed by engine
 
     # Per step: phase seconds (train, everything else), and the harvest latency.
@@ -328,7 +355,7 @@ def _calibrate_run(run_dir: Path, default_prompt_tokens: float, prompt_tokens: d
     cal.cluster = {"train_fixed_s": fixed, "train_tokens_per_s": rate, "weight_sync_s": statistics.mean(other),
                    "reward_latency_s": _harvest_latency(latency) + delta,
                    "round_start_s": starts, "gpus": max(1, len(workers)),
-                   "engine_slowdown": slowdown if len(slowdown) > 1 else []}
+                   "engine_slowdown": slowdown if len(slowdown) > 1 else [], "engine_jitter": jitter}
     cal.fit = {**fit, "a_s": a, "b_s": b, "c_s": c, "prefill_s_per_token": pi, "delivery_delay_s": delta,
                "train_points": len(train_x), "steps": len(other), "prompts": len(table),
                "epochs": 1 + max((e for per in table.values() for e in per), default=0),
@@ -417,7 +444,7 @@ def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: 
     cluster = replace(sim.cluster, gpus=gpus, gpus_per_node=gpus, train_fixed_s=c["train_fixed_s"],
                       train_tokens_per_s=c["train_tokens_per_s"], weight_sync_s=c["weight_sync_s"],
                       reward_latency_s=c["reward_latency_s"], round_start_s=c["round_start_s"],
-                      engine_slowdown=list(c.get("engine_slowdown", [])))
+                      engine_slowdown=list(c.get("engine_slowdown", [])), engine_jitter=c.get("engine_jitter", 0.0))
     workload = WorkloadConfig(kind="replay", replay_path=str(lengths_path), num_prompts=cal.fit["prompts"],
                               num_epochs=cal.fit["epochs"], prompt_tokens=max(1, round(cal.prompt_tokens)),
                               seed=sim.workload.seed)
@@ -468,7 +495,15 @@ def rollout_seconds(events: Sequence[Event]) -> float:
     return sum(b - a for s, p, a, b in phase_intervals(events) if p == "rollout" and (s, p) in ended)
 
 
-def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir: str | Path, rounds: int = 3) -> Calibration:
+def draws_of(sim: Any, draws: int) -> list[Any]:
+    """`sim` once per draw of the engines' round-to-round speeds (workload seeds seed, seed+1, ...); one when
+    the engines are steady (no jitter, nothing to draw)."""
+    n = draws if sim.cluster.engine_jitter > 0 else 1
+    return [replace(sim, workload=replace(sim.workload, seed=sim.workload.seed + i)) for i in range(n)]
+
+
+def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir: str | Path, rounds: int = 3,
+                        draws: int = 5) -> Calibration:
     """`cal` (measured on `run_dir`) with every engine's speed scaled so that replaying `run_dir` itself
     spends as many seconds in rollout as the run did.
 
@@ -477,7 +512,8 @@ def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir
     (a CPU shared with other jobs) that average is not the one that sums to the measured rollout time, and
     every policy predicted from these costs inherits the error. The level (one factor on all engines) is
     found by simulating the run and rescaling by measured / simulated rollout seconds, a few times, since
-    round start and harvest latency do not scale. On a simulated run the factor is 1 (tests/test_calibrate.py)."""
+    round start and harvest latency do not scale; with engine jitter the simulated seconds are the mean over
+    `draws` draws of it. On a simulated run the factor is 1 (tests/test_calibrate.py)."""
     from megatron_sortedrl.config import load_config
     from scheduler.simulator import simulate
 
@@ -488,7 +524,7 @@ def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir
     k, got = 1.0, None
     for _ in range(rounds):
         scen = _scenario(sim, run, _slowed(cal, k, gpus), Path(out_dir) / "level_lengths.json")
-        got = rollout_seconds(simulate(scen, run).events)
+        got = statistics.mean(rollout_seconds(simulate(x, run).events) for x in draws_of(scen, draws))
         if target <= 0 or got <= 0 or abs(got / target - 1) < 1e-3:
             break
         k *= target / got
@@ -531,7 +567,7 @@ def calibrated_scenario(sim: Any, run_dir: str | Path, out_dir: str | Path, run_
 # Cost groups of a calibration, as `(name, engine keys, cluster keys)`: the unit in which a prediction's
 # error is attributed (`with_costs_of`).
 COST_GROUPS = (("engine speed", ("step_overhead_s", "per_seq_s", "kv_s_per_token", "prefill_tokens_per_s"),
-                ("engine_slowdown",)),
+                ("engine_slowdown", "engine_jitter")),
                ("train step", (), ("train_fixed_s", "train_tokens_per_s")),
                ("per-update other (sync, history, gaps)", (), ("weight_sync_s",)),
                ("round start + harvest latency", (), ("round_start_s", "reward_latency_s")))
@@ -565,7 +601,8 @@ def describe(cal: Calibration, run_dir: str | Path) -> str:
             f"request's tokens)\n"
             f"  prefill {e['prefill_tokens_per_s']:.0f} tokens/s; train {c['train_fixed_s']:.3f} s + tokens / "
             f"{c['train_tokens_per_s']:.0f}/s; weight sync and other per-update {c['weight_sync_s']:.3f} s; "
-            f"reward/harvest latency {1e3 * c['reward_latency_s']:.1f} ms")
+            f"reward/harvest latency {1e3 * c['reward_latency_s']:.1f} ms; engine speed {c.get('engine_jitter', 0.0):.2f} "
+            "log-sd round to round")
 
 
 def write_sim_run(result: Any, run_dir: str | Path) -> Path:

@@ -28,8 +28,11 @@ HistoSpec (`<policy>+histospec`, `scheduler/speculation_model.py`): each request
 per engine step (expected tokens per target forward at its history's age) and a step verifies `pos`
 positions per sequence; without it both are 1 and the engine is the plain decoder above.
 
-Left out: asynchronous RL (overlapping rollout and training), stragglers and failures, and network
-contention during weight sync.
+Engines may differ in speed (`cluster.engine_slowdown`) and, round to round, by a random factor
+(`cluster.engine_jitter`, lognormal with mean 1): engines on shared cores, measured by `scheduler/calibrate.py`.
+
+Left out: asynchronous RL (overlapping rollout and training), failures, and network contention during
+weight sync.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -278,8 +282,11 @@ class Simulator:
                 self.phase("relayout", self.sim.cluster.relayout_s)
             self.layout = layout
         slow = self.sim.cluster.engine_slowdown
-        self.engines = [SimEngine(w, layout.tp, self.sim.engine.scaled(slow[w] if w < len(slow) else 1.0), self)
-                        for w in range(layout.num_engines)]
+        jit = self.sim.cluster.engine_jitter
+        rng = random.Random(f"{self.sim.workload.seed}/{self.step}")  # the same draws for every policy's round i
+        self.engines = [SimEngine(w, layout.tp, self.sim.engine.scaled(
+            (slow[w] if w < len(slow) else 1.0) * (math.exp(jit * rng.gauss(0, 1) - jit * jit / 2) if jit else 1.0)),
+            self) for w in range(layout.num_engines)]
         self.busy = [False] * layout.num_engines
         self.queues = WorkerQueues(layout.num_engines)
 
