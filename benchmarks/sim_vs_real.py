@@ -1,27 +1,31 @@
-"""Does the calibrated simulator predict real runs? Each policy runs for real (short CPU runs, same warm start,
-same prompts and sample budget) and in the simulator calibrated from a real run; per policy the measured
-and predicted time per trained sample and worker bubble ratio, and their errors.
+"""Does the calibrated simulator predict real runs? Each policy runs for real (short CPU runs on the long-tail
+preset, same warm start, prompts and sample budget) and in the simulator calibrated from a real run; per policy
+the measured and predicted time per trained sample and worker bubble ratio, and their errors.
 
-    .venv/bin/python benchmarks/sim_vs_real.py                          # warm-up + 4 real runs, ~15 min on 2 busy cores
-    .venv/bin/python benchmarks/sim_vs_real.py --model-dir /tmp/svr_warm --work-dir /tmp/svr   # reuse both
-    .venv/bin/python benchmarks/sim_vs_real.py --work-dir /tmp/svr --skip-real                # re-simulate only
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_vs_real.py --work-dir /tmp/svr --repeats 3 --real-only   # real runs, ~35 min at load 35-100
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_vs_real.py --work-dir /tmp/svr --repeats 3 --skip-real   # simulate them, ~15 min
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_vs_real.py --render-only     # .md/.png again from the JSON + notes
 
-A finished run already in the work dir (its summary.json says the data was used up) is reused, so an
-interrupted benchmark resumes where it stopped.
+Real runs: `configs/longtail_cpu.yaml` with `--prompts`, `--n`, `--epochs`, `--workers` (2 by default: with the
+preset's one engine the worker bubble is 0 by definition) and `--set key=value` overrides, HistoSpec off (the
+simulator's speculation model is not what is checked here), mid-run evals and checkpoints off. They go through
+one driver (`policy_comparison.Session`: start-up once, every run reloads the same warm-start checkpoint, made
+first unless `--warm-ckpt` has one) and per repeat the policies run back to back (interleaved), seed + repeat.
+A finished run in the work dir is reused, so a stopped benchmark resumes (`--real-only` first, then
+`--skip-real`, splits the slot time). `--process-per-run` runs one `train` process per run instead.
 
-What it does: one supervised warm-up (`benchmarks/policy_comparison.warm_start`), exported as a HF directory;
-then per repeat and policy (interleaved) one `python -m megatron_sortedrl train` run with HistoSpec off (the
-simulator does not model speculation), mid-run evals and checkpoints off, `data.num_epochs` passes over the
-same prompts. Each run is then simulated twice with the run's own config and its own response lengths
-replayed (`simulate --calibrate-from`):
-- "predicted": costs calibrated on the `sync` run of the same repeat (for `sync` itself this is a fit);
-- "self": costs calibrated on the run itself (separates cost-model error from scheduling-model error).
+Each run is then simulated with its own config and its own response lengths replayed (`simulate
+--calibrate-from`), with costs from (see `KINDS`): the same repeat's `sync` run, level-matched to that run's
+rollout seconds (`predicted`, the prediction); the same plus a machine-speed probe (the identical pre-RL eval;
+`probe`); the run itself without level matching (`self`, replay fidelity). Where the simulator's engines
+jitter round to round (`cluster.engine_jitter`), a prediction is the mean over `DRAWS` draws. For every run
+but sync the error is attributed to a cost group (`attribution`).
 
 Measured figures come from the run's timeline with the functions the simulator's report uses: time per
 trained sample = (end of the last rollout/train/sync/history phase - start of the first rollout) / samples
-trained; worker bubble = `worker_bubble_ratio` pooled over all rollout phases. The per-phase seconds
-(rollout, train, everything else) of both are in the JSON and the .md, which is where a wrong modelled
-cost shows. Writes docs/benchmarks/sim_vs_real.{json,md,png} (or under --out).
+trained (phases that ended: the last, unclosed rollout phase of a run is not stretched over its final
+eval); worker bubble = `worker_bubble_ratio` pooled over all rollout phases. Writes
+docs/benchmarks/sim_vs_real.{json,md,png} (or under --out), with benchmarks/sim_vs_real_notes.md as the reading.
 
 Left out: speculative decoding, GPU runs (the script runs there unchanged), engine re-layouts (the real
 driver runs a fixed layout).
@@ -377,9 +381,19 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--skip-real", action="store_true", help="reuse the run dirs under --work-dir")
     ap.add_argument("--real-only", action="store_true", help="make the real runs and stop (simulate later)")
+    ap.add_argument("--render-only", action="store_true", help="rewrite the .md and .png from the JSON in --out "
+                    "(after editing benchmarks/sim_vs_real_notes.md)")
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args()
+    notes = ROOT / "benchmarks" / "sim_vs_real_notes.md"
+    if args.render_only:
+        result = json.loads((args.out / "sim_vs_real.json").read_text())
+        result["notes"] = notes.read_text() if notes.exists() else ""
+        (args.out / "sim_vs_real.json").write_text(json.dumps(result, indent=1))
+        (args.out / "sim_vs_real.md").write_text(markdown(result))
+        plot(result, args.out / "sim_vs_real.png")
+        return 0
     policies = [p for p in args.policies.split(",") if p]
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="sim_vs_real_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -437,7 +451,6 @@ def main() -> int:
         "per_policy": per_policy(rows),
         "rows": rows,
     }
-    notes = ROOT / "benchmarks" / "sim_vs_real_notes.md"
     result["notes"] = notes.read_text() if notes.exists() else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sim_vs_real.json").write_text(json.dumps(result, indent=1))
