@@ -602,7 +602,8 @@ def describe(cal: Calibration, run_dir: str | Path) -> str:
             f"  prefill {e['prefill_tokens_per_s']:.0f} tokens/s; train {c['train_fixed_s']:.3f} s + tokens / "
             f"{c['train_tokens_per_s']:.0f}/s; weight sync and other per-update {c['weight_sync_s']:.3f} s; "
             f"reward/harvest latency {1e3 * c['reward_latency_s']:.1f} ms; engine speed {c.get('engine_jitter', 0.0):.2f} "
-            "log-sd round to round")
+            "log-sd round to round"
+            + (f"; engines x{f['level_scale']:.3f} to match the run's rollout seconds" if "level_scale" in f else ""))
 
 
 def write_sim_run(result: Any, run_dir: str | Path) -> Path:
