@@ -181,7 +181,13 @@ def measured(run_dir: Path) -> dict:
             "engine_ms_per_token": {str(w): round(1e3 * sec / max(1, tok), 3) for w, (sec, tok) in sorted(busy.items())},
             "worker_bubble": worker_bubble_ratio(events), "probe_s": probe_seconds(events), "rollout_s": phase["rollout"], "train_s": phase["train"],
             "other_s": total - phase["rollout"] - phase["train"],
-            "steps": sum(1 for r in rows if "time/step_s" in r)}
+            "steps": sum(1 for r in rows if "time/step_s" in r), "load_average": _load_of(run_dir)}
+
+
+def _load_of(run_dir: Path) -> list | None:
+    """1-minute load average at the run's start and end (written by the session runner), if known."""
+    path = Path(run_dir) / "load_average.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 # How a run is predicted: (key, costs from, scale engines by the pre-RL eval probe, description)
@@ -273,13 +279,14 @@ def per_policy(rows: list[dict]) -> list[dict]:
 def markdown(result: dict) -> str:
     s = result["setup"]
     lines = [f"# Simulator vs real runs ({s['config']}, CPU)", "",
-             f"Command: `{s['command']}`  ", f"Machine: {s['machine']}  ",
+             f"Command: `{s['command']}`  ", f"Machine: {s['machine']}; the load during each real run is in the "
+             "per-run table  ",
              f"Workload: {s['prompts']} prompts x n={s['n']} x {s['epochs']} epochs, {s['workers']} engines, "
              f"{s['repeats']} repeats; in each repeat the policies ran back to back through one driver.", "",
              "Predictions (each replays the run's own response lengths with the run's own config):", ""]
     lines += [f"- `{k}`: {d}" for k, _, _, d in KINDS]
     lines += ["", f"Targets: time per trained sample within {TIME_TARGET:.0%}, worker bubble within {BUBBLE_TARGET}.",
-              "", "## Per policy (median over repeats, (min-max))", "",
+              "", "## Per policy (median over repeats, (min-max); err = median of the per-run errors)", "",
               "| policy | real ms/sample | predicted | err | probe | err | self | err | real bubble | predicted | probe | self |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -292,14 +299,15 @@ def markdown(result: dict) -> str:
             + f" | {mm(r['real_worker_bubble'], '.3f')} | " + " | ".join(
             f"{r[f'{k}_worker_bubble']['median']:.3f} ({r[f'err_{k}']['bubble_abs_err_median']:+.3f})" for k, *_ in KINDS) + " |")
     lines += ["", "## Per run", "",
-              "| policy | repeat | real ms/sample | predicted | err | probe | err | self | err | real bubble | predicted | probe | self | probe x |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| policy | repeat | real ms/sample | predicted | err | probe | err | self | err | real bubble | predicted | probe | self | probe x | load start/end |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         m = r["real"]
         lines.append(f"| {r['policy']} | {r['repeat']} | {1e3 * m['s_per_sample']:.1f} | " + " | ".join(
             f"{1e3 * r[k]['s_per_sample']:.1f} | {r[f'err_{k}']['time_rel_err']:+.1%}" for k, *_ in KINDS)
             + f" | {m['worker_bubble']:.3f} | " + " | ".join(f"{r[k]['worker_bubble']:.3f}" for k, *_ in KINDS)
-            + f" | {r.get('probe_scale') or 0:.2f} |")
+            + f" | {r.get('probe_scale') or 0:.2f} | "
+            + ("/".join(f"{x:.0f}" for x in m["load_average"]) if m.get("load_average") else "-") + " |")
     groups = list(next((r["error_with_own"] for r in result["rows"] if r.get("error_with_own")), {}))
     if groups:
         lines += ["", "Which modelled cost is wrong: the time error of `predicted` when one group of sync's costs is "
@@ -390,6 +398,8 @@ def main() -> int:
     if args.render_only:
         result = json.loads((args.out / "sim_vs_real.json").read_text())
         result["notes"] = notes.read_text() if notes.exists() else ""
+        for r in result["rows"]:
+            r["real"].setdefault("load_average", _load_of(Path(r["run_dir"])))
         (args.out / "sim_vs_real.json").write_text(json.dumps(result, indent=1))
         (args.out / "sim_vs_real.md").write_text(markdown(result))
         plot(result, args.out / "sim_vs_real.png")
