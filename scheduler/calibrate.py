@@ -19,6 +19,10 @@ What is measured, and how (every figure is also in `Calibration.fit` for the rep
   scipy is not a dependency; about 20 lines). On a simulated timeline this model is the simulator's own,
   so the fit recovers its costs (tests/test_calibrate.py); on a real one it is the roofline the simulator
   uses, and `fit["decode_rel_rms"]` says how well it explains the run.
+- Engine jitter: per round and engine, how much slower than the fit the engine ran (predicted decode steps
+  / tokens made); the standard deviation of its log around each engine's mean is `cluster.engine_jitter`,
+  which the simulator draws per round (engines on shared cores change speed from round to round, and the
+  slower engine of a round sets the worker bubble).
 - Training: seconds of each step's `train` phase against the tokens (prompt + response) of the samples
   it trained (`reward/per_sample` in metrics.jsonl names them): least squares `fixed + tokens / rate`.
 - Weight sync: the mean per step of everything that is neither rollout nor training (sync, history
@@ -219,6 +223,28 @@ def fit_decode(reqs: list[_Req], init: Sequence[float], iters: int = 60) -> tupl
                    "decode_abs_err_share": float(np.abs(r).sum() / max(1.0, total))}
 
 
+def engine_jitter(reqs: list[_Req], theta: Sequence[float], min_tokens: int = 64) -> float:
+    """Round-to-round spread of engine speed the fitted costs do not explain: per (round, engine) the speed
+    factor k = (decode steps the fit predicts) / (tokens its requests made), i.e. how much slower the engine
+    ran that round than the fit; the result is the standard deviation of log k around each engine's own
+    mean (its constant slowdown is fitted apart), over groups with at least `min_tokens` tokens. Simulated
+    as `cluster.engine_jitter`; a steady engine gives 0."""
+    pred = predicted_steps(reqs, theta, {i: r.context0 for i, r in enumerate(reqs)})
+    groups: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r, p in zip(reqs, pred):
+        if r.finished:
+            g = groups[(r.worker, r.step)]
+            g[0] += p
+            g[1] += r.n
+    logs: dict[int, list[float]] = defaultdict(list)
+    for (worker, _), (p, n) in groups.items():
+        if n >= min_tokens and p > 0:
+            logs[worker].append(math.log(p / n))
+    dev = [x - statistics.mean(v) for v in logs.values() if len(v) >= 2 for x in v]
+    dof = len(dev) - sum(1 for v in logs.values() if len(v) >= 2)
+    return math.sqrt(sum(d * d for d in dev) / dof) if dof > 0 else 0.0
+
+
 # ------------------------------------------------------------------------------------------ the run
 
 
@@ -261,11 +287,25 @@ def _metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+_MEMO: dict[tuple, Calibration] = {}
+
+
 def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prompt_tokens: dict[str, int] | None = None,
                   init: Sequence[float] = (0.004, 0.0002, 1e-7, 5e-5, 0.005)) -> Calibration:
     """Measures a run directory (timeline*.jsonl + metrics.jsonl + config.yaml); see the module docstring.
-    `prompt_tokens` ({prompt id: tokens}) overrides re-encoding the run's prompts."""
+    `prompt_tokens` ({prompt id: tokens}) overrides re-encoding the run's prompts. A finished run measured
+    again with the same arguments is answered from memory (the decode fit takes seconds)."""
     run_dir = Path(run_dir)
+    stamp = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in run_dir.glob("timeline*.jsonl")))
+    key = (str(run_dir.resolve()), stamp, default_prompt_tokens, json.dumps(prompt_tokens, sort_keys=True), tuple(init))
+    if stamp and key in _MEMO:
+        return _MEMO[key]
+    _MEMO[key] = cal = _calibrate_run(run_dir, default_prompt_tokens, prompt_tokens, init)
+    return cal
+
+
+def _calibrate_run(run_dir: Path, default_prompt_tokens: float, prompt_tokens: dict[str, int] | None,
+                   init: Sequence[float]) -> Calibration:
     if not any(run_dir.glob("timeline*.jsonl")):
         raise UserError(f"--calibrate-from {run_dir}: no timeline*.jsonl there; give the run directory of a "
                         "`train` run (logging.run_dir)")
@@ -276,6 +316,7 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     theta, fit = fit_decode(reqs, init)
     a, b, c, pi, delta = (float(x) for x in theta[:5])
     by_worker = dict(zip(sorted({r.worker for r in reqs}), [1.0, *(float(x) for x in theta[5:])]))
+    jitter = engine_jitter(reqs, theta)
     slowdown = [by_worker.get(w, 1.0) for w in range(max(by_worker) + 1)]  # indexed by engine
 
     # Per step: phase seconds (train, everything else), and the harvest latency.
@@ -314,12 +355,35 @@ def calibrate_run(run_dir: str | Path, default_prompt_tokens: float = 64.0, prom
     cal.cluster = {"train_fixed_s": fixed, "train_tokens_per_s": rate, "weight_sync_s": statistics.mean(other),
                    "reward_latency_s": _harvest_latency(latency) + delta,
                    "round_start_s": starts, "gpus": max(1, len(workers)),
-                   "engine_slowdown": slowdown if len(slowdown) > 1 else []}
+                   "engine_slowdown": slowdown if len(slowdown) > 1 else [], "engine_jitter": jitter}
     cal.fit = {**fit, "a_s": a, "b_s": b, "c_s": c, "prefill_s_per_token": pi, "delivery_delay_s": delta,
                "train_points": len(train_x), "steps": len(other), "prompts": len(table),
                "epochs": 1 + max((e for per in table.values() for e in per), default=0),
-               "prompt_tokens_source": "re-encoded" if prompts else "workload.prompt_tokens"}
+               "prompt_tokens_source": "re-encoded" if prompts else "workload.prompt_tokens",
+               "probe_s": probe_seconds(events)}
     return cal
+
+
+def scale_to_probe(cal: Calibration, probe_s: float | None, gpus: int) -> Calibration:
+    """`cal` (costs measured on another run) with every engine slowed by probe_s / cal's own probe: the
+    engine speed of the machine at the time of the run to predict, from its identical pre-RL evaluation.
+    Unchanged when either run has no probe."""
+    own = cal.fit.get("probe_s")
+    if not own or not probe_s:
+        return cal
+    out = _slowed(cal, probe_s / own, gpus)
+    return replace(out, fit={**out.fit, "probe_scale": probe_s / own})
+
+
+def probe_seconds(events: Sequence[Event]) -> float | None:
+    """Seconds of the run's first evaluation (the pre-RL greedy eval at step 0), or None without one.
+
+    Runs that start from the same weights and evaluate the same held-out prompts greedily do identical
+    engine work there, whatever their policy; the ratio of two runs' probes is how much faster or slower
+    the machine ran their engines (a CPU shared with other jobs drifts 2-3x between runs)."""
+    start = [e.t for e in events if e.kind == "phase" and e.phase == "eval" and e.event == "start" and e.step == 0]
+    end = [e.t for e in events if e.kind == "phase" and e.phase == "eval" and e.event == "end" and e.step == 0]
+    return (min(end) - min(start)) if start and end and min(end) > min(start) else None
 
 
 def _round_start(events: Sequence[Event], reqs: list[_Req], pi: float, slow: dict[int, float]) -> float:
@@ -380,11 +444,16 @@ def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: 
     cluster = replace(sim.cluster, gpus=gpus, gpus_per_node=gpus, train_fixed_s=c["train_fixed_s"],
                       train_tokens_per_s=c["train_tokens_per_s"], weight_sync_s=c["weight_sync_s"],
                       reward_latency_s=c["reward_latency_s"], round_start_s=c["round_start_s"],
-                      engine_slowdown=list(c.get("engine_slowdown", [])))
+                      engine_slowdown=list(c.get("engine_slowdown", [])), engine_jitter=c.get("engine_jitter", 0.0))
     workload = WorkloadConfig(kind="replay", replay_path=str(lengths_path), num_prompts=cal.fit["prompts"],
                               num_epochs=cal.fit["epochs"], prompt_tokens=max(1, round(cal.prompt_tokens)),
                               seed=sim.workload.seed)
     return replace(sim, engine=engine, cluster=cluster, workload=workload)
+
+
+def calibrate_probe(run_dir: str | Path) -> float | None:
+    """`probe_seconds` of a run directory's timeline."""
+    return probe_seconds(read_run_timeline(Path(run_dir)))
 
 
 def kv_bytes_per_token(model_path: str, dtype_bytes: int = 4) -> float | None:
@@ -398,11 +467,80 @@ def kv_bytes_per_token(model_path: str, dtype_bytes: int = 4) -> float | None:
         return None
 
 
+def _scenario(sim: Any, run: Any, cal: Calibration, lengths_path: Path) -> Any:
+    """`sim` with `cal`'s costs and replay table, sized as run config `run` (engines, KV cache, batch)."""
+    kv = kv_bytes_per_token(run.model.path, 4 if run.model.dtype == "float32" else 2)
+    if kv:
+        sim = replace(sim, engine=replace(sim.engine, kv_bytes_per_token=kv))
+    sim = replace(sim, engine=replace(sim.engine, max_num_seqs=run.rollout.max_num_seqs))
+    sim = apply_calibration(sim, cal, lengths_path, tp=run.rollout.tensor_parallel_size,
+                            kv_cache_gib=run.rollout.kv_cache_gib)
+    if int(cal.cluster["gpus"]) != run.rollout.num_workers:  # an engine that got no request still counts
+        gpus = run.rollout.num_workers * run.rollout.tensor_parallel_size
+        sim = replace(sim, cluster=replace(sim.cluster, gpus=gpus, gpus_per_node=gpus))
+    return sim
+
+
+def _slowed(cal: Calibration, k: float, gpus: int) -> Calibration:
+    slow = list(cal.cluster.get("engine_slowdown") or []) or [1.0]
+    slow += [1.0] * (gpus - len(slow))
+    return replace(cal, cluster={**cal.cluster, "engine_slowdown": [k * x for x in slow]})
+
+
+def rollout_seconds(events: Sequence[Event]) -> float:
+    """Seconds of the rollout phases that ended (a run's last, unclosed rollout phase found no data)."""
+    ended = {(e.step, e.phase) for e in events if e.kind == "phase" and e.event == "end"}
+    from megatron_sortedrl.telemetry.timeline import phase_intervals
+
+    return sum(b - a for s, p, a, b in phase_intervals(events) if p == "rollout" and (s, p) in ended)
+
+
+def draws_of(sim: Any, draws: int) -> list[Any]:
+    """`sim` once per draw of the engines' round-to-round speeds (workload seeds seed, seed+1, ...); one when
+    the engines are steady (no jitter, nothing to draw)."""
+    n = draws if sim.cluster.engine_jitter > 0 else 1
+    return [replace(sim, workload=replace(sim.workload, seed=sim.workload.seed + i)) for i in range(n)]
+
+
+def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir: str | Path, rounds: int = 3,
+                        draws: int = 5) -> Calibration:
+    """`cal` (measured on `run_dir`) with every engine's speed scaled so that replaying `run_dir` itself
+    spends as many seconds in rollout as the run did.
+
+    Why: the decode fit matches each request's step count between its first token and its end, so it sets
+    the shape of the step time (batch, context, prefill) and an average speed; when the step time jitters
+    (a CPU shared with other jobs) that average is not the one that sums to the measured rollout time, and
+    every policy predicted from these costs inherits the error. The level (one factor on all engines) is
+    found by simulating the run and rescaling by measured / simulated rollout seconds, a few times, since
+    round start and harvest latency do not scale; with engine jitter the simulated seconds are the mean over
+    `draws` draws of it. On a simulated run the factor is 1 (tests/test_calibrate.py)."""
+    from megatron_sortedrl.config import load_config
+    from scheduler.simulator import simulate
+
+    run_dir = Path(run_dir)
+    run = load_config(run_dir / "config.yaml", [])
+    target = rollout_seconds(read_run_timeline(run_dir))
+    gpus = run.rollout.num_workers
+    k, got = 1.0, None
+    for _ in range(rounds):
+        scen = _scenario(sim, run, _slowed(cal, k, gpus), Path(out_dir) / "level_lengths.json")
+        got = statistics.mean(rollout_seconds(simulate(x, run).events) for x in draws_of(scen, draws))
+        if target <= 0 or got <= 0 or abs(got / target - 1) < 1e-3:
+            break
+        k *= target / got
+    k = min(max(k, 0.2), 5.0)  # a run this far off its own replay is a measurement problem, not a level
+    out = _slowed(cal, k, gpus)
+    return replace(out, fit={**out.fit, "level_scale": k, "level_rollout_s": target, "level_sim_rollout_s": got})
+
+
 def calibrated_scenario(sim: Any, run_dir: str | Path, out_dir: str | Path, run_overrides: list[str] | None = None,
-                        costs_from: str | Path | None = None) -> tuple[Any, Any, Calibration]:
+                        costs_from: str | Path | None = None, probe: bool = False,
+                        match_level: bool = False) -> tuple[Any, Any, Calibration]:
     """(SimConfig, RunConfig, Calibration) that replay run `run_dir`: its own run config (`config.yaml`, plus
     `run_overrides`), its response lengths, and the costs measured on `costs_from` (default: the same run).
-    The replay table goes to `out_dir/lengths.json`."""
+    `match_level`: engine speed set so that the costs' run replays with its own rollout seconds
+    (`match_rollout_level`); `probe`: engines scaled by the ratio of the two runs' pre-RL evaluations
+    (`scale_to_probe`). The replay table goes to `out_dir/lengths.json`."""
     from megatron_sortedrl.config import load_config
 
     run_dir = Path(run_dir)
@@ -410,21 +548,47 @@ def calibrated_scenario(sim: Any, run_dir: str | Path, out_dir: str | Path, run_
         raise UserError(f"--calibrate-from {run_dir}: no config.yaml there; give the run directory of a `train` run")
     run = load_config(run_dir / "config.yaml", list(run_overrides or []))
     cal = calibrate_run(run_dir, default_prompt_tokens=sim.workload.prompt_tokens)
-    if costs_from is not None and Path(costs_from) != run_dir:
-        other = calibrate_run(costs_from, default_prompt_tokens=sim.workload.prompt_tokens)
+    source = Path(costs_from) if costs_from is not None else run_dir
+    other = cal if source == run_dir else calibrate_run(source, default_prompt_tokens=sim.workload.prompt_tokens)
+    if match_level:
+        other = match_rollout_level(sim, source, other, out_dir)
+    if source != run_dir:
         cal = replace(other, lengths=cal.lengths, prompt_tokens=cal.prompt_tokens,
                       fit={**other.fit, "prompts": cal.fit["prompts"], "epochs": cal.fit["epochs"],
                            "costs_from": str(costs_from)})
-    kv = kv_bytes_per_token(run.model.path, 4 if run.model.dtype == "float32" else 2)
-    if kv:
-        sim = replace(sim, engine=replace(sim.engine, kv_bytes_per_token=kv))
-    sim = replace(sim, engine=replace(sim.engine, max_num_seqs=run.rollout.max_num_seqs))
-    sim = apply_calibration(sim, cal, Path(out_dir) / "lengths.json", tp=run.rollout.tensor_parallel_size,
-                            kv_cache_gib=run.rollout.kv_cache_gib)
-    if int(cal.cluster["gpus"]) != run.rollout.num_workers:  # an engine that got no request still counts
-        gpus = run.rollout.num_workers * run.rollout.tensor_parallel_size
-        sim = replace(sim, cluster=replace(sim.cluster, gpus=gpus, gpus_per_node=gpus))
+        if probe:  # the engines ran as fast as the pre-RL evals say, not as fast as during `costs_from`
+            cal = scale_to_probe(cal, calibrate_probe(run_dir), run.rollout.num_workers)
+    else:
+        cal = other
+    sim = _scenario(sim, run, cal, Path(out_dir) / "lengths.json")
     return sim, run, cal
+
+
+# Cost groups of a calibration, as `(name, engine keys, cluster keys)`: the unit in which a prediction's
+# error is attributed (`with_costs_of`).
+COST_GROUPS = (("engine speed", ("step_overhead_s", "per_seq_s", "kv_s_per_token", "prefill_tokens_per_s"),
+                ("engine_slowdown", "engine_jitter")),
+               ("train step", (), ("train_fixed_s", "train_tokens_per_s")),
+               ("per-update other (sync, history, gaps)", (), ("weight_sync_s",)),
+               ("round start + harvest latency", (), ("round_start_s", "reward_latency_s")))
+
+
+def with_costs_of(cal: Calibration, other: Calibration, group: str) -> Calibration:
+    """`cal` with the costs of one `COST_GROUPS` group taken from `other`."""
+    _, engine_keys, cluster_keys = next(g for g in COST_GROUPS if g[0] == group)
+    return replace(cal, engine={**cal.engine, **{k: other.engine[k] for k in engine_keys}},
+                   cluster={**cal.cluster, **{k: other.cluster[k] for k in cluster_keys if k in other.cluster}})
+
+
+def replay_scenario(sim: Any, run_dir: str | Path, cal: Calibration, out_dir: str | Path) -> tuple[Any, Any]:
+    """(SimConfig, RunConfig) replaying run `run_dir` (its config and response lengths) with `cal`'s costs."""
+    from megatron_sortedrl.config import load_config
+
+    own = calibrate_run(run_dir, default_prompt_tokens=sim.workload.prompt_tokens)
+    run = load_config(Path(run_dir) / "config.yaml", [])
+    cal = replace(cal, lengths=own.lengths, prompt_tokens=own.prompt_tokens,
+                  fit={**cal.fit, "prompts": own.fit["prompts"], "epochs": own.fit["epochs"]})
+    return _scenario(sim, run, cal, Path(out_dir) / "lengths.json"), run
 
 
 def describe(cal: Calibration, run_dir: str | Path) -> str:
@@ -437,7 +601,9 @@ def describe(cal: Calibration, run_dir: str | Path) -> str:
             f"request's tokens)\n"
             f"  prefill {e['prefill_tokens_per_s']:.0f} tokens/s; train {c['train_fixed_s']:.3f} s + tokens / "
             f"{c['train_tokens_per_s']:.0f}/s; weight sync and other per-update {c['weight_sync_s']:.3f} s; "
-            f"reward/harvest latency {1e3 * c['reward_latency_s']:.1f} ms")
+            f"reward/harvest latency {1e3 * c['reward_latency_s']:.1f} ms; engine speed {c.get('engine_jitter', 0.0):.2f} "
+            "log-sd round to round"
+            + (f"; engines x{f['level_scale']:.3f} to match the run's rollout seconds" if "level_scale" in f else ""))
 
 
 def write_sim_run(result: Any, run_dir: str | Path) -> Path:

@@ -43,8 +43,13 @@ class ClusterCosts:
     engine_slowdown: list[float] = help_field("Per engine, a multiplier of its decode and prefill time (measured engines "
                                               "differ, e.g. on unevenly shared cores); engines past the list run at 1.",
                                               factory=list)
+    engine_jitter: float = help_field("Round-to-round spread of each engine's speed: per round and engine its decode "
+                                      "and prefill time is multiplied by exp(jitter * z - jitter^2 / 2), z standard "
+                                      "normal (mean 1; engines on shared cores; 0 = steady engines).", 0.0)
 
     def __post_init__(self) -> None:
+        if self.engine_jitter < 0:
+            raise ConfigError("cluster.engine_jitter", self.engine_jitter, "a number >= 0")
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ConfigError("cluster.gpus", (self.gpus, self.gpus_per_node), "gpus and gpus_per_node >= 1")
         if self.train_tokens_per_s <= 0:

@@ -28,8 +28,11 @@ HistoSpec (`<policy>+histospec`, `scheduler/speculation_model.py`): each request
 per engine step (expected tokens per target forward at its history's age) and a step verifies `pos`
 positions per sequence; without it both are 1 and the engine is the plain decoder above.
 
-Left out: asynchronous RL (overlapping rollout and training), stragglers and failures, and network
-contention during weight sync.
+Engines may differ in speed (`cluster.engine_slowdown`) and, round to round, by a random factor
+(`cluster.engine_jitter`, lognormal with mean 1): engines on shared cores, measured by `scheduler/calibrate.py`.
+
+Left out: asynchronous RL (overlapping rollout and training), failures, and network contention during
+weight sync.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,12 +153,12 @@ class SimEngine:
             self.sim.preemptions += 1
         self.admit()
 
-    def admit(self) -> None:
+    def admit(self, steal: bool = True) -> None:
         prefill, started = 0, []
         while len(self.running) < self.max_seqs:
             if not self.preempted:
                 # Take work from another worker's queue only when there is KV room to start it now.
-                req = self.sim.queues.pop(self.wid, steal=self.ctx < 0.9 * self.cap)
+                req = self.sim.queues.pop(self.wid, steal=steal and self.ctx < 0.9 * self.cap)
                 if req is None:
                     break
                 self.preempted.append(self.sim.start(self, req))
@@ -278,8 +282,11 @@ class Simulator:
                 self.phase("relayout", self.sim.cluster.relayout_s)
             self.layout = layout
         slow = self.sim.cluster.engine_slowdown
-        self.engines = [SimEngine(w, layout.tp, self.sim.engine.scaled(slow[w] if w < len(slow) else 1.0), self)
-                        for w in range(layout.num_engines)]
+        jit = self.sim.cluster.engine_jitter
+        rng = random.Random(f"{self.sim.workload.seed}/{self.step}")  # the same draws for every policy's round i
+        self.engines = [SimEngine(w, layout.tp, self.sim.engine.scaled(
+            (slow[w] if w < len(slow) else 1.0) * (math.exp(jit * rng.gauss(0, 1) - jit * jit / 2) if jit else 1.0)),
+            self) for w in range(layout.num_engines)]
         self.busy = [False] * layout.num_engines
         self.queues = WorkerQueues(layout.num_engines)
 
@@ -301,7 +308,11 @@ class Simulator:
         self.queues.add(rnd.requests)
         for e in self.engines:
             e.t = t0 + self.sim.cluster.round_start_s
-            e.admit()
+        # As the driver fills a round (round_stream.fill): every engine takes its own queue first, then the
+        # ones with free slots steal; otherwise the first engine would steal a round that fits its batch.
+        for steal in (False, True):
+            for e in self.engines:
+                e.admit(steal=steal)
         while (h := self.policy.harvest(self.clock)) is None:
             if not self.heap:
                 raise SimulationError(f"{self.policy.name}: round {rnd.index} waits for samples but none is running")

@@ -69,9 +69,19 @@ def test_continuous_batching_admits_queued_requests_when_slots_free():
     assert result.rounds[0]["rollout_s"] == pytest.approx(0.4)
 
 
+def test_round_start_fills_every_engine_from_its_own_queue_before_stealing():
+    # As the driver's fill: with batch room for the whole round on one engine, each engine still starts its own
+    # queue (two requests each), and the round lasts as long as the longer engine's own work.
+    result = run_sync([10, 20, 30, 20], max_num_seqs=4)
+    submits = [e.worker for e in result.events if e.kind == "request" and e.event == "submit"]
+    assert sorted(submits) == [0, 0, 1, 1]
+    assert result.rounds[0]["rollout_s"] == pytest.approx(0.3)
+
+
 def test_kv_overflow_preempts_and_still_finishes():
-    # KV room for ~60 tokens: two 50-token responses on one engine cannot both stay resident.
-    result = run_sync([50, 50, 1, 1], max_num_seqs=4, gpu_mem_gib=60 / 1024**3)
+    # KV room for ~60 tokens: two 50-token responses on one engine (placed by order, alternating) cannot
+    # both stay resident.
+    result = run_sync([50, 1, 50, 1], max_num_seqs=4, gpu_mem_gib=60 / 1024**3)
     assert result.rounds[0]["preemptions"] > 0
     assert sorted(result.rounds[0]["response_lengths"]) == [1, 1, 50, 50]
 

@@ -9,8 +9,9 @@ the run config the scenario points to (e.g. `run.scheduler.max_staleness=2`), ot
 `--calibrate-from RUN_DIR` (or the scenario key `calibrate_from`) replaces the scenario's engine and cluster
 costs by those measured on a real run (decode step time against batch and context, prefill, train time
 per token and fixed, weight sync, reward latency; `scheduler/calibrate.py`), replays that run's response
-lengths and simulates with that run's own config; the measured costs are printed and written to
-`calibration.json`. Example:
+lengths and simulates with that run's own config; the engine speed is level-matched (one factor on all
+engines so that the run's own replay spends its measured rollout seconds; `--no-level-match` keeps the raw
+fit); the measured costs are printed and written to `calibration.json`. Example:
 
     python -m megatron_sortedrl simulate configs/sim_tiny_cpu.yaml --calibrate-from runs/tiny_cpu --policies sync
 
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate-from", default="", metavar="RUN_DIR",
                         help="measure costs on this `train` run directory and replay its response lengths "
                              "(its config.yaml becomes the run config; run.* overrides still apply)")
+    parser.add_argument("--no-level-match", action="store_true",
+                        help="with --calibrate-from: keep the decode fit's engine speed as fitted instead of scaling "
+                             "it so that the run's replay spends the run's measured rollout seconds")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         from scheduler.calibrate import calibrated_scenario, describe
 
         run_over = [o[len("run."):] for o in args.overrides if o.startswith("run.")]
-        sim, run_cfg, cal = calibrated_scenario(sim, run_dir, out, run_over)
+        sim, run_cfg, cal = calibrated_scenario(sim, run_dir, out, run_over,
+                                                match_level=not getattr(args, "no_level_match", False))
         out.mkdir(parents=True, exist_ok=True)
         (out / "calibration.json").write_text(json.dumps(
             {"run_dir": str(run_dir), "engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}, indent=1))
