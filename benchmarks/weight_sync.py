@@ -220,6 +220,13 @@ def flatness(rss_mib: dict[str, list[float]], model_bytes: int, warmup: int = FL
             "flat": all(v < FLAT_SLOPE_X_MODEL for v in x_model.values())}
 
 
+def engine_heap_info(pool) -> list[dict]:
+    """mallinfo2 (bytes) of every vLLM worker process of every engine (`RolloutWorkerExtension.msrl_heap_info`)."""
+    import ray
+
+    return [info for s in pool.slots for info in ray.get(s.actor.rpc.remote("msrl_heap_info"))]
+
+
 def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes: int) -> dict:
     """`cycles` x (one optimizer step, one push sync): private memory of every process before each sync, and its
     rise during the sync (sampled every 20 ms).
@@ -231,10 +238,12 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes:
     rss: dict[str, list[float]] = {p: [] for p in procs}
     rise: dict[str, list[float]] = {p: [] for p in procs}
     seconds, step_seconds, load = [], [], []
+    heap: list[list[dict]] = []  # the engine's vLLM workers' mallinfo2 before each sync (what a drift is made of)
     for k in range(cycles):
         t0 = time.monotonic()
         group.sft_step(pairs)
         step_seconds.append(time.monotonic() - t0)
+        heap.append(engine_heap_info(pool))
         report, mem = measure(procs, lambda: pool.sync_weights(group, version=pool.version + 1), interval_s=0.02)
         for p, m in mem["processes"].items():
             rss[p].append(m["anon_before"] / MiB)
@@ -242,11 +251,14 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes:
         seconds.append(report.seconds)
         load.append(os.getloadavg()[0])
         print(f"cycle {k + 1:2d}: step {step_seconds[-1]:5.1f} s, sync {report.seconds:5.2f} s, before the sync "
-              + " ".join(f"{p}={rss[p][-1]:.0f}" for p in procs if not p.endswith("child0")) + " MiB", flush=True)
+              + " ".join(f"{p}={rss[p][-1]:.0f}" for p in procs if not p.endswith("child0")) + " MiB; vLLM heap "
+              + " ".join(f"[in use {h['uordblks'] / MiB:.0f}, free {h['fordblks'] / MiB:.0f}, mapped "
+                         f"{h['hblkhd'] / MiB:.0f} MiB]" for h in heap[-1] if "uordblks" in h), flush=True)
     flat = flatness(rss, model_bytes)
     print(f"flat: {flat['flat']} (worst slope {flat['worst']['process']} {flat['worst']['mib_per_sync']:+.2f} MiB/sync "
           f"= {flat['worst']['x_model_per_sync']:+.4f}x model; limit {flat['limit_mib_per_sync']:.2f} MiB/sync)")
     return {"rss_before_sync_mib": rss, "rise_during_sync_mib": rise, "sync_seconds": seconds,
+            "engine_heap_before_sync": heap,
             "step_seconds": step_seconds, "load_avg_1min": load,
             "growth_mib": {p: v[-1] - statistics.median(v[:3]) for p, v in rss.items()},
             "max_rise_during_sync_x_model": {p: max(v) * MiB / model_bytes for p, v in rise.items()},

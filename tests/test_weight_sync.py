@@ -89,7 +89,7 @@ def test_replay_refuses_weights_the_trainer_no_longer_has():
 _MAPPED_PROBE = """
 import ctypes, sys
 import torch
-from megatron_sortedrl.trainer.worker import HOST_MMAP_THRESHOLD, fix_host_mmap_threshold, trim_host_heap
+from megatron_sortedrl.host_heap import HOST_MMAP_THRESHOLD, fix_host_mmap_threshold, trim_host_heap
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -97,6 +97,9 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "extension":  # what vLLM does in its worker process before the model loads
+    import megatron_sortedrl.rollout.worker_extension as ext
+    assert ext.HOST_MMAP_FIXED
 x = torch.empty(8 << 20, dtype=torch.uint8)  # a mapped block freed: glibc raises its threshold to 8 MiB
 del x
 if sys.argv[1] == "fixed":
@@ -114,7 +117,7 @@ print(out)
 
 
 def test_large_host_blocks_are_mapped_and_returned_on_free():
-    """The trainer ranks' allocator policy: blocks of 1 MiB and more get their own mapping (glibc), so freeing
+    """The trainer ranks' and the vLLM workers' allocator policy: blocks of 1 MiB and more get their own mapping (glibc), so freeing
     them returns the pages at once instead of leaving them in a heap that fragments from sync to sync. Run in
     a fresh process: a heap that already holds large free chunks serves from them whatever the threshold."""
     import ast
@@ -130,6 +133,8 @@ def test_large_host_blocks_are_mapped_and_returned_on_free():
         return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
     assert probe("fixed") == [(True, True)] * 3  # mapped, and unmapped on free
+    # the engine's vLLM worker process gets the same policy from importing the worker extension
+    assert probe("extension") == [(True, True)] * 3
     # glibc's own policy (the drift's cause): after the 8 MiB free, blocks below 8 MiB come from the heap
     assert [mapped for mapped, _ in probe("default")] == [False, False, True]
 
