@@ -138,7 +138,7 @@ def sync_processes(group, pool) -> dict[str, int]:
 
 
 def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
-               only: tuple[str, ...] = ("push", "via_driver"), model_bytes: int = 0) -> dict:
+               only: tuple[str, ...] = ("push", "via_driver"), model_bytes: int = 0, unit: int = 0) -> dict:
     import ray
 
     from megatron_sortedrl.config import RunConfig
@@ -174,6 +174,10 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
                 print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  "
                       f"total rise {sum(rows[name][-1]['rise'].values()) / report.bytes:5.2f}x model", flush=True)
         growth = train_and_sync(group, pool, procs, cycles, model_bytes) if cycles else None
+        if growth is not None:
+            growth["push_bound"] = check_push_bounds(growth["rise_during_sync_mib"], unit or bucket_bytes, PUSH_SLACK)
+            print(f"push rise within own shard + two buckets ({2 * (unit or bucket_bytes) / MiB:.0f} MiB + slack): "
+                  f"{growth['push_bound']['within']} {growth['push_bound']['max_rise_mib']}", flush=True)
         return {"tp": tp, "pp": pp, "processes": sorted(procs), "variants": {v: summarise(r) for v, r in rows.items()},
                 "cycles": growth, "raw": rows}
     finally:
@@ -265,6 +269,39 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes:
             **flat}
 
 
+def bucket_unit(bucket_bytes: int, largest_tensor_bytes: int) -> int:
+    """What "one bucket" honestly is: the packing buffer is `bucket_bytes`, or the largest HF tensor when that
+    is larger (such a tensor gets a bucket of its own, and the reused buffer grows to it)."""
+    return max(bucket_bytes, largest_tensor_bytes)
+
+
+def push_bounds(processes, unit: int) -> dict[str, int | None]:
+    """Bytes each process may hold beyond what it held before a push (its own shard): "own shard plus two
+    buckets". A stage sender holds the bucket being packed and one full HF tensor being assembled (at most
+    one bucket); its TP peers one piece of that tensor (at most their shard's part of it, counted as one
+    bucket); the driver and the engine actor hold no tensor (buckets pass through the object store and
+    /dev/shm, shared memory). The engine's vLLM processes: None, their rise is vLLM's own layerwise reload,
+    checked against the same reload fed from the driver (tests/test_weight_sync.py)."""
+    out: dict[str, int | None] = {}
+    for p in processes:
+        out[p] = 2 * unit if p.startswith("trainer") else (None if "_child" in p else 0)
+    return out
+
+
+def check_push_bounds(rise_mib: dict[str, list[float]], unit: int, slack: int) -> dict:
+    """The largest rise of each process over all pushes against `push_bounds` (+ `slack` for Python and RPC
+    churn); `within` is True when every bounded process stays inside."""
+    bounds = push_bounds(rise_mib, unit)
+    worst = {p: max(v) for p, v in rise_mib.items()}
+    ok = {p: worst[p] * MiB <= b + slack for p, b in bounds.items() if b is not None}
+    return {"bucket_unit_mib": unit / MiB, "slack_mib": slack / MiB,
+            "bound_mib": {p: (None if b is None else b / MiB) for p, b in bounds.items()},
+            "max_rise_mib": worst, "within_by_process": ok, "within": all(ok.values())}
+
+
+PUSH_SLACK = 16 * MiB  # measured: a process that holds no tensor during a push rises by < 2 MiB
+
+
 def _mmm(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -349,6 +386,7 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        largest = max(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 4
     t0 = time.time()
     load0 = os.getloadavg()
     layouts = []
@@ -356,11 +394,11 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         tp, pp = (int(x) for x in spec.split("x"))
         cycles = args.cycles if i == len(args.layouts) - 1 else 0
         layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles,
-                                  tuple(args.variants), n_params * 4))
+                                  tuple(args.variants), n_params * 4, bucket_unit(args.bucket_mib * MiB, largest)))
     result = {
         "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32", "hidden": args.hidden,
                   "layers": args.layers, "intermediate": args.intermediate},
-        "bucket_bytes": args.bucket_mib * MiB, "repeats": args.repeats, "engines": 1,
+        "bucket_bytes": args.bucket_mib * MiB, "largest_tensor_bytes": largest, "repeats": args.repeats, "engines": 1,
         "layouts": layouts,
         "before_quoted": BEFORE_QUOTED,
         "planner_estimate_32b": planner_estimate_32b or estimate_32b_sync(),

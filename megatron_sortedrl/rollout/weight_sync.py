@@ -161,6 +161,7 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
             buf[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
         meta.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
         used = off + nbytes
+        del tensor, t  # before the next is produced: a trainer sender's full tensor is freed, not held twice
     if buf is not None:
         yield buf[:used], meta
 
