@@ -22,7 +22,9 @@ Medians with min and max over repeats.
 With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
 process's RSS before each sync and its rise during it. Memory must stay flat from sync to sync: `flat` is
 true when, for every process, the Theil-Sen slope over syncs 3..N is below 0.2% of the model's bytes
-per sync (`FLAT_SLOPE_X_MODEL`); the slopes are written beside it.
+per sync (`FLAT_SLOPE_X_MODEL`); the slopes are written beside it. `push_bound` checks each process's
+largest rise during those pushes against "own shard plus two buckets" (`push_bounds`), and
+`engine_heap_before_sync` holds the vLLM worker's mallinfo2 before each sync.
 The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
 under `before_quoted`. `planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
 (`megatron_sortedrl.plan.engine.weight_sync_estimate`), so the CPU rate can be read against it.
