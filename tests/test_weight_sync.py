@@ -173,7 +173,7 @@ def test_push_bound_is_own_shard_plus_two_buckets():
 def test_stage_senders_send_exactly_the_exported_tensors(tmp_path):
     """The stage senders' point-to-point assembly (fused q/k/v and gate/up split before anything moves, row
     tensors assembled transposed, the vocabulary's padding rows left out) gives bit for bit the tensors of the
-    whole-model export, at TP2 with q/k/v biases, an untied output layer and a vocabulary TP does not
+    whole-model export, at TP2 x PP2 with q/k/v biases, an untied output layer and a vocabulary TP does not
     divide. The engine here only records the packed buckets it is sent (no vLLM: the sender is under test)."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("megatron.core")
@@ -210,7 +210,7 @@ def test_stage_senders_send_exactly_the_exported_tensors(tmp_path):
     try:
         cfg = RunConfig()
         cfg.model.path, cfg.cluster.device = str(tmp_path / "qwen"), "cpu"
-        cfg.parallel.tensor_model_parallel_size = 2  # (PP2 is covered by the slow test below, against vLLM)
+        cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 2
         group = TrainerGroup(cfg, num_cpus_per_rank=0.5)
         engine = RecordingEngine.options(num_cpus=0).remote()
         stats = group.push_weights([engine], bucket_bytes=4096, max_buckets_in_flight=2)
