@@ -22,7 +22,9 @@ Medians with min and max over repeats.
 With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
 process's RSS before each sync and its rise during it. Memory must stay flat from sync to sync: `flat` is
 true when, for every process, the Theil-Sen slope over syncs 3..N is below 0.2% of the model's bytes
-per sync (`FLAT_SLOPE_X_MODEL`); the slopes are written beside it.
+per sync (`FLAT_SLOPE_X_MODEL`); the slopes are written beside it. `push_bound` checks each process's
+largest rise during those pushes against "own shard plus two buckets" (`push_bounds`), and
+`engine_heap_before_sync` holds the vLLM worker's mallinfo2 before each sync.
 The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
 under `before_quoted`. `planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
 (`megatron_sortedrl.plan.engine.weight_sync_estimate`), so the CPU rate can be read against it.
@@ -138,7 +140,7 @@ def sync_processes(group, pool) -> dict[str, int]:
 
 
 def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
-               only: tuple[str, ...] = ("push", "via_driver"), model_bytes: int = 0) -> dict:
+               only: tuple[str, ...] = ("push", "via_driver"), model_bytes: int = 0, unit: int = 0) -> dict:
     import ray
 
     from megatron_sortedrl.config import RunConfig
@@ -174,6 +176,10 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
                 print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  "
                       f"total rise {sum(rows[name][-1]['rise'].values()) / report.bytes:5.2f}x model", flush=True)
         growth = train_and_sync(group, pool, procs, cycles, model_bytes) if cycles else None
+        if growth is not None:
+            growth["push_bound"] = check_push_bounds(growth["rise_during_sync_mib"], unit or bucket_bytes, PUSH_SLACK)
+            print(f"push rise within own shard + two buckets ({2 * (unit or bucket_bytes) / MiB:.0f} MiB + slack): "
+                  f"{growth['push_bound']['within']} {growth['push_bound']['max_rise_mib']}", flush=True)
         return {"tp": tp, "pp": pp, "processes": sorted(procs), "variants": {v: summarise(r) for v, r in rows.items()},
                 "cycles": growth, "raw": rows}
     finally:
@@ -220,6 +226,13 @@ def flatness(rss_mib: dict[str, list[float]], model_bytes: int, warmup: int = FL
             "flat": all(v < FLAT_SLOPE_X_MODEL for v in x_model.values())}
 
 
+def engine_heap_info(pool) -> list[dict]:
+    """mallinfo2 (bytes) of every vLLM worker process of every engine (`RolloutWorkerExtension.msrl_heap_info`)."""
+    import ray
+
+    return [info for s in pool.slots for info in ray.get(s.actor.rpc.remote("msrl_heap_info"))]
+
+
 def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes: int) -> dict:
     """`cycles` x (one optimizer step, one push sync): private memory of every process before each sync, and its
     rise during the sync (sampled every 20 ms).
@@ -231,10 +244,12 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes:
     rss: dict[str, list[float]] = {p: [] for p in procs}
     rise: dict[str, list[float]] = {p: [] for p in procs}
     seconds, step_seconds, load = [], [], []
+    heap: list[list[dict]] = []  # the engine's vLLM workers' mallinfo2 before each sync (what a drift is made of)
     for k in range(cycles):
         t0 = time.monotonic()
         group.sft_step(pairs)
         step_seconds.append(time.monotonic() - t0)
+        heap.append(engine_heap_info(pool))
         report, mem = measure(procs, lambda: pool.sync_weights(group, version=pool.version + 1), interval_s=0.02)
         for p, m in mem["processes"].items():
             rss[p].append(m["anon_before"] / MiB)
@@ -242,15 +257,51 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes:
         seconds.append(report.seconds)
         load.append(os.getloadavg()[0])
         print(f"cycle {k + 1:2d}: step {step_seconds[-1]:5.1f} s, sync {report.seconds:5.2f} s, before the sync "
-              + " ".join(f"{p}={rss[p][-1]:.0f}" for p in procs if not p.endswith("child0")) + " MiB", flush=True)
+              + " ".join(f"{p}={rss[p][-1]:.0f}" for p in procs if not p.endswith("child0")) + " MiB; vLLM heap "
+              + " ".join(f"[in use {h['uordblks'] / MiB:.0f}, free {h['fordblks'] / MiB:.0f}, mapped "
+                         f"{h['hblkhd'] / MiB:.0f} MiB]" for h in heap[-1] if "uordblks" in h), flush=True)
     flat = flatness(rss, model_bytes)
     print(f"flat: {flat['flat']} (worst slope {flat['worst']['process']} {flat['worst']['mib_per_sync']:+.2f} MiB/sync "
           f"= {flat['worst']['x_model_per_sync']:+.4f}x model; limit {flat['limit_mib_per_sync']:.2f} MiB/sync)")
     return {"rss_before_sync_mib": rss, "rise_during_sync_mib": rise, "sync_seconds": seconds,
+            "engine_heap_before_sync": heap,
             "step_seconds": step_seconds, "load_avg_1min": load,
             "growth_mib": {p: v[-1] - statistics.median(v[:3]) for p, v in rss.items()},
             "max_rise_during_sync_x_model": {p: max(v) * MiB / model_bytes for p, v in rise.items()},
             **flat}
+
+
+def bucket_unit(bucket_bytes: int, largest_tensor_bytes: int) -> int:
+    """What "one bucket" honestly is: the packing buffer is `bucket_bytes`, or the largest HF tensor when that
+    is larger (such a tensor gets a bucket of its own, and the reused buffer grows to it)."""
+    return max(bucket_bytes, largest_tensor_bytes)
+
+
+def push_bounds(processes, unit: int) -> dict[str, int | None]:
+    """Bytes each process may hold beyond what it held before a push (its own shard): "own shard plus two
+    buckets". A stage sender holds the bucket being packed and one full HF tensor being assembled (at most
+    one bucket); its TP peers one piece of that tensor (at most their shard's part of it, counted as one
+    bucket); the driver and the engine actor hold no tensor (buckets pass through the object store and
+    /dev/shm, shared memory). The engine's vLLM processes: None, their rise is vLLM's own layerwise reload,
+    checked against the same reload fed from the driver (tests/test_weight_sync.py)."""
+    out: dict[str, int | None] = {}
+    for p in processes:
+        out[p] = 2 * unit if p.startswith("trainer") else (None if "_child" in p else 0)
+    return out
+
+
+def check_push_bounds(rise_mib: dict[str, list[float]], unit: int, slack: int) -> dict:
+    """The largest rise of each process over all pushes against `push_bounds` (+ `slack` for Python and RPC
+    churn); `within` is True when every bounded process stays inside."""
+    bounds = push_bounds(rise_mib, unit)
+    worst = {p: max(v) for p, v in rise_mib.items()}
+    ok = {p: worst[p] * MiB <= b + slack for p, b in bounds.items() if b is not None}
+    return {"bucket_unit_mib": unit / MiB, "slack_mib": slack / MiB,
+            "bound_mib": {p: (None if b is None else b / MiB) for p, b in bounds.items()},
+            "max_rise_mib": worst, "within_by_process": ok, "within": all(ok.values())}
+
+
+PUSH_SLACK = 16 * MiB  # measured: a process that holds no tensor during a push rises by < 2 MiB
 
 
 def _mmm(xs: list[float]) -> dict[str, float]:
@@ -337,6 +388,7 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        largest = max(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 4
     t0 = time.time()
     load0 = os.getloadavg()
     layouts = []
@@ -344,11 +396,11 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         tp, pp = (int(x) for x in spec.split("x"))
         cycles = args.cycles if i == len(args.layouts) - 1 else 0
         layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles,
-                                  tuple(args.variants), n_params * 4))
+                                  tuple(args.variants), n_params * 4, bucket_unit(args.bucket_mib * MiB, largest)))
     result = {
         "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32", "hidden": args.hidden,
                   "layers": args.layers, "intermediate": args.intermediate},
-        "bucket_bytes": args.bucket_mib * MiB, "repeats": args.repeats, "engines": 1,
+        "bucket_bytes": args.bucket_mib * MiB, "largest_tensor_bytes": largest, "repeats": args.repeats, "engines": 1,
         "layouts": layouts,
         "before_quoted": BEFORE_QUOTED,
         "planner_estimate_32b": planner_estimate_32b or estimate_32b_sync(),

@@ -89,7 +89,7 @@ def test_replay_refuses_weights_the_trainer_no_longer_has():
 _MAPPED_PROBE = """
 import ctypes, sys
 import torch
-from megatron_sortedrl.trainer.worker import HOST_MMAP_THRESHOLD, fix_host_mmap_threshold, trim_host_heap
+from megatron_sortedrl.host_heap import HOST_MMAP_THRESHOLD, fix_host_mmap_threshold, trim_host_heap
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -97,6 +97,9 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "extension":  # what vLLM does in its worker process before the model loads
+    import megatron_sortedrl.rollout.worker_extension as ext
+    assert ext.HOST_MMAP_FIXED
 x = torch.empty(8 << 20, dtype=torch.uint8)  # a mapped block freed: glibc raises its threshold to 8 MiB
 del x
 if sys.argv[1] == "fixed":
@@ -114,7 +117,7 @@ print(out)
 
 
 def test_large_host_blocks_are_mapped_and_returned_on_free():
-    """The trainer ranks' allocator policy: blocks of 1 MiB and more get their own mapping (glibc), so freeing
+    """The trainer ranks' and the vLLM workers' allocator policy: blocks of 1 MiB and more get their own mapping (glibc), so freeing
     them returns the pages at once instead of leaving them in a heap that fragments from sync to sync. Run in
     a fresh process: a heap that already holds large free chunks serves from them whatever the threshold."""
     import ast
@@ -130,6 +133,8 @@ def test_large_host_blocks_are_mapped_and_returned_on_free():
         return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
     assert probe("fixed") == [(True, True)] * 3  # mapped, and unmapped on free
+    # the engine's vLLM worker process gets the same policy from importing the worker extension
+    assert probe("extension") == [(True, True)] * 3
     # glibc's own policy (the drift's cause): after the 8 MiB free, blocks below 8 MiB come from the heap
     assert [mapped for mapped, _ in probe("default")] == [False, False, True]
 
@@ -148,12 +153,89 @@ def test_flatness_rule_sees_drift_not_noise():
     assert flatness({"engine": noisy}, model)["flat"]
 
 
+def test_push_bound_is_own_shard_plus_two_buckets():
+    from benchmarks.weight_sync import bucket_unit, check_push_bounds, push_bounds
+
+    unit = bucket_unit(16 * MiB, 24 * MiB)  # a tensor larger than the bucket gets a bucket of its own
+    assert unit == 24 * MiB
+    bounds = push_bounds(["driver", "trainer0", "trainer1", "engine0_actor", "engine0_child0"], unit)
+    assert bounds == {"driver": 0, "trainer0": 48 * MiB, "trainer1": 48 * MiB, "engine0_actor": 0,
+                      "engine0_child0": None}
+    ok = check_push_bounds({"trainer0": [30.0, 60.0], "driver": [1.0], "engine0_child0": [500.0]}, unit, 16 * MiB)
+    assert ok["within"] and ok["max_rise_mib"]["trainer0"] == 60.0
+    # the first stage senders' hold at 252M (gathered gate+up, a staging copy, the split tensors: ~150 MiB)
+    assert not check_push_bounds({"trainer0": [150.0]}, unit, 16 * MiB)["within"]
+
+
 # ------------------------------------------------------------------------------------------ integration
 
 
-# A model of ~100 MiB (float32) so a whole-model copy is ~20x a bucket and plainly visible above noise.
-BIG = {"hidden_size": 512, "num_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
-       "intermediate_size": 1536, "max_position_embeddings": 256, "seed": 7}
+def test_stage_senders_send_exactly_the_exported_tensors(tmp_path):
+    """The stage senders' point-to-point assembly (fused q/k/v and gate/up split before anything moves, row
+    tensors assembled transposed, the vocabulary's padding rows left out) gives bit for bit the tensors of the
+    whole-model export, at TP2 x PP2 with q/k/v biases, an untied output layer and a vocabulary TP does not
+    divide. The engine here only records the packed buckets it is sent (no vLLM: the sender is under test)."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("megatron.core")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen2Config(vocab_size=127, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    Qwen2ForCausalLM(hf_cfg).save_pretrained(tmp_path / "qwen")
+
+    @ray.remote
+    class RecordingEngine:
+        def __init__(self):
+            self.got: dict[str, torch.Tensor] = {}
+
+        def load_packed_bucket(self, flat, meta) -> int:
+            buf = torch.from_numpy(flat.copy())
+            for name, t in unpack_tensors(buf, meta):
+                assert name not in self.got, name
+                self.got[name] = t.clone()
+            return len(meta)
+
+        def tensors(self) -> dict[str, torch.Tensor]:
+            return self.got
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    group = None
+    try:
+        cfg = RunConfig()
+        cfg.model.path, cfg.cluster.device = str(tmp_path / "qwen"), "cpu"
+        cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 2
+        group = TrainerGroup(cfg, num_cpus_per_rank=0.5)
+        engine = RecordingEngine.options(num_cpus=0).remote()
+        stats = group.push_weights([engine], bucket_bytes=4096, max_buckets_in_flight=2)
+        got = ray.get(engine.tensors.remote())
+        ref = group.export_hf_weights()
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()
+    assert "lm_head.weight" in got and "model.layers.1.self_attn.k_proj.bias" in got
+    assert set(got) == set(ref) and stats["num_tensors"] == len(ref)
+    bad = [n for n in ref if got[n].shape != ref[n].shape or not torch.equal(got[n], ref[n])]
+    assert not bad, bad
+    assert got["model.embed_tokens.weight"].shape[0] == 127  # no padding row sent
+
+
+
+
+# A model of ~110 MiB (float32), so a whole-model copy is ~14 buckets, with a wide MLP: its fused gate+up
+# (16 MiB) is twice the largest HF tensor (8 MiB), so a sender that held the gathered fused weight, a
+# collective's staging copy and the split tensors (3 x 16 MiB, as the first stage senders did) would break
+# the two-bucket bound (2 x 8 MiB) by more than the slack.
+BIG = {"hidden_size": 512, "num_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+       "intermediate_size": 4096, "max_position_embeddings": 256, "seed": 7}
 BUCKET = 4 * MiB
 # Per-process slack over the bound: Python/allocator/Ray-RPC churn. Measured on this machine, private memory
 # of a process that holds no tensor data during a sync (the driver, the engine actor) rises by < 2 MiB.
@@ -187,7 +269,13 @@ def test_stage_senders_push_with_bounded_memory(tmp_path):
     pytest.importorskip("vllm")
     pytest.importorskip("megatron.core")
     ray = pytest.importorskip("ray")
-    from benchmarks.weight_sync import measure, object_store_bytes, sync_processes
+    from benchmarks.weight_sync import (
+        bucket_unit,
+        measure,
+        object_store_bytes,
+        push_bounds,
+        sync_processes,
+    )
     from megatron_sortedrl.config import TinyModelConfig
     from megatron_sortedrl.rollout import PoolOptions, RolloutPool
     from megatron_sortedrl.tiny_model import build_tiny_model
@@ -231,21 +319,22 @@ def test_stage_senders_push_with_bounded_memory(tmp_path):
         for n, m in mem["processes"].items():
             print(f"  {n:14s} {m['anon_before'] / MiB:10.1f} MiB  {rise[n] / MiB:+8.1f} MiB ({rise[n] / model_bytes:5.2f}x)"
                   f"  {ref_rise[n] / MiB:+8.1f} MiB  {m['hwm_rise'] / MiB:+8.1f} MiB")
-        assert report.bytes == model_bytes and report.num_buckets >= model_bytes // BUCKET
-        # The bound on private memory: a stage sender holds one weight's gathered shards and its full tensor
-        # (2 x largest) and the bucket being packed (the two in flight live in the object store); its TP peer
-        # one contiguous shard; the driver and the engine actor (it reads buckets zero-copy from the store and
-        # writes them to /dev/shm) hold no tensor. The engine's vLLM process pays vLLM's own layerwise reload,
-        # whatever the transport: bounded by what the driver-side path costs it, plus one mapped bucket.
-        senders = {0, 2}  # TP rank 0 of each stage: Megatron numbers the TP ranks of a stage next to each other
-        for n in procs:
-            if n.startswith("trainer"):
-                bound = BUCKET + 2 * largest if int(n.removeprefix("trainer")) in senders else largest
-            elif n.startswith("engine0_child"):
+        # The bound on private memory, "own shard plus two buckets" (`benchmarks.weight_sync.push_bounds`), with
+        # one bucket = max(bucket bytes, largest HF tensor): a stage sender holds the bucket being packed and
+        # the one HF tensor being assembled (fused weights are split before anything moves); a TP peer one
+        # piece of that tensor; the driver and the engine actor (it reads buckets zero-copy from the store and
+        # writes them to /dev/shm) hold no tensor. The buckets in flight live in the object store (shared).
+        # The engine's vLLM process pays vLLM's own layerwise reload, whatever the transport: bounded by what
+        # the driver-side path costs it, plus one mapped bucket.
+        unit = bucket_unit(BUCKET, largest)
+        assert unit == largest == 8 * MiB  # the gate (or up) projection; gate+up fused would be 16 MiB
+        assert report.bytes == model_bytes and report.num_buckets >= model_bytes // unit
+        for n, bound in push_bounds(procs, unit).items():
+            if bound is None:
                 bound = max(ref_rise[n], 0) + BUCKET
-            else:
-                bound = 0
             assert rise[n] <= bound + SLACK, (n, rise[n], bound)
+        senders = ("trainer0", "trainer2")  # TP rank 0 of each stage: a stage's TP ranks are numbered together
+        assert max(rise[n] for n in senders) <= 2 * unit + SLACK < 3 * 2 * unit  # the old sender's hold
         for n in procs:  # no process other than the engine's own reload comes near a whole-model copy
             if not n.startswith("engine0_child"):
                 assert rise[n] < model_bytes / 4, (n, rise[n])

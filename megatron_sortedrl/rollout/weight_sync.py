@@ -7,10 +7,12 @@
 Topology (the usual call). The source is a `WeightPusher` (`trainer.group.TrainerGroup`): the pool
 pauses the engines (`begin_weight_update`), hands the engine actor handles to the trainer, and finishes
 with the version. Inside the trainer one *sender per pipeline stage* (TP rank 0 of DP replica 0) gathers
-its stage's TP shards tensor by tensor (a gather on that stage's TP group only; other DP replicas do
+its stage's TP shards tensor by tensor (point to point on that stage's TP group only; other DP replicas do
 nothing), packs them into buckets and sends each bucket straight to every engine. No process, the driver
-included, ever holds the whole model: a sender holds its own shard plus the bucket being packed plus at
-most `max_buckets_in_flight` (2) buckets on their way.
+included, ever holds the whole model: a sender holds its own shard plus the bucket being packed plus the
+one HF tensor being assembled (fused weights are split first, see `trainer.weights.iter_stage_hf_weights`),
+i.e. two buckets when a bucket is max(`bucket_bytes`, largest HF tensor); at most `max_buckets_in_flight`
+(2) more are on their way in the object store (shared memory, not the sender's).
 
 Packed buckets. A bucket is one flat contiguous uint8 buffer plus a small metadata list of
 `(name, dtype, shape, offset)` (`pack_tensors` / `unpack_tensors`); offsets are 64-byte aligned so every
@@ -161,6 +163,7 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
             buf[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
         meta.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
         used = off + nbytes
+        del tensor, t  # before the next is produced: a trainer sender's full tensor is freed, not held twice
     if buf is not None:
         yield buf[:used], meta
 

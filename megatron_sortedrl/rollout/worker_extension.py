@@ -22,6 +22,12 @@ be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted 
 GPU: `msrl_nccl_init` joins the trainer->engines NCCL group (stage senders first, then engine GPUs) and
 `msrl_nccl_receive` takes one broadcast bucket into a flat GPU buffer, then loads it the same way.
 
+Host memory: importing this module fixes glibc's mmap threshold (`host_heap.fix_host_mmap_threshold`) in
+the process that imports it. vLLM imports it in each worker process when it builds the Worker
+(`WorkerWrapperBase.init_worker` resolves `worker_extension_cls` before the model loads), so the engine's
+weight loads map their large blocks and return them on free instead of fragmenting the heap from sync to
+sync; `msrl_finish_weight_update` trims the heap once the whole load is done (`msrl_heap_info` reports it).
+
 Deliberately left out: CUDA IPC; the single-sender GPU path for (name, tensor) sources uses vLLM's own
 `weight_transfer_config`, driven by `weight_sync.GpuWeightSync`.
 """
@@ -33,6 +39,12 @@ import importlib
 from typing import Any
 
 import torch
+
+from megatron_sortedrl.host_heap import fix_host_mmap_threshold, heap_info, trim_host_heap
+
+# At import, i.e. in vLLM's worker process before its model loads (see the module docstring): the policy
+# only holds for blocks freed after it is set.
+HOST_MMAP_FIXED = fix_host_mmap_threshold()
 
 OPTIONAL_MIXINS = ("speculative.vllm_extension.HistoSpecWorkerMixin",)
 
@@ -123,6 +135,15 @@ class WeightSyncExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
+        # Nothing of the load is live now: hand the heap's free pages back (the layerwise reload's small
+        # chunks; large blocks are mapped and already returned).
+        trim_host_heap()
+
+    def msrl_heap_info(self) -> dict:
+        """This worker process's allocator state: pid, whether the mmap threshold is fixed, mallinfo2 bytes."""
+        import os
+
+        return {"pid": os.getpid(), "mmap_fixed": HOST_MMAP_FIXED, **(heap_info() or {})}
 
     def msrl_weights_digest(self) -> str:
         """A hash of this rank's parameters (kernel layout), to check that two syncs loaded the same bytes."""

@@ -300,39 +300,81 @@ def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False) -> lis
     return plan
 
 
+def _hf_pieces(local: torch.Tensor, layout: str, arch, tp: int, rank: int) -> list[tuple[torch.Tensor, bool]]:
+    """This TP rank's part of each HF tensor of one table row: (piece, transposed), in HF-name order.
+
+    Every piece is a block of rows of its HF tensor (of its transpose when `transposed`: the `row` layout,
+    split along dim 1), and the pieces of ranks 0..tp-1 stacked along dim 0 give the whole tensor. Views
+    where possible (`column`, `vocab`, `gate_up`, `row`); copies of this rank's shard size for `qkv`."""
+    if layout == "column":
+        return [(local, False)]
+    if layout == "row":
+        return [(local.t(), True)]
+    if layout == "vocab":  # the padding rows of the last ranks are not part of the HF tensor
+        rows = local.shape[0]
+        valid = max(0, min(rows, arch.vocab_size - rank * rows))
+        return [(local[:valid], False)]
+    if layout == "gate_up":
+        gate, up = local.chunk(2, dim=0)
+        return [(gate, False), (up, False)]
+    if layout == "qkv":
+        qpg, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
+        grouped = local.reshape(arch.num_kv_heads // tp, (qpg + 2) * hd, *local.shape[1:])
+        q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
+        return [(t.reshape(-1, *local.shape[1:]), False) for t in (q, k, v)]
+    raise ValueError(f"unknown layout {layout}")
+
+
 def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's full HF tensors, yielded on the stage's TP rank 0 only (its stage sender).
 
     A collective on this stage's TP group alone: every TP rank of the stage must iterate it to the end (the
-    others yield nothing); other stages and other DP replicas take no part. Shards are gathered to TP rank 0
-    one tensor at a time, so the sender holds at most one gathered tensor beside its own shard."""
+    others yield nothing); other stages and other DP replicas take no part. One HF tensor at a time: fused
+    Megatron weights (q/k/v, gate/up) are split into their HF tensors *before* anything moves, each TP peer
+    sends its rows of that one HF tensor (point to point), and the sender receives them straight into the
+    full tensor (a `row`-layout tensor is assembled transposed, so every received block is contiguous, and
+    yielded as a transposed view). So beside its own shard the sender holds one full HF tensor and nothing
+    else (no gathered fused weight, no collective's staging buffer, no concatenated copy), and a peer at
+    most one piece of its own shard's size. The tensor yielded is reused memory only in the sense that the
+    next one is allocated after the caller has copied it out (`iter_packed` does so at once)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     tp_group = ps.get_tensor_model_parallel_group()
-    sender = tp == 1 or ps.get_tensor_model_parallel_rank() == 0
-    dst = dist.get_process_group_ranks(tp_group)[0] if tp > 1 else None
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
+    ranks = dist.get_process_group_ranks(tp_group) if tp > 1 else [None]
+    sender = tp_rank == 0
     params = _local_params(model)
     out_dtype = dtype or next(iter(params.values())).dtype
+    shapes = hf_shapes(arch)
     plan = stage_export_plan(arch, ps.get_pipeline_model_parallel_world_size(),
                              ps.get_pipeline_model_parallel_rank(), use_te=use_te)
     for local_name, layout, names in plan:
         local = params[local_name].detach()
-        if tp > 1 and layout != "replicated":
-            local = local.contiguous()
-            gathered = [torch.empty_like(local) for _ in range(tp)] if sender else None
-            dist.gather(local, gathered, dst=dst, group=tp_group)
-        else:
-            gathered = [local] * tp
-        if not sender:
+        if layout == "replicated" or tp == 1:
+            if sender:
+                fulls = [local] if layout == "replicated" else [
+                    p.t() if transposed else p for p, transposed in _hf_pieces(local, layout, arch, 1, 0)]
+                for n, t in zip(names, fulls):
+                    yield n, t.to(out_dtype)
             continue
-        fulls = shards_to_full(gathered, layout, arch)
-        del gathered
-        for n, t in zip(names, fulls):
-            yield n, t.to(out_dtype)
-        del fulls
+        for k, (piece, transposed) in enumerate(_hf_pieces(local, layout, arch, tp, tp_rank)):
+            if not sender:
+                if piece.numel():  # (a vocab piece of padding rows only is not sent)
+                    dist.send(piece.contiguous(), dst=ranks[0], group=tp_group)
+                continue
+            shape = shapes[names[k]]
+            full = torch.empty(shape[::-1] if transposed else shape, dtype=local.dtype, device=local.device)
+            per = piece.shape[0] if layout != "vocab" else local.shape[0]  # rows of every rank's piece
+            full.narrow(0, 0, piece.shape[0]).copy_(piece)
+            for r in range(1, tp):
+                rows = min(per, full.shape[0] - r * per)
+                if rows > 0:
+                    dist.recv(full.narrow(0, r * per, rows), src=ranks[r], group=tp_group)
+            yield names[k], (full.t() if transposed else full).to(out_dtype)
+            del full
 
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

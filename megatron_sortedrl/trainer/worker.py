@@ -27,6 +27,7 @@ from functools import partial
 import torch
 
 from megatron_sortedrl import algorithms as A
+from megatron_sortedrl.host_heap import fix_host_mmap_threshold, trim_host_heap  # allocator policy: see there
 from megatron_sortedrl.trainer import cpu_compat
 from megatron_sortedrl.trainer.stream import StreamTrainingMixin
 from megatron_sortedrl.trainer.logprobs import (
@@ -38,53 +39,6 @@ from megatron_sortedrl.trainer.logprobs import (
 )
 
 METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
-
-
-# Host allocations of at least this size get their own mapping, returned to the OS when freed (see below).
-HOST_MMAP_THRESHOLD = 1 << 20
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c"))
-    except (OSError, TypeError):
-        return None
-
-
-def fix_host_mmap_threshold(nbytes: int = HOST_MMAP_THRESHOLD) -> bool:
-    """Makes every host allocation of at least `nbytes` a mapping of its own (glibc `mallopt`); False elsewhere.
-
-    Why: glibc raises its mmap threshold (up to 32 MiB) whenever a mapped block is freed, so after the first
-    step the 1-32 MiB tensors (a sync's gathered shards and packing buffer, activations, gradients) come
-    from the heap, which keeps freed pages and fragments as sizes change from call to call. Measured over
-    14 train+sync cycles at TP2 x PP2 with a 252M model, the bytes in use (mallinfo2) stayed within 2 MiB
-    while the heap's free bytes grew from ~100 MiB to 200-550 MiB per rank: that was all of the drift. A
-    fixed threshold switches the raise off; large blocks are unmapped on free. Cost: one mmap/munmap and
-    fresh page faults per large allocation. Call it before large blocks are freed: a heap that already
-    holds large free chunks serves from them whatever the threshold (hence first thing in `setup`)."""
-    M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-    libc = _libc()
-    try:
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes)))
-    except AttributeError:
-        return False  # not glibc: its allocator keeps its own policy
-
-
-def trim_host_heap() -> None:
-    """Gives the heap's free pages back to the OS (glibc `malloc_trim`; nothing elsewhere).
-
-    Called after each optimizer step. With large blocks mapped (`fix_host_mmap_threshold`) only small chunks
-    remain in the heap; their free pages still grew by ~3 MiB per train+sync cycle on every rank. Trimming
-    here, not after a push, keeps a push's rise to what it holds live: a trim after the push made every push
-    touch fresh heap pages again while large blocks still came from the heap."""
-    libc = _libc()
-    try:
-        libc.malloc_trim(0)
-    except AttributeError:
-        pass
 
 
 def on_gpu(cfg) -> bool:
