@@ -48,6 +48,12 @@ class SchedulerConfig:
     layout_planner: str = field(
         default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker) | cost_model (the last two in `simulate` only; `train` refuses them)."}
     )
+    lookahead: bool = field(
+        default=False,
+        metadata={"help": "twotier (other policies ignore it), partial mode: an engine that has run out of the round's "
+                          "work starts the next round's prompts while the round waits for its tail (trained next round, "
+                          "staleness <= 1)."},
+    )
 
     def __post_init__(self) -> None:
         _one_of("scheduler.policy", self.policy, POLICIES)
@@ -64,6 +70,8 @@ class SchedulerConfig:
             raise ConfigError("scheduler.oversubscription", self.oversubscription, "a float >= 1.0")
         if not 0.0 < self.long_round_threshold <= 1.0:
             raise ConfigError("scheduler.long_round_threshold", self.long_round_threshold, "a float in (0, 1]")
+        if self.lookahead and (self.mode != "partial" or self.max_staleness < 1):
+            raise ConfigError("scheduler.lookahead", self.lookahead, "false unless mode=partial and max_staleness >= 1")
         if not 0.0 < self.predictor_quantile <= 1.0:
             raise ConfigError("scheduler.predictor_quantile", self.predictor_quantile, "a float in (0, 1]")
 

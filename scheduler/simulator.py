@@ -86,6 +86,7 @@ class SimEngine:
         self.running: list[_Seq] = []  # admission order (the last one is preempted first)
         self.preempted: deque[_Seq] = deque()
         self.ctx = 0  # KV tokens held by running sequences
+        self.ahead = False  # runs the next round's lookahead requests (took one while it had no round work)
         self.chunk = (0, 0.0)  # planned decode steps and their duration from t
         self.token = 0  # invalidates stale heap entries
 
@@ -155,6 +156,12 @@ class SimEngine:
             if not self.preempted:
                 # Take work from another worker's queue only when there is KV room to start it now.
                 req = self.sim.queues.pop(self.wid, steal=self.ctx < 0.9 * self.cap)
+                if (req is None and self.sim.ahead and (self.ahead or not self.running)
+                        and len(self.running) < self.sim.ahead_share):
+                    # Lookahead: only an engine with no round work left starts them, so the round's tail never
+                    # shares a batch with them; each takes its share in flight, so every engine that runs dry
+                    # finds some (an engine that filled all its slots would leave the last ones nothing).
+                    req, self.ahead = self.sim.ahead.popleft(), True
                 if req is None:
                     break
                 self.preempted.append(self.sim.start(self, req))
@@ -215,6 +222,8 @@ class Simulator:
         self.engines: list[SimEngine] = []
         self.layout: Layout | None = None
         self.queues = WorkerQueues(1)
+        self.ahead: deque[Request] = deque()  # the round's lookahead requests, longest predicted first
+        self.ahead_share = 0  # lookahead requests one engine runs at a time
         self.busy: list[bool] = []
         self.targets: dict[str, int] = {}  # sample id -> length the current attempt will reach
         self.attempts: dict[str, int] = {}
@@ -222,6 +231,8 @@ class Simulator:
         self.step = 0
         self.preemptions = 0
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
+        self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
+        self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
 
     # plumbing ---------------------------------------------------------------------------------------------
@@ -248,6 +259,7 @@ class Simulator:
         seq = _Seq(req, max(target, s.response_length + 1))
         if self.spec is not None:
             seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
+            self.by_prompt.setdefault(s.prompt_id, {})[sid] = seq
         self.where[sid] = engine
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
@@ -267,9 +279,32 @@ class Simulator:
         s.finish_time, s.worker_id = engine.t, engine.wid
         if self.spec is not None:
             self.spec.record(s.prompt_id, s.epoch, self.policy.version)
+            self.by_prompt.get(s.prompt_id, {}).pop(s.sample_id, None)
+            if self.spec.ship_sibling(s.prompt_id, s.epoch, self.policy.version) and self.by_prompt.get(s.prompt_id):
+                self.rerate.add(s.prompt_id)
         self.where.pop(s.sample_id, None)
         self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
         self.push(self.rewards.arrival(engine.t, s.sample_id), s)
+
+    def rerate_siblings(self) -> None:
+        """Sibling drafts: the running siblings of a just-finished response draft from it from the next engine
+        step on. Each engine holding one finishes its current step, then re-plans with the new rates."""
+        while self.rerate:
+            prompt = self.rerate.pop()
+            seqs = [seq for sid, seq in self.by_prompt.get(prompt, {}).items() if sid in self.where]
+            for engine in {id(self.where[q.req.sample.sample_id]): self.where[q.req.sample.sample_id] for q in seqs}.values():
+                engine.advance_to(self.clock.t, finish_step=True)  # may finish sequences (and queue more prompts)
+            touched = {}
+            for q in seqs:
+                sid = q.req.sample.sample_id
+                if sid not in self.where or q.gen >= q.target:
+                    continue
+                rate, pos = self.spec.rerate(prompt, sid, self.attempts[sid], self.policy.version)
+                if rate > q.rate:
+                    q.rate, q.pos = rate, pos
+                    touched[id(self.where[sid])] = self.where[sid]
+            for engine in touched.values():
+                engine.plan()
 
     # layout -----------------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout) -> None:
@@ -299,6 +334,8 @@ class Simulator:
         self.preemptions = 0
         self.heap = []
         self.queues.add(rnd.requests)
+        self.ahead = deque(rnd.lookahead)
+        self.ahead_share = math.ceil(len(rnd.lookahead) / max(1, len(self.engines)))
         for e in self.engines:
             e.t = t0 + self.sim.cluster.round_start_s
             e.admit()
@@ -311,10 +348,12 @@ class Simulator:
                 if token == engine.token:
                     self.clock.t = max(self.clock.t, t)
                     engine.on_event()
+                    self.rerate_siblings()
                 continue
             self.clock.t = max(self.clock.t, t)
             for sid in self.policy.on_sample_finished(item, self.clock):
                 self.abort(sid)
+            self.rerate_siblings()
         t_end = self.clock.t
         for e in self.engines:
             e.advance_to(t_end)
@@ -336,9 +375,11 @@ class Simulator:
                     self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
                     self.policy.on_sample_aborted(s, self.clock)
             e.running, e.preempted, e.ctx = [], deque(), 0
-        for req in self.queues.drain():
+        self.by_prompt, self.rerate = {}, set()
+        for req in self.queues.drain() + list(self.ahead):
             if req.sample.sample_id in wanted:
                 self.policy.on_sample_aborted(req.sample, self.clock)
+        self.ahead = deque()
         for e in self.engines:
             if self.busy[e.wid]:
                 self.emit("worker", "idle", t_end, worker=e.wid)
@@ -379,6 +420,8 @@ class Simulator:
                 self.policy.on_sample_aborted(s, self.clock)
                 return
         req = self.queues.remove(sample_id)
+        if req is None and (req := next((r for r in self.ahead if r.sample.sample_id == sample_id), None)):
+            self.ahead.remove(req)
         if req is not None:  # never started
             self.policy.on_sample_aborted(req.sample, self.clock)
 
