@@ -43,6 +43,9 @@ class ClusterCosts:
     engine_slowdown: list[float] = help_field("Per engine, a multiplier of its decode and prefill time (measured engines "
                                               "differ, e.g. on unevenly shared cores); engines past the list run at 1.",
                                               factory=list)
+    stream_training: bool = help_field("Stream training, colocated (scheduler/stream_sim.py): GPUs of engines that have "
+                                       "run out of the round's work compute the backward of finished samples the harvest "
+                                       "will train, while the tail still generates.", False)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:

@@ -28,8 +28,11 @@ HistoSpec (`<policy>+histospec`, `scheduler/speculation_model.py`): each request
 per engine step (expected tokens per target forward at its history's age) and a step verifies `pos`
 positions per sequence; without it both are 1 and the engine is the plain decoder above.
 
-Left out: asynchronous RL (overlapping rollout and training), stragglers and failures, and network
-contention during weight sync.
+Stream training, colocated (`cluster.stream_training`, `scheduler/stream_sim.py`): GPUs of engines with nothing
+left to run train the update's finished samples before the harvest; the train phase keeps the rest.
+
+Left out: asynchronous RL (overlapping rollout and training across updates), stragglers and failures, and
+network contention during weight sync.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
+from scheduler.stream_sim import stream_round
 from scheduler.workload import make_workload
 
 
@@ -87,6 +91,7 @@ class SimEngine:
         self.preempted: deque[_Seq] = deque()
         self.ctx = 0  # KV tokens held by running sequences
         self.ahead = False  # runs the next round's lookahead requests (took one while it had no round work)
+        self.idle_since: float | None = None  # since when it has had nothing to run (stream training uses its GPUs)
         self.chunk = (0, 0.0)  # planned decode steps and their duration from t
         self.token = 0  # invalidates stale heap entries
 
@@ -180,6 +185,10 @@ class SimEngine:
                     seq.first = False
                     self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id,
                                   tokens=seq.gen)
+        if self.running or self.preempted:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = self.t
         if self.running and not self.sim.busy[self.wid]:
             self.sim.busy[self.wid] = True
             self.sim.emit("worker", "busy", self.t, worker=self.wid)
@@ -387,8 +396,11 @@ class Simulator:
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
         c = self.sim.cluster
         update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
+        streamed = 0.0
         if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
-            self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
+            if c.stream_training:  # colocated stream training on the tail's idle GPUs (scheduler/stream_sim.py)
+                streamed = stream_round(self, h.batch, t_end)
+            self.phase("train", c.train_fixed_s + (tokens - streamed) / c.train_tokens_per_s)
             self.phase("sync", c.weight_sync_s)
             self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
         groups: dict[str, set] = {}
@@ -396,7 +408,7 @@ class Simulator:
             groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
-                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
+                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens, "streamed_tokens": streamed,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
