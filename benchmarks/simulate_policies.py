@@ -16,6 +16,11 @@ tails (configs/sim_qwen32b_128gpu.yaml). Writes docs/benchmarks/simulation_<scal
   `tail` with and without HistoSpec, rollout time by round kind (its long rounds run few sequences per
   engine). `--evidence-only` recomputes just that block into an existing JSON.
 
+    nice .venv/bin/python benchmarks/simulate_policies.py --tail-ablation configs/sim_paper_rollpacker_14b_16k.yaml
+
+writes docs/benchmarks/tail_ablation_<scenario>.json: sync and twotier+HistoSpec without the round-tail changes,
+with sibling drafts only, and with sibling drafts and `scheduler.lookahead` (`tail_ablation`).
+
 The simulator is deterministic: one run per variant (no repeats needed; wall time is the simulator's own).
 Left out: accuracy effects of the policies (the simulator has no model).
 """
@@ -79,9 +84,39 @@ def long_round_evidence(sim, run) -> dict:
     return out
 
 
+def tail_ablation(path: str) -> dict:
+    """twotier+HistoSpec with the round-tail changes off, one at a time and both (sibling drafts in the simulator,
+    `scheduler.lookahead`), against sync and the physical limit of the scenario at `path`."""
+    from dataclasses import replace
+
+    out: dict = {"config": path}
+    variants = [("sync", "sync", True, True), ("before (neither)", "twotier+histospec", False, False),
+                ("sibling drafts only", "twotier+histospec", True, False),
+                ("sibling drafts + lookahead", "twotier+histospec", True, True)]
+    for label, policy, siblings, lookahead in variants:
+        sim, run = load_sim_config(ROOT / path, [f"run.scheduler.lookahead={str(lookahead).lower()}"])
+        sim = replace(sim, speculation=replace(sim.speculation, sibling_drafts=siblings))
+        s = summarize(simulate(sim, run, policy))
+        out[label] = {k: s[k] for k in ("policy", "total_s", "samples", "worker_bubble", "slot_bubble", "rounds",
+                                        "max_staleness")}
+        print(f"  {label}: {s['total_s']:.0f} s", flush=True)
+    limit = physical_limit(sim, run)
+    for label, *_ in variants:
+        r = out[label]
+        r["throughput_vs_sync"] = out["sync"]["total_s"] / r["total_s"]
+        r["ratio_to_limit"] = r["total_s"] / r["samples"] / limit["s_per_sample"]
+    out["limit"] = limit
+    return out
+
+
 def main(argv: list[str]) -> int:
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
+    if "--tail-ablation" in argv:  # a scenario not tuned for: which of the round-tail changes buys what
+        path = argv[argv.index("--tail-ablation") + 1]
+        doc = tail_ablation(path)
+        (out / f"tail_ablation_{Path(path).stem.removeprefix('sim_')}.json").write_text(json.dumps(doc, indent=1))
+        return 0
     if "--evidence-only" in argv:  # adds the long-round evidence to an existing JSON without rerunning the rows
         argv = [a for a in argv if a != "--evidence-only"]
         for scale, path in SCALES.items():

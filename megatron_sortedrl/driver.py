@@ -91,7 +91,7 @@ class Driver:
         from megatron_sortedrl.tiny_model import build_tiny_model
         from megatron_sortedrl.trainer.group import TrainerGroup
         from megatron_sortedrl.trainer.stream import DriverStream
-        from scheduler.layout import make_planner
+        from scheduler.layout_driver import driver_planner
         from scheduler.policies import make_policy
         from speculative.feed import HistoryFeed
 
@@ -122,9 +122,7 @@ class Driver:
         self.say("starting rollout pool ...")
         self.pool = RolloutPool(PoolOptions.from_config(cfg))
         self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
-        gpus = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
-        planner = make_planner("fixed", gpus=gpus, gpus_per_node=gpus, tp_short=cfg.rollout.tensor_parallel_size,
-                               tp_long=cfg.rollout.long_round_tensor_parallel_size)
+        planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/layout_driver.py)
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,

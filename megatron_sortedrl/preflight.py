@@ -4,7 +4,7 @@ the config and the files it names is checked here, so a mistake costs a second, 
     from megatron_sortedrl.preflight import preflight
     preflight(cfg, resume_from=None)          # raises a UserError with one line; the CLI exits 2
 
-Checked: settings a real run cannot honour yet (`scheduler.layout_planner` other than fixed); the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
+Checked: settings a real run cannot honour yet (`scheduler.layout_planner=preemption`, cost_model without its engine model); the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
 there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the run directory (writable); the
 checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
 policy). The config's own values and the parallel layout are checked when the config loads (`config.py`),
@@ -26,10 +26,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> None:
-    if cfg.scheduler.layout_planner != "fixed":
-        # The elastic planners drive the simulator only; a real run would silently use the fixed layout.
-        raise ConfigError("scheduler.layout_planner", cfg.scheduler.layout_planner,
-                          "fixed in `train` (preemption and cost_model run in `simulate` only, for now)")
+    from scheduler.layout_driver import check_planner
+
+    check_planner(cfg)  # a planner the driver cannot honour fails here, in one line
     check_model_dir(cfg.model)
     if cfg.data.apply_chat_template:
         check_chat_template(Path(cfg.model.path))

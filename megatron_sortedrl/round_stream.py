@@ -12,6 +12,7 @@ a short file of named phases; `d` is the `Driver` whose engines, policy, reward 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from megatron_sortedrl.sample import Sample
@@ -29,11 +30,23 @@ def stream_round(d: Any, rnd: Any):
     inflight = [0] * rnd.layout.num_engines
     cap = d.cfg.rollout.max_num_seqs
 
+    ahead = deque(rnd.lookahead)  # twotier lookahead: a worker with no round work left starts these (its share)
+    share, ahead_w = -(-len(ahead) // max(1, len(inflight))), set()
+
+    def next_request(w: int, steal: bool | None):
+        if steal is not None:
+            return queues.pop(w, steal=steal)
+        if ahead and not len(queues) and (not inflight[w] or w in ahead_w) and inflight[w] < share:
+            ahead_w.add(w)
+            return ahead.popleft()
+        return None
+
     def fill() -> None:
         items = []
-        for steal in (False, True):  # own queues first, else the first worker with free slots takes all
+        # Own queues first, else the first worker with free slots takes all; then lookahead for idle workers.
+        for steal in (False, True, None):
             for w in range(len(inflight)):
-                while inflight[w] < cap and (req := queues.pop(w, steal=steal)) is not None:
+                while inflight[w] < cap and (req := next_request(w, steal)) is not None:
                     s = req.sample
                     if req.max_tokens <= 0:  # a resumed partial already at the length limit
                         s.finish_reason = "length"
@@ -74,7 +87,8 @@ def stream_round(d: Any, rnd: Any):
 
     def abort(ids: list[str]) -> None:
         for sid in ids:
-            req = queues.remove(sid)
+            req = queues.remove(sid) or next((r for r in ahead if r.sample.sample_id == sid), None)
+            ahead.remove(req) if req is not None and req in ahead else None
             if req is not None:
                 live.pop(sid, None)
                 d.policy.on_sample_aborted(req.sample, d.clock)
@@ -106,7 +120,7 @@ def stream_round(d: Any, rnd: Any):
     for s in d.rewards.drain():
         live.pop(s.sample_id, None)
         d.policy.on_sample_finished(s, d.clock)
-    for req in queues.drain():
+    for req in queues.drain() + list(ahead):
         d.policy.on_sample_aborted(req.sample, d.clock)
     d._phase("rollout", "end")
     return harvest

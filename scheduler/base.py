@@ -163,6 +163,17 @@ class PolicyBase:
 
     def make_round(self, kind: str, states: list[PromptState], deferred: Sequence[str] = ()) -> Round:
         """Refreshes, builds and places the requests for every queued sample of `states`."""
+        requests = self.requests_for(states)
+        prompt_len = sum(len(r.sample.prompt_tokens) for r in requests) / max(1, len(requests))
+        layout = self.planner.plan(kind, [r.predicted_length for r in requests], prompt_len)
+        model = self.planner.model
+        place(requests, layout.num_engines, self.cfg.placement, model.kv_capacity(layout.tp) if model else None)
+        self.round = Round(index=self.round_index, kind=kind, version=self.version, layout=layout, requests=requests,
+                           prompts=[st.key for st in states], deferred=list(deferred))
+        return self.round
+
+    def requests_for(self, states: list[PromptState]) -> list[Request]:
+        """Refreshes `states` and marks their queued samples running; one request each."""
         requests: list[Request] = []
         for st in states:
             self.refresh(st)
@@ -177,13 +188,7 @@ class PolicyBase:
                 s.finish_reason, s.predicted_length = "", guess
                 requests.append(Request(sample=s, worker=0, predicted_length=max(guess, s.response_length),
                                         max_tokens=self.max_len - s.response_length))
-        prompt_len = sum(len(r.sample.prompt_tokens) for r in requests) / max(1, len(requests))
-        layout = self.planner.plan(kind, [r.predicted_length for r in requests], prompt_len)
-        model = self.planner.model
-        place(requests, layout.num_engines, self.cfg.placement, model.kv_capacity(layout.tp) if model else None)
-        self.round = Round(index=self.round_index, kind=kind, version=self.version, layout=layout, requests=requests,
-                           prompts=[st.key for st in states], deferred=list(deferred))
-        return self.round
+        return requests
 
     def complete(self, st: PromptState, need: int | None = None) -> bool:
         need = len(st.samples) if need is None else need

@@ -46,7 +46,16 @@ class SchedulerConfig:
     )
     placement: str = field(default="lpt", metadata={"help": "Tier-2 placement: round_robin | lpt (longest predicted first)."})
     layout_planner: str = field(
-        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker) | cost_model (the last two in `simulate` only; `train` refuses them)."}
+        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker; `simulate` only) | cost_model (scheduler/layout_driver.py)."}
+    )
+    layout_cost_model: str = field(
+        default="", metadata={"help": "cost_model in `train`: a simulator YAML whose engine: section models the run's engines."}
+    )
+    lookahead: bool = field(
+        default=False,
+        metadata={"help": "twotier (other policies ignore it), partial mode: an engine that has run out of the round's "
+                          "work starts the next round's prompts while the round waits for its tail (trained next round, "
+                          "staleness <= 1)."},
     )
 
     def __post_init__(self) -> None:
@@ -64,6 +73,8 @@ class SchedulerConfig:
             raise ConfigError("scheduler.oversubscription", self.oversubscription, "a float >= 1.0")
         if not 0.0 < self.long_round_threshold <= 1.0:
             raise ConfigError("scheduler.long_round_threshold", self.long_round_threshold, "a float in (0, 1]")
+        if self.lookahead and (self.mode != "partial" or self.max_staleness < 1):
+            raise ConfigError("scheduler.lookahead", self.lookahead, "false unless mode=partial and max_staleness >= 1")
         if not 0.0 < self.predictor_quantile <= 1.0:
             raise ConfigError("scheduler.predictor_quantile", self.predictor_quantile, "a float in (0, 1]")
 

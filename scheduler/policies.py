@@ -29,6 +29,10 @@
   `rollout_batch_size` and `group_size` prompts (the grid reports the number of updates). The group rule
   is replaced by a stronger per-prompt bound: a prompt is trained in the round it first runs or the next.
   Per-round decisions are logged (`Harvest.stats["decision"]`).
+  With `lookahead` (partial mode) the round also opens up to `target` prompts of the next window as
+  `Round.lookahead`: an engine that has run out of the round's requests starts them while the round waits
+  for its tail, instead of idling. They are never trained in that round; they are carried (due next round),
+  so the per-prompt bound and staleness <= 1 hold unchanged.
 
 Left out: asynchronous (overlapping) generation and training.
 """
@@ -145,6 +149,7 @@ class TwoTierPolicy(PolicyBase):
         super().__init__(*args, **kw)
         self.carry: list[str] = []  # keys of prompts that ran in the last round and were not trained: due now
         self.target = 0  # prompts the current round trains at least
+        self.ahead: list[str] = []  # keys of the lookahead prompts of the current round (trained next round)
         self.decision: dict[str, Any] = {}
 
     def compose_round(self, clock: Clock) -> Round | None:
@@ -157,8 +162,15 @@ class TwoTierPolicy(PolicyBase):
         # Train at least one rollout batch and at least half of what runs: a cut any earlier would carry more
         # prompts than the next update can hold, a cut any later waits on the tail.
         self.target = min(len(states), max(self.cfg.rollout_batch_size, math.ceil(len(states) / 2)))
-        self.decision = {"round": self.round_index, "carried": len(carried), "fresh": len(fresh), "target": self.target}
-        return self.make_round("short", states)
+        rnd = self.make_round("short", states)
+        self.ahead = []
+        if self.cfg.lookahead:  # at most what this harvest frees, so the next window stays `window` prompts
+            ahead = [self.open_prompt(pid, epoch, self.n) for pid, epoch in self.cursor.take(self.target)]
+            self.ahead = [st.key for st in ahead]
+            rnd.lookahead = sorted(self.requests_for(ahead), key=lambda r: -r.predicted_length)
+        self.decision = {"round": self.round_index, "carried": len(carried), "fresh": len(fresh), "target": self.target,
+                         "lookahead": len(self.ahead)}
+        return rnd
 
     def harvest(self, clock: Clock) -> Harvest | None:
         assert self.round is not None, "harvest before compose_round"
@@ -172,7 +184,8 @@ class TwoTierPolicy(PolicyBase):
         rest = sorted((st for st in done if st.key not in due), key=self.completed_at)
         chosen = [st for st in done if st.key in due] + rest[: max(0, self.target - len(due))]
         chosen_keys = {st.key for st in chosen}
-        self.carry = [st.key for st in states if st.key not in chosen_keys]
+        # Lookahead prompts were started early by idle engines: due next round like the carried ones.
+        self.carry = [st.key for st in states if st.key not in chosen_keys] + [k for k in self.ahead if k in self.live]
         for st in states:
             if st.key not in chosen_keys and st.ids("running"):
                 st.aborted_rounds += 1
@@ -182,10 +195,11 @@ class TwoTierPolicy(PolicyBase):
         return self.finish_harvest(self.take(chosen), self.running_ids(), decision=decision)
 
     def extra_state(self) -> dict[str, Any]:
-        return {"carry": list(self.carry), "target": self.target, "decision": dict(self.decision)}
+        return {"carry": list(self.carry), "target": self.target, "decision": dict(self.decision), "ahead": list(self.ahead)}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.carry, self.target, self.decision = list(state["carry"]), state["target"], dict(state["decision"])
+        self.ahead = list(state.get("ahead", []))
 
 
 class TailPolicy(PolicyBase):

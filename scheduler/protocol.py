@@ -83,6 +83,9 @@ class Round:
     requests: list[Request] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)  # prompt keys ("<prompt_id>/e<epoch>") the round serves
     deferred: list[str] = field(default_factory=list)  # prompt keys sent to the long-tail queue while composing
+    # Lookahead (twotier): the next round's requests, started early by an engine that has run out of this
+    # round's work while the round waits for its tail; they are not harvested in this round.
+    lookahead: list[Request] = field(default_factory=list)
 
 
 @dataclass

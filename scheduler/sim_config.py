@@ -46,6 +46,9 @@ class ClusterCosts:
     engine_jitter: float = help_field("Round-to-round spread of each engine's speed: per round and engine its decode "
                                       "and prefill time is multiplied by exp(jitter * z - jitter^2 / 2), z standard "
                                       "normal (mean 1; engines on shared cores; 0 = steady engines).", 0.0)
+    stream_training: bool = help_field("Stream training, colocated (scheduler/stream_sim.py): GPUs of engines that have "
+                                       "run out of the round's work compute the backward of finished samples the harvest "
+                                       "will train, while the tail still generates.", False)
 
     def __post_init__(self) -> None:
         if self.engine_jitter < 0:

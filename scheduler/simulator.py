@@ -31,8 +31,11 @@ positions per sequence; without it both are 1 and the engine is the plain decode
 Engines may differ in speed (`cluster.engine_slowdown`) and, round to round, by a random factor
 (`cluster.engine_jitter`, lognormal with mean 1): engines on shared cores, measured by `scheduler/calibrate.py`.
 
-Left out: asynchronous RL (overlapping rollout and training), failures, and network contention during
-weight sync.
+Stream training, colocated (`cluster.stream_training`, `scheduler/stream_sim.py`): GPUs of engines with nothing
+left to run train the update's finished samples before the harvest; the train phase keeps the rest.
+
+Left out: asynchronous RL (overlapping rollout and training across updates), stragglers and failures, and
+network contention during weight sync.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
+from scheduler.stream_sim import stream_round
 from scheduler.workload import make_workload
 
 
@@ -90,6 +94,8 @@ class SimEngine:
         self.running: list[_Seq] = []  # admission order (the last one is preempted first)
         self.preempted: deque[_Seq] = deque()
         self.ctx = 0  # KV tokens held by running sequences
+        self.ahead = False  # runs the next round's lookahead requests (took one while it had no round work)
+        self.idle_since: float | None = None  # since when it has had nothing to run (stream training uses its GPUs)
         self.chunk = (0, 0.0)  # planned decode steps and their duration from t
         self.token = 0  # invalidates stale heap entries
 
@@ -159,6 +165,12 @@ class SimEngine:
             if not self.preempted:
                 # Take work from another worker's queue only when there is KV room to start it now.
                 req = self.sim.queues.pop(self.wid, steal=steal and self.ctx < 0.9 * self.cap)
+                if (req is None and self.sim.ahead and (self.ahead or not self.running)
+                        and len(self.running) < self.sim.ahead_share):
+                    # Lookahead: only an engine with no round work left starts them, so the round's tail never
+                    # shares a batch with them; each takes its share in flight, so every engine that runs dry
+                    # finds some (an engine that filled all its slots would leave the last ones nothing).
+                    req, self.ahead = self.sim.ahead.popleft(), True
                 if req is None:
                     break
                 self.preempted.append(self.sim.start(self, req))
@@ -177,6 +189,10 @@ class SimEngine:
                     seq.first = False
                     self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id,
                                   tokens=seq.gen)
+        if self.running or self.preempted:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = self.t
         if self.running and not self.sim.busy[self.wid]:
             self.sim.busy[self.wid] = True
             self.sim.emit("worker", "busy", self.t, worker=self.wid)
@@ -219,6 +235,8 @@ class Simulator:
         self.engines: list[SimEngine] = []
         self.layout: Layout | None = None
         self.queues = WorkerQueues(1)
+        self.ahead: deque[Request] = deque()  # the round's lookahead requests, longest predicted first
+        self.ahead_share = 0  # lookahead requests one engine runs at a time
         self.busy: list[bool] = []
         self.targets: dict[str, int] = {}  # sample id -> length the current attempt will reach
         self.attempts: dict[str, int] = {}
@@ -226,6 +244,8 @@ class Simulator:
         self.step = 0
         self.preemptions = 0
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
+        self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
+        self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
 
     # plumbing ---------------------------------------------------------------------------------------------
@@ -252,6 +272,7 @@ class Simulator:
         seq = _Seq(req, max(target, s.response_length + 1))
         if self.spec is not None:
             seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
+            self.by_prompt.setdefault(s.prompt_id, {})[sid] = seq
         self.where[sid] = engine
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
@@ -271,9 +292,32 @@ class Simulator:
         s.finish_time, s.worker_id = engine.t, engine.wid
         if self.spec is not None:
             self.spec.record(s.prompt_id, s.epoch, self.policy.version)
+            self.by_prompt.get(s.prompt_id, {}).pop(s.sample_id, None)
+            if self.spec.ship_sibling(s.prompt_id, s.epoch, self.policy.version) and self.by_prompt.get(s.prompt_id):
+                self.rerate.add(s.prompt_id)
         self.where.pop(s.sample_id, None)
         self.emit("request", "finish", engine.t, worker=engine.wid, sample_id=s.sample_id, tokens=s.response_length)
         self.push(self.rewards.arrival(engine.t, s.sample_id), s)
+
+    def rerate_siblings(self) -> None:
+        """Sibling drafts: the running siblings of a just-finished response draft from it from the next engine
+        step on. Each engine holding one finishes its current step, then re-plans with the new rates."""
+        while self.rerate:
+            prompt = self.rerate.pop()
+            seqs = [seq for sid, seq in self.by_prompt.get(prompt, {}).items() if sid in self.where]
+            for engine in {id(self.where[q.req.sample.sample_id]): self.where[q.req.sample.sample_id] for q in seqs}.values():
+                engine.advance_to(self.clock.t, finish_step=True)  # may finish sequences (and queue more prompts)
+            touched = {}
+            for q in seqs:
+                sid = q.req.sample.sample_id
+                if sid not in self.where or q.gen >= q.target:
+                    continue
+                rate, pos = self.spec.rerate(prompt, sid, self.attempts[sid], self.policy.version)
+                if rate > q.rate:
+                    q.rate, q.pos = rate, pos
+                    touched[id(self.where[sid])] = self.where[sid]
+            for engine in touched.values():
+                engine.plan()
 
     # layout -----------------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout) -> None:
@@ -306,6 +350,8 @@ class Simulator:
         self.preemptions = 0
         self.heap = []
         self.queues.add(rnd.requests)
+        self.ahead = deque(rnd.lookahead)
+        self.ahead_share = math.ceil(len(rnd.lookahead) / max(1, len(self.engines)))
         for e in self.engines:
             e.t = t0 + self.sim.cluster.round_start_s
         # As the driver fills a round (round_stream.fill): every engine takes its own queue first, then the
@@ -322,10 +368,12 @@ class Simulator:
                 if token == engine.token:
                     self.clock.t = max(self.clock.t, t)
                     engine.on_event()
+                    self.rerate_siblings()
                 continue
             self.clock.t = max(self.clock.t, t)
             for sid in self.policy.on_sample_finished(item, self.clock):
                 self.abort(sid)
+            self.rerate_siblings()
         t_end = self.clock.t
         for e in self.engines:
             e.advance_to(t_end)
@@ -347,9 +395,11 @@ class Simulator:
                     self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
                     self.policy.on_sample_aborted(s, self.clock)
             e.running, e.preempted, e.ctx = [], deque(), 0
-        for req in self.queues.drain():
+        self.by_prompt, self.rerate = {}, set()
+        for req in self.queues.drain() + list(self.ahead):
             if req.sample.sample_id in wanted:
                 self.policy.on_sample_aborted(req.sample, self.clock)
+        self.ahead = deque()
         for e in self.engines:
             if self.busy[e.wid]:
                 self.emit("worker", "idle", t_end, worker=e.wid)
@@ -357,8 +407,11 @@ class Simulator:
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
         c = self.sim.cluster
         update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
+        streamed = 0.0
         if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
-            self.phase("train", c.train_fixed_s + tokens / c.train_tokens_per_s)
+            if c.stream_training:  # colocated stream training on the tail's idle GPUs (scheduler/stream_sim.py)
+                streamed = stream_round(self, h.batch, t_end)
+            self.phase("train", c.train_fixed_s + (tokens - streamed) / c.train_tokens_per_s)
             self.phase("sync", c.weight_sync_s)
             self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
         groups: dict[str, set] = {}
@@ -366,7 +419,7 @@ class Simulator:
             groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
-                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens,
+                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens, "streamed_tokens": streamed,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
@@ -390,6 +443,8 @@ class Simulator:
                 self.policy.on_sample_aborted(s, self.clock)
                 return
         req = self.queues.remove(sample_id)
+        if req is None and (req := next((r for r in self.ahead if r.sample.sample_id == sample_id), None)):
+            self.ahead.remove(req)
         if req is not None:  # never started
             self.policy.on_sample_aborted(req.sample, self.clock)
 

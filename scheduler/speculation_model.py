@@ -72,6 +72,8 @@ class SpeculationConfig:
     min_draft_tokens: int = help_field("Adaptive draft length: start and floor (speculative.min_draft_tokens).", 2)  # type: ignore[assignment]
     max_draft_tokens: int = help_field("Adaptive draft length cap (speculative.max_draft_tokens).", 16)  # type: ignore[assignment]
     drafter_s_per_step: float = help_field("Drafter time per engine step with drafts, in seconds.", 0.0003)
+    sibling_drafts: bool = help_field("As the engines' `speculative.sibling_drafts`: a finished response reaches the "
+                                      "drafters at once, and its siblings still running re-resolve their rate from it.", True)
 
     def __post_init__(self) -> None:
         for key in ("alpha_0", "alpha_inf", "alpha_cap"):
@@ -171,6 +173,25 @@ class HistoSpecSim:
         """Round boundary: what finished in the last round reaches the drafters."""
         self.published.update(self.pending)
         self.pending = {}
+
+    def ship_sibling(self, prompt_id: str, epoch: int, version: int) -> bool:
+        """`sibling_drafts`: a finished response reaches the drafters at once (the driver ships it during the
+        round). True when it makes the prompt's history newer, so its running siblings draft better from now."""
+        if not self.cfg.sibling_drafts:
+            return False
+        old = self.published.get(prompt_id)
+        if old is not None and (epoch, version) <= old:
+            return False
+        self.published[prompt_id] = (epoch, version)
+        return True
+
+    def rerate(self, prompt_id: str, sample_id: str, attempt: int, version: int) -> tuple[float, float]:
+        """(rate, positions) of a running request once its prompt's history changed (not counted as a request)."""
+        self.requests -= 1
+        before = self.drafting_requests, self.rate_sum
+        out = self.rate(prompt_id, sample_id, attempt, version)
+        self.drafting_requests, self.rate_sum = before  # a request is counted once, at submission
+        return out
 
     def rate(self, prompt_id: str, sample_id: str, attempt: int, version: int) -> tuple[float, float]:
         """(tokens per forward, positions verified per forward) for a request submitted at `version`."""

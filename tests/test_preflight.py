@@ -44,7 +44,8 @@ def _checkpoint(root, policy: str):
     ("reward_bad_signature", "expected a function taking (sample, ground_truth); it takes (sample)"),
     ("run_dir_not_writable", "is not writable"),
     ("resume_other_policy", "was written by scheduler.policy=sorted, the config says twotier"),
-    ("elastic_planner", "scheduler.layout_planner='cost_model' is not allowed; expected fixed in `train`"),
+    ("elastic_planner", "scheduler.layout_cost_model='' is not allowed; expected a simulator YAML"),
+    ("preemption_planner", "scheduler.layout_planner='preemption' is not allowed; expected fixed or cost_model in `train`"),
     ("chat_template_missing", "data.apply_chat_template=True is not allowed; expected false for the model at"),
 ])
 def test_train_refuses_before_starting_anything(case, expected, tmp_path):
@@ -69,8 +70,10 @@ def test_train_refuses_before_starting_anything(case, expected, tmp_path):
         overrides = [f"logging.run_dir={blocker / 'run'}"]  # a directory under a file: even root cannot
     elif case == "resume_other_policy":
         _checkpoint(run, "sorted")
-    elif case == "elastic_planner":
+    elif case == "elastic_planner":  # cost_model without the engine model its choice comes from
         overrides += ["scheduler.layout_planner=cost_model"]
+    elif case == "preemption_planner":
+        overrides += ["scheduler.layout_planner=preemption"]
     elif case == "chat_template_missing":
         from megatron_sortedrl.tiny_model import build_tiny_model
 

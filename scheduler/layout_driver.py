@@ -1,0 +1,55 @@
+"""The layout planner of a real run: `scheduler.layout_planner` honoured by the driver, or refused in one line.
+
+    from scheduler.layout_driver import driver_planner
+    planner = driver_planner(cfg)        # the driver's `_setup`; the policy asks it for each round's layout
+    python -m megatron_sortedrl train configs/tiny_cpu.yaml scheduler.layout_planner=cost_model \
+        scheduler.layout_cost_model=configs/sim_tiny_cpu.yaml
+
+- `fixed`: `rollout.tensor_parallel_size` for sync and short rounds, `long_round_tensor_parallel_size` for
+  long rounds (what the driver always did).
+- `cost_model`: the planner of `scheduler/layout.py` with the engine cost model of the simulator YAML named by
+  `scheduler.layout_cost_model` (its `engine:` section, and `cluster.relayout_s` as the price of a switch):
+  per round it takes the TP whose estimated round time, from the round's predicted lengths, is smallest.
+  The driver's `compose_round` rebuilds the engines (`RolloutPool.set_layout`) when the chosen layout
+  differs, and the pool records a `layout` event on the timeline. Calibrate the YAML from a run of the same
+  engines (`scheduler/calibrate.py`) so its choice means something on them.
+- `preemption` is refused: it reacts to KV-cache preemption counts, which the real engines do not report to
+  the driver yet.
+
+The GPUs the planner may lay out are the run's rollout devices, `rollout.num_workers x
+rollout.tensor_parallel_size`, all on one node. Left out: multi-node rollout layouts in `train`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_sortedrl.errors import ConfigError
+from scheduler.layout import FixedPlanner, make_planner
+
+
+def check_planner(cfg: Any) -> None:
+    """Raises a one-line ConfigError for a planner setting a real run cannot honour (called by preflight)."""
+    s = cfg.scheduler
+    if s.layout_planner == "preemption":
+        raise ConfigError("scheduler.layout_planner", s.layout_planner,
+                          "fixed or cost_model in `train` (the engines do not report KV preemptions to the driver yet)")
+    if s.layout_planner == "cost_model" and not (s.layout_cost_model and Path(s.layout_cost_model).is_file()):
+        raise ConfigError("scheduler.layout_cost_model", s.layout_cost_model,
+                          "a simulator YAML whose engine: section models these engines (e.g. configs/sim_tiny_cpu.yaml)")
+
+
+def driver_planner(cfg: Any) -> FixedPlanner:
+    """The planner named by `cfg.scheduler.layout_planner` over the run's rollout devices."""
+    check_planner(cfg)
+    gpus = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+    kw: dict[str, Any] = {}
+    if cfg.scheduler.layout_planner == "cost_model":
+        from scheduler.sim_config import load_sim_config
+
+        sim, _ = load_sim_config(cfg.scheduler.layout_cost_model)
+        kw = {"model": sim.engine, "relayout_s": sim.cluster.relayout_s}
+    return make_planner(cfg.scheduler.layout_planner, gpus=gpus, gpus_per_node=gpus,
+                        tp_short=cfg.rollout.tensor_parallel_size, tp_long=cfg.rollout.long_round_tensor_parallel_size,
+                        **kw)
