@@ -165,7 +165,7 @@ class SimEngine:
             if not self.preempted:
                 # Take work from another worker's queue only when there is KV room to start it now.
                 req = self.sim.queues.pop(self.wid, steal=steal and self.ctx < 0.9 * self.cap)
-                if (req is None and self.sim.ahead and (self.ahead or not self.running)
+                if (req is None and steal and self.sim.ahead and (self.ahead or not self.running)
                         and len(self.running) < self.sim.ahead_share):
                     # Lookahead: only an engine with no round work left starts them, so the round's tail never
                     # shares a batch with them; each takes its share in flight, so every engine that runs dry
@@ -305,17 +305,24 @@ class Simulator:
         while self.rerate:
             prompt = self.rerate.pop()
             seqs = [seq for sid, seq in self.by_prompt.get(prompt, {}).items() if sid in self.where]
-            for engine in {id(self.where[q.req.sample.sample_id]): self.where[q.req.sample.sample_id] for q in seqs}.values():
+            # Rates first (they depend on the prompt's history only): an engine none of whose sequences drafts
+            # faster keeps its planned chunk, so zero acceptance leaves the run exactly as without speculation.
+            faster = []
+            for q in seqs:
+                sid = q.req.sample.sample_id
+                if q.gen < q.target and (rp := self.spec.rerate(prompt, sid, self.attempts[sid],
+                                                                self.policy.version))[0] > q.rate:
+                    faster.append((q, rp))
+            for engine in {id(self.where[q.req.sample.sample_id]): self.where[q.req.sample.sample_id]
+                           for q, _ in faster}.values():
                 engine.advance_to(self.clock.t, finish_step=True)  # may finish sequences (and queue more prompts)
             touched = {}
-            for q in seqs:
+            for q, (rate, pos) in faster:
                 sid = q.req.sample.sample_id
                 if sid not in self.where or q.gen >= q.target:
                     continue
-                rate, pos = self.spec.rerate(prompt, sid, self.attempts[sid], self.policy.version)
-                if rate > q.rate:
-                    q.rate, q.pos = rate, pos
-                    touched[id(self.where[sid])] = self.where[sid]
+                q.rate, q.pos = rate, pos
+                touched[id(self.where[sid])] = self.where[sid]
             for engine in touched.values():
                 engine.plan()
 
