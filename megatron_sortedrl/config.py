@@ -161,6 +161,8 @@ class RewardConfig:
     max_batch: int = help_field("Samples sent to a worker in one message (batch rewards: per call).", 64)
     sandbox: str = help_field("Code rewards: auto (bubblewrap when it works, else fallback) | bwrap | fallback.",
                               "auto")
+    warm_sandbox: bool = help_field("Code rewards: each worker starts the next program's sandbox ahead, while it "
+                                    "waits, so sandbox start-up is off the critical path.", True)
 
     def __post_init__(self) -> None:
         for key, val, allowed in (("backend", self.backend, ("process", "ray")),

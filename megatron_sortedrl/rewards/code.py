@@ -22,7 +22,9 @@ The program's limit is `sample.meta["reward_timeout_s"]` when the reward stage s
 history, see `reward_stage.py`), else `DEFAULT_TIMEOUT_S`. It counts from the start of the program's code
 (an interval timer in the runner), so interpreter and sandbox start-up do not eat it; the sandbox's
 wall-clock limit, `STARTUP_ALLOWANCE_S` later, catches a program that blocks the timer's signal. The
-result's `seconds` is the program's own run time, which the timeout history learns from.
+result's `seconds` is the program's own run time, which the timeout history learns from. Each worker
+process keeps one sandbox started ahead for its next program (`reward.warm_sandbox`, on by default; see
+"Warm start" in `sandbox.py`), so sandbox start-up is paid between samples, not after one arrives.
 Tests: `python -m pytest tests/test_sandbox.py tests/test_code_task.py -q`.
 """
 
@@ -121,14 +123,15 @@ class RewardResult:
         return float(self.score)
 
 
-_BOXES: dict[str, Sandbox] = {}
+_BOXES: dict[tuple[str, bool], Sandbox] = {}
 
 
-def sandbox(mode: str = "auto") -> Sandbox:
-    """One sandbox per process and mode (the bwrap probe runs once)."""
-    if mode not in _BOXES:
-        _BOXES[mode] = Sandbox(mode, Limits())
-    return _BOXES[mode]
+def sandbox(mode: str = "auto", warm: bool = True) -> Sandbox:
+    """One sandbox per process, mode and warmth (the bwrap probe runs once). Warm by default: the next
+    program's sandbox starts while this worker waits for its next sample (`Sandbox(warm=True)`)."""
+    if (mode, warm) not in _BOXES:
+        _BOXES[(mode, warm)] = Sandbox(mode, Limits(), warm=warm)
+    return _BOXES[(mode, warm)]
 
 
 def extract_program(text: str) -> str:
@@ -159,8 +162,9 @@ def _same_text(got: str, want: str) -> bool:
     return norm(got) == norm(want)
 
 
-def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "auto") -> RewardResult:
-    box = sandbox(mode)
+def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "auto",
+                  warm: bool = True) -> RewardResult:
+    box = sandbox(mode, warm)
     runner_tests = {k: tests[k] for k in ("mode", "fn_name", "inputs")}
     runner_tests["limit_s"] = timeout_s
     res = box.run({"solution.py": program, "runner.py": _RUNNER, "tests.json": json.dumps(runner_tests)},
@@ -191,6 +195,13 @@ def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_
     return RewardResult(1.0, "", secs)
 
 
+def prepare_next() -> None:
+    """Between two samples: tears down the last program's sandboxes and starts the next ones (warm start)."""
+    for box in _BOXES.values():
+        if box.warm:
+            box.prepare()
+
+
 def reward(sample, ground_truth: str) -> RewardResult:
     """All hidden tests pass: 1.0; else 0.0 with the reason."""
     try:
@@ -199,4 +210,8 @@ def reward(sample, ground_truth: str) -> RewardResult:
         raise ValueError(f"bad code ground truth for {sample.prompt_id}: {exc}") from None
     timeout = float(sample.meta.get("reward_timeout_s") or DEFAULT_TIMEOUT_S)
     mode = sample.meta.get("sandbox_mode", "auto")
-    return score_program(extract_program(sample.response_text), tests, timeout, mode)
+    warm = bool(sample.meta.get("sandbox_warm", True))
+    return score_program(extract_program(sample.response_text), tests, timeout, mode, warm)
+
+
+reward.after_call = prepare_next  # the reward pool calls it after each result has gone back
