@@ -162,6 +162,8 @@ class RewardStage:
         s.meta["gen_done"] = time.monotonic()
         s.meta["sandbox_mode"] = self.cfg.sandbox
         s.meta["sandbox_warm"] = self.cfg.warm_sandbox
+        if self.cfg.judge_model:
+            s.meta["judge_model"] = self.cfg.judge_model
         if self.cfg.timeout == "history":
             s.meta["reward_timeout_s"] = self.history.timeout_for(s.prompt_id)
         self._seq += 1
