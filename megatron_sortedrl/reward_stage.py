@@ -162,6 +162,7 @@ class RewardStage:
         s.meta["gen_done"] = time.monotonic()
         s.meta["sandbox_mode"] = self.cfg.sandbox
         s.meta["sandbox_warm"] = self.cfg.warm_sandbox
+        s.meta["code_partial_credit"] = self.cfg.code_partial_credit
         if self.cfg.judge_model:
             s.meta["judge_model"] = self.cfg.judge_model
         if self.cfg.timeout == "history":

@@ -218,3 +218,13 @@ def test_sandbox_started_ahead_is_used_once_and_killed_on_close(mode, tmp_path):
         box.close()
     time.sleep(0.2)
     assert _sandbox_processes() == []
+
+
+def test_partial_credit_is_the_share_of_tests_passed_and_errors_still_score_zero():
+    prog = "def f(x):\n    return 5 if x == 1 else 17 if x == 5 else 0\n"  # passes 2 of 3
+    res = score_program(prog, CALL_TESTS, timeout_s=3.0, partial=True)
+    assert res.score == pytest.approx(2 / 3) and res.reason == "wrong answer on test 3 of 3"
+    assert score_program(prog, CALL_TESTS, timeout_s=3.0).score == 0.0  # off by default
+    assert score_program(GOOD, CALL_TESTS, timeout_s=3.0, partial=True).score == 1.0
+    crash = "def f(x):\n    if x == 5:\n        raise ValueError('no')\n    return 3 * x + 2\n"
+    assert score_program(crash, CALL_TESTS, timeout_s=3.0, partial=True).score == 0.0

@@ -14,8 +14,9 @@ The ground truth is JSON, in one of the layouts public code-RL data uses:
 The program is the last fenced ```python block of the response when there is one, else the whole
 response. All tests run in one sandboxed process (`rewards/sandbox.py`); the expected outputs never enter
 the sandbox (the program returns its outputs and they are compared here), so a program cannot print its
-way to a pass. Reward 1.0 when every test passes, else 0.0, with the reason in `RewardResult.reason`
-(first failing test, error, timeout, memory, a process left behind, ...). A program that leaves a
+way to a pass. Reward 1.0 when every test passes, else 0.0 (with `reward.code_partial_credit`: the share
+of tests passed, for a program that ran them all), with the reason in `RewardResult.reason` (first
+failing test, error, timeout, memory, a process left behind, ...). A program that leaves a
 process running scores 0 even when its answers are right.
 
 The program's limit is `sample.meta["reward_timeout_s"]` when the reward stage set one (timeouts from
@@ -163,7 +164,7 @@ def _same_text(got: str, want: str) -> bool:
 
 
 def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "auto",
-                  warm: bool = True) -> RewardResult:
+                  warm: bool = True, partial: bool = False) -> RewardResult:
     box = sandbox(mode, warm)
     runner_tests = {k: tests[k] for k in ("mode", "fn_name", "inputs")}
     runner_tests["limit_s"] = timeout_s
@@ -188,10 +189,12 @@ def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_
     outputs, want = report.get("outputs", []), tests["outputs"]
     if len(outputs) != len(want):
         return RewardResult(0.0, f"ran {len(outputs)} of {len(want)} tests")
-    for i, (got, exp) in enumerate(zip(outputs, want)):
-        ok = _same_text(got, exp) if tests["mode"] == "stdio" else got == exp
-        if not ok:
-            return RewardResult(0.0, f"wrong answer on test {i + 1} of {len(want)}", secs)
+    ok = [_same_text(got, exp) if tests["mode"] == "stdio" else got == exp for got, exp in zip(outputs, want)]
+    if not all(ok):
+        first = ok.index(False)
+        # Partial credit: the share of tests passed, for a program that ran them all (errors still score 0).
+        score = sum(ok) / len(ok) if partial else 0.0
+        return RewardResult(score, f"wrong answer on test {first + 1} of {len(want)}", secs)
     return RewardResult(1.0, "", secs)
 
 
@@ -211,7 +214,8 @@ def reward(sample, ground_truth: str) -> RewardResult:
     timeout = float(sample.meta.get("reward_timeout_s") or DEFAULT_TIMEOUT_S)
     mode = sample.meta.get("sandbox_mode", "auto")
     warm = bool(sample.meta.get("sandbox_warm", True))
-    return score_program(extract_program(sample.response_text), tests, timeout, mode, warm)
+    partial = bool(sample.meta.get("code_partial_credit", False))
+    return score_program(extract_program(sample.response_text), tests, timeout, mode, warm, partial)
 
 
 reward.after_call = prepare_next  # the reward pool calls it after each result has gone back
