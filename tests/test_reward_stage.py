@@ -191,8 +191,8 @@ def test_timeout_history_is_restored_exactly_from_a_checkpoint(tmp_path):
 
     from megatron_sortedrl.trainer.checkpoint import MARKER, STATE_FILE, read_state
 
-    kw = dict(timeout="history", timeout_multiple=3.0, min_timeout_s=0.3, autoscale=True, min_workers=1,
-              max_workers=2, timeout_s=5.0)
+    kw = {"timeout": "history", "timeout_multiple": 3.0, "min_timeout_s": 0.3, "autoscale": True, "min_workers": 1,
+          "max_workers": 2, "timeout_s": 5.0}
     stage = _stage(**kw)
     try:
         stage.score([_s("p", 0, "0.25"), _s("p", 1, "0.05"), _s("q", 0, "0.0"), _s("r", 0, "hang")])

@@ -34,7 +34,7 @@ from megatron_sortedrl.rewards.code import RewardResult
 TEMPLATE = "Question: {question}\nAnswer: {answer}\nReference: {reference}\nCorrect (y/n)? "
 YES, NO = "y", "n"  # one token each for the built-in tiny model; a real judge would use " yes" / " no"
 
-_JUDGES: dict[str, "Judge"] = {}
+_JUDGES: dict[str, Judge] = {}
 
 
 class Judge:

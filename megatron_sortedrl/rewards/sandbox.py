@@ -268,11 +268,12 @@ class Sandbox:
         argv = [self.python, "-I", "-S", "-B", "_boot.py"]
         if self.mode == "bwrap":
             argv = self._bwrap_argv(work) + argv
-        out, err = open(scratch / "stdout", "wb"), open(scratch / "stderr", "wb")
+        # Open for the waiting sandbox's whole life, not a block: closed in _drop_waiting.
+        out, err = open(scratch / "stdout", "wb"), open(scratch / "stderr", "wb")  # noqa: SIM115
         # The CPU limit here is the largest; the boot lowers it to the run's own once it knows it.
         proc = subprocess.Popen(argv, cwd=work, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                                 stdin=subprocess.PIPE, stdout=out, stderr=err, close_fds=True,
-                                preexec_fn=self._preexec(uid, float(self.limits.cpu_s)))
+                                preexec_fn=self._preexec(uid, float(self.limits.cpu_s)))  # noqa: PLW1509 (as in _run)
         return _Waiting(proc, scratch, uid, out, err)
 
     def _drop_waiting(self, w: _Waiting) -> None:
