@@ -1,7 +1,7 @@
 """Reward-stage benchmark: how much of an RL step waits on reward alone, for a fixed reward pool, a pool
 that scales from its backlog, and a scaling pool with per-prompt timeouts learned from history.
 
-    python benchmarks/reward_stage.py                  # ~6 min on 2 busy cores; writes docs/benchmarks/reward_stage.*
+    python benchmarks/reward_stage.py                  # ~10 min on 2 busy cores; writes docs/benchmarks/reward_stage.*
     python benchmarks/reward_stage.py --steps 2 --repeats 1 --out-dir /tmp/rs    # a quick look
 
 What runs for real: the reward stage (`megatron_sortedrl/reward_stage.py`, process backend) and the code
@@ -15,10 +15,12 @@ cores measure the stage's scheduling, not our neighbours), and one sample in 16 
 runs into its timeout. The same prompts come back every step (as epochs do), so history can learn them.
 
 Variants (interleaved within each repeat, fresh workers each, started before the first step):
-- `fixed`: 2 workers, every sample's limit `--timeout-s`, arrival order, batches of up to 64 per message
-  (the pool's previous behaviour);
-- `scaling`: 1..6 workers sized from the backlog, one sample per message, harvest order, fixed limit;
-- `scaling+history`: as scaling, with per-prompt limits of 3 x the slowest passing sample (>= 0.3 s).
+- `fixed`: 2 workers, every sample's limit `--timeout-s`, arrival order, batches of up to 64 per message,
+  each program's sandbox started when the program arrives (the pool's previous behaviour);
+- `scaling`: 1..6 workers sized from the backlog, one sample per message, harvest order, fixed limit, each
+  worker's next sandbox started ahead while it waits (`reward.warm_sandbox`, the default);
+- `scaling+history`: as scaling, with per-prompt limits of 3 x the slowest passing sample (>= 0.3 s);
+- `scaling+history (cold sandbox)`: as scaling+history with `warm_sandbox=false`: what the warm start buys.
 
 Per step: `reward_critical_path_s` = last reward of the batch minus last generation finish, its share of the
 step, step time, timeouts. Rows: median (min, max) over repeats x steps. Writes JSON + MD + PNG.
@@ -50,13 +52,14 @@ LOOP_EVERY = 16  # one sample in this many (2 a step, at random places) is an en
 MEDIAN_FINISH_S, MAX_FINISH_S = 4.0, 14.0  # generation finish times: log-normal, capped
 TESTS = {"fn_name": "f", "inputs": [[1], [2], [3]], "outputs": [2, 3, 4]}
 
+_SCALE = dict(autoscale=True, min_workers=1, max_workers=6, target_drain_s=0.5, scale_interval_s=0.2, idle_s=5.0,
+              max_batch=1, order="harvest")
+_HISTORY = dict(timeout="history", timeout_multiple=3.0, min_timeout_s=0.3)
 VARIANTS = {
-    "fixed": dict(autoscale=False, max_batch=64, order="fifo", timeout="fixed"),
-    "scaling": dict(autoscale=True, min_workers=1, max_workers=6, target_drain_s=0.5, scale_interval_s=0.2,
-                    idle_s=5.0, max_batch=1, order="harvest", timeout="fixed"),
-    "scaling+history": dict(autoscale=True, min_workers=1, max_workers=6, target_drain_s=0.5, scale_interval_s=0.2,
-                            idle_s=5.0, max_batch=1, order="harvest", timeout="history", timeout_multiple=3.0,
-                            min_timeout_s=0.3),
+    "fixed": dict(autoscale=False, max_batch=64, order="fifo", timeout="fixed", warm_sandbox=False),
+    "scaling": dict(_SCALE, timeout="fixed", warm_sandbox=True),
+    "scaling+history": dict(_SCALE, **_HISTORY, warm_sandbox=True),
+    "scaling+history (cold sandbox)": dict(_SCALE, **_HISTORY, warm_sandbox=False),
 }
 
 
@@ -134,20 +137,24 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=4.0)
     ap.add_argument("--train-s", type=float, default=3.0)
     ap.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"))
+    ap.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
     from megatron_sortedrl.rewards.sandbox import Sandbox
 
     sandbox = Sandbox("auto").describe()
     print(sandbox)
     per_step: list[dict] = []
+    names = [n for n in VARIANTS if not args.variants or n in args.variants.split(",")]
     for r in range(args.repeats):
-        for name in VARIANTS:  # interleaved, so machine load drifts hit every variant alike
+        for name in names:  # interleaved, so machine load drifts hit every variant alike
             per_step += run_variant(name, r, args.steps, args.timeout_s, args.train_s)
     rows = []
     for name in VARIANTS:
         mine = [x for x in per_step if x["variant"] == name]
         share, step_s = [x["critical_path_share"] for x in mine], [x["step_s"] for x in mine]
         per_repeat_timeouts = [sum(x["timeouts"] for x in mine if x["repeat"] == r) for r in range(args.repeats)]
+        if not mine:
+            continue
         later = [x["critical_path_share"] for x in mine if x["step"] > 0]  # history has seen the prompts
         rows.append({"variant": name, "reward_critical_path_share": statistics.median(share),
                      "reward_critical_path_share_after_first_step": statistics.median(later) if later else None,
@@ -161,8 +168,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"sandbox": sandbox, "repeats": args.repeats, "steps_per_repeat": args.steps,
             "samples_per_step": PROMPTS * PER_PROMPT, "timeout_s": args.timeout_s, "train_s": args.train_s,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs "
-                       f"(load average {os.getloadavg()[0]:.1f} at the end)",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs (up to two other "
+                       f"benchmarks and nice'd tests; load average {os.getloadavg()[0]:.1f} at the end)",
             "variants": VARIANTS}
     (out / "reward_stage.json").write_text(json.dumps({"meta": meta, "rows": rows, "per_step": per_step}, indent=2))
     lines = ["# Reward stage: fixed pool vs scaling pool vs scaling pool with history timeouts", "",
@@ -194,10 +201,10 @@ def _plot(per_step: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    names = list(VARIANTS)
+    names = [n for n in VARIANTS if any(x["variant"] == n for x in per_step)]
     data = [[x["critical_path_share"] for x in per_step if x["variant"] == n] for n in names]
     ax.boxplot(data)
-    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.set_xticks(range(1, len(names) + 1), [n.replace(" (", "\n(") for n in names], fontsize=8)
     ax.axhline(0.05, color="#C44E52", linestyle="--", linewidth=1, label="target 0.05")
     ax.set_ylabel("reward critical path / step")
     ax.set_title("Share of each step waiting on reward alone (all repeats x steps)", fontsize=10)

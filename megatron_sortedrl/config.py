@@ -161,6 +161,12 @@ class RewardConfig:
     max_batch: int = help_field("Samples sent to a worker in one message (batch rewards: per call).", 64)
     sandbox: str = help_field("Code rewards: auto (bubblewrap when it works, else fallback) | bwrap | fallback.",
                               "auto")
+    judge_model: str = help_field("Model-based rewards (rewards/judge.py): the judge's Hugging Face directory, "
+                                  "served by a vLLM engine in each reward worker.", "")
+    code_partial_credit: bool = help_field("Code rewards: a program that runs every test but fails some scores the "
+                                           "share it passed (else 0); errors and timeouts still score 0.", False)
+    warm_sandbox: bool = help_field("Code rewards: each worker starts the next program's sandbox ahead, while it "
+                                    "waits, so sandbox start-up is off the critical path.", True)
 
     def __post_init__(self) -> None:
         for key, val, allowed in (("backend", self.backend, ("process", "ray")),

@@ -49,7 +49,7 @@ from typing import Any, Callable
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.reward_stage import make_reward_stage
-from megatron_sortedrl.round_stream import stream_round
+from megatron_sortedrl.round_stream import compose_round, hand_over_rewards, stream_round
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
 from scheduler.selective import shape_batch
@@ -144,6 +144,7 @@ class Driver:
         self.history.load_state_dict(extra["histospec"])
         random.setstate(extra["rng"])
         self.rewards.stats.update(extra.get("reward_stats", {}))
+        self.rewards.load_state_dict(extra.get("reward_stage", {}))  # per-prompt timeout history
         self.accuracy_before = extra.get("accuracy_before_rl")
         self.say(f"resuming from {self.resume_from}: step {self.step}, policy version {self.version}")
         return extra
@@ -207,7 +208,7 @@ class Driver:
 
     def compose_round(self):
         self._phase("rollout", "start")
-        rnd = self.policy.compose_round(self.clock)
+        rnd = compose_round(self)  # hands the policy the rewards that arrived while the last step trained
         if rnd is not None and (rnd.layout.num_engines, rnd.layout.tp) != tuple(self.pool.layout):
             self.pool.set_layout(rnd.layout.num_engines, rnd.layout.tp)
         return rnd
@@ -277,10 +278,12 @@ class Driver:
         from megatron_sortedrl.trainer.checkpoint import complete_checkpoints
 
         self._phase("checkpoint", "start")
+        hand_over_rewards(self, wait=True)  # samples still being scored belong to the policy's saved state
         path = self.trainer.save_checkpoint(self.ckpt_root / f"iter_{self.step:07d}", extra={
             "step": self.step, "version": self.version, "scheduler": self.policy.state_dict(),
             "histospec": self.history.state_dict(), "rng": random.getstate(), "clock_epoch": self.clock.epoch,
-            "reward_stats": dict(self.rewards.stats), "accuracy_before_rl": self.accuracy_before})
+            "reward_stats": dict(self.rewards.stats), "reward_stage": self.rewards.state_dict(),
+            "accuracy_before_rl": self.accuracy_before})
         self._saved_step = self.step
         for old in complete_checkpoints(self.ckpt_root)[: -self.cfg.checkpoint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)

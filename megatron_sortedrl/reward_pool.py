@@ -51,6 +51,11 @@ def _worker_main(fn_ref: Any, conn: Any) -> None:
         fn = load_reward_fn(fn_ref)
     else:
         fn = fn_ref
+    # A reward's `after_call` (the code reward: start the next sandbox ahead) runs after each result has
+    # gone back, while the driver has what it waited for; failures there are the next call's problem.
+    after = getattr(fn, "after_call", None)
+    if after is not None:
+        after()
     conn.send("ready")  # the timeout clock starts only after the (slow, spawned) import
     while True:
         try:
@@ -63,6 +68,11 @@ def _worker_main(fn_ref: Any, conn: Any) -> None:
             t0 = time.monotonic()
             reward, err, reason = call_reward(fn, sample)
             conn.send((sample_id, reward, err, time.monotonic() - t0, reason))
+            if after is not None:
+                try:
+                    after()
+                except Exception:  # noqa: BLE001 - the next call starts its sandbox cold instead
+                    pass
 
 
 def call_reward(fn: Callable[..., Any], sample: Sample) -> tuple[float, str, str]:

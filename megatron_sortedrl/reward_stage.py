@@ -27,16 +27,17 @@ Per step (`step_metrics`): `reward/critical_path_s`, the time from the last samp
 generation to the last of its rewards arriving (what every GPU waits for reward alone), and its share of
 the step; `reward/queue_wait_s` and `reward/scoring_s` (mean and max over the step's scored samples),
 `reward/workers_active` (mean busy workers while the step ran), `reward/workers` (pool size),
-`reward/drain_s` (the wait after the harvest for rewards of samples it did not take, which the driver
-hands to the policy before training),
+`reward/drain_s` (waits for every outstanding reward: a checkpoint's; the driver no longer waits after a
+harvest for rewards of samples it did not take, they score while the step trains, see round_stream.py),
 `reward/timeouts` and `reward/timeouts_by_prompt`.
 
 A reward function may take a batch: mark it `fn.batched = True` and it is called as
 `fn(samples, ground_truths) -> list[float | RewardResult]` (the Ray backend sends it up to
 `reward.max_batch` samples per call).
 
-Tests: `python -m pytest tests/test_reward_stage.py -q`. Left out: the timeout history is not checkpointed
-(a resumed run learns it again in a step or two); the LLM-judge backend (see docs/rewards.md).
+Checkpoints keep the timeout history and the measured scoring time (`state_dict`, restored exactly on
+resume). Tests: `python -m pytest tests/test_reward_stage.py -q`. Left out: the LLM-judge backend (see
+docs/rewards.md).
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class TimeoutHistory:
         if slowest is None:
             return self.max_s
         return min(self.max_s, max(self.min_s, self.multiple * slowest))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the slowest passing scoring and the timeouts of every prompt seen."""
+        return {"slowest_pass": dict(self.slowest_pass), "timeouts": dict(self.timeouts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.slowest_pass = {str(k): float(v) for k, v in state.get("slowest_pass", {}).items()}
+        self.timeouts = Counter({str(k): int(v) for k, v in state.get("timeouts", {}).items()})
 
     def record(self, s: Sample) -> bool:
         """Learns from a scored sample; True when it timed out."""
@@ -116,6 +125,7 @@ class RewardStage:
                  say: Callable[[str], None] = print) -> None:
         self.cfg, self.group_size = rcfg, max(1, group_size)
         self._seq = 0
+        self._held: list[Sample] = []  # scored while `score` waited for other samples: the next poll's
         self._group_done: Counter[tuple[str, int]] = Counter()
         order = self._order_key if rcfg.order == "harvest" else None
         lo = rcfg.min_workers or workers
@@ -146,11 +156,15 @@ class RewardStage:
         return self.pool.failures
 
     def __len__(self) -> int:
-        return len(self.pool)
+        return len(self.pool) + len(self._held)
 
     def submit(self, s: Sample) -> None:
         s.meta["gen_done"] = time.monotonic()
         s.meta["sandbox_mode"] = self.cfg.sandbox
+        s.meta["sandbox_warm"] = self.cfg.warm_sandbox
+        s.meta["code_partial_credit"] = self.cfg.code_partial_credit
+        if self.cfg.judge_model:
+            s.meta["judge_model"] = self.cfg.judge_model
         if self.cfg.timeout == "history":
             s.meta["reward_timeout_s"] = self.history.timeout_for(s.prompt_id)
         self._seq += 1
@@ -161,11 +175,12 @@ class RewardStage:
     def poll(self) -> list[Sample]:
         out = self.pool.poll()
         self._account(out)
-        return out
+        held, self._held = self._held, []
+        return held + out
 
     def drain(self, sleep_s: float = 0.002) -> list[Sample]:
         """Blocks until everything submitted is scored; the wait counts as the step's `reward/drain_s` (the
-        driver drains after the harvest: rewards of samples the harvest did not need still hold the step)."""
+        driver drains before a checkpoint, so the saved policy holds every sample)."""
         t0 = time.monotonic()
         out = self._drain(sleep_s)
         self._drain_s += time.monotonic() - t0
@@ -173,18 +188,40 @@ class RewardStage:
 
     def _drain(self, sleep_s: float = 0.002) -> list[Sample]:
         out = self.poll()
-        while len(self.pool) > 0:
+        while len(self) > 0:
             time.sleep(sleep_s)
             out.extend(self.poll())
         return out
 
     def score(self, samples: list[Sample]) -> list[Sample]:
+        """Scores `samples` and returns them; rewards of other samples that arrive meanwhile (a round's,
+        still scoring while the driver evaluates) are kept for the next `poll`."""
+        mine = {id(s) for s in samples}
         for s in samples:
             self.submit(s)
-        return self._drain()
+        out: list[Sample] = []
+        while len(out) < len(samples):
+            got = self.pool.poll()
+            self._account(got)
+            for s in got:
+                (out if id(s) in mine else self._held).append(s)
+            if len(out) < len(samples):
+                time.sleep(0.002)
+        return out
 
     def close(self) -> None:
         self.pool.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in every checkpoint (`extra["reward_stage"]`): the timeout history, so a resumed run gives
+        each prompt the limit it had, and the autoscaler's measured scoring time."""
+        return {"history": self.history.state_dict(),
+                "scoring_mean_s": self.scaler.mean_s if self.scaler is not None else 0.0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.load_state_dict(state.get("history", {}))
+        if self.scaler is not None:
+            self.scaler.mean_s = float(state.get("scoring_mean_s", 0.0))
 
     # -------------------------------------------------- order, scaling, accounting
 

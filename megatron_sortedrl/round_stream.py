@@ -7,6 +7,10 @@ first-token/finish/abort events on the timeline, hands finished samples to the r
 decide the harvest and what to abort, feeds finished siblings to HistoSpec and, with `trainer.stream`, starts
 the backward of finished groups while the rest generates. Split out of `driver.py` so that the driver stays
 a short file of named phases; `d` is the `Driver` whose engines, policy, reward stage and timeline it uses.
+
+Rewards of samples the harvest did not take are not waited for after the harvest: they score while the
+step trains and reach the policy before the next round is composed (`compose_round`) or while it runs;
+a checkpoint waits for all of them first (`hand_over_rewards(d, wait=True)`), so none is lost.
 """
 
 from __future__ import annotations
@@ -104,7 +108,9 @@ def stream_round(d: Any, rnd: Any):
 
     fill()
     while (harvest := d.policy.harvest(d.clock)) is None:
-        if not live and not len(queues):  # checked against the harvest decision just taken, not a stale one
+        # checked against the harvest decision just taken, not a stale one; a sample may still be in the
+        # reward stage from an earlier round (handed over by `scored`)
+        if not live and not len(queues) and not len(d.rewards):
             raise RuntimeError(f"step {d.step}: the {d.policy.name} policy waits for samples that no "
                                f"engine or queue holds (round {rnd.index}, {rnd.kind}); this is a policy bug")
         for c in d.pool.poll(0.02):
@@ -117,13 +123,32 @@ def stream_round(d: Any, rnd: Any):
     while d.pool.in_flight:
         for c in d.pool.poll(0.02):
             on_completion(c)
-    for s in d.rewards.drain():
-        live.pop(s.sample_id, None)
-        d.policy.on_sample_finished(s, d.clock)
+    # Rewards of finished samples the harvest did not take keep scoring while the step trains: they reach
+    # the policy through `hand_over_rewards` before the next round is composed, or during it (`scored`).
     for req in queues.drain() + list(ahead):
         d.policy.on_sample_aborted(req.sample, d.clock)
     d._phase("rollout", "end")
     return harvest
+
+
+def hand_over_rewards(d: Any, wait: bool = False) -> int:
+    """Gives the policy the samples scored since the last round (all still being scored with `wait`, which
+    a checkpoint does, so no sample is left behind in the reward stage); returns how many."""
+    got = d.rewards.drain() if wait else d.rewards.poll()
+    for s in got:
+        d.policy.on_sample_finished(s, d.clock)  # between rounds: nothing runs that an abort could stop
+    return len(got)
+
+
+def compose_round(d: Any):
+    """The policy's next round, after handing it the rewards that arrived while the last step trained; when
+    it has nothing to generate while rewards are still on their way, it waits for them and asks again."""
+    hand_over_rewards(d)
+    rnd = d.policy.compose_round(d.clock)
+    if rnd is None and len(d.rewards):
+        hand_over_rewards(d, wait=True)
+        rnd = d.policy.compose_round(d.clock)
+    return rnd
 
 
 def request_of(s: Sample, max_len: int):

@@ -12,8 +12,14 @@ shows when scoring, not generation, ends a round (`reward_critical_s` of each ro
 trained batch minus the last generation finish among it) and what more workers buy. Costs are drawn per
 sample id with a fixed seed, so two policies see the same costs.
 
-Left out: autoscaling of the workers during a round and history timeouts (the real stage does both; see
-`megatron_sortedrl/reward_stage.py` and `benchmarks/reward_stage.py`).
+Autoscaling (`max_workers` > `workers`), as the real stage's `Autoscaler`: when a sample arrives and would
+wait longer than `target_drain_s` for a free worker, one more worker is started (free `start_s` later,
+its start-up), up to `max_workers`; a worker idle for `idle_s` is given back, down to `workers`. Each round
+reports the workers it ended with and the most it used (`reward_workers`, `reward_workers_max`), and
+`worker_seconds` counts what the workers cost (alive time, idle included).
+
+Left out: history timeouts (the real stage learns them per prompt; see `megatron_sortedrl/reward_stage.py`
+and `benchmarks/reward_stage.py`); here every draw is cut at `timeout_s`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class RewardCostConfig:
     sigma: float = help_field("Log-normal sigma of scoring time (heavier tail when larger).", 1.5)
     timeout_s: float = help_field("Scoring time is cut here (a timeout).", 10.0)
     seed: int = help_field("Seed of the scoring-time draws.", 0)
+    max_workers: int = help_field("Autoscaling: most workers (0 or <= workers: a fixed pool of `workers`).", 0)
+    target_drain_s: float = help_field("Autoscaling: start a worker when a sample would wait longer than this.", 1.0)
+    start_s: float = help_field("Autoscaling: seconds from starting a worker to its first sample.", 2.0)
+    idle_s: float = help_field("Autoscaling: give a worker back after this long idle.", 10.0)
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -42,14 +52,47 @@ class RewardCostConfig:
         if self.median_s <= 0 or self.sigma < 0 or self.timeout_s <= 0:
             raise ConfigError("reward.median_s", (self.median_s, self.sigma, self.timeout_s),
                               "median_s > 0, sigma >= 0, timeout_s > 0")
+        if self.max_workers < 0 or self.target_drain_s < 0 or self.start_s < 0 or self.idle_s < 0:
+            raise ConfigError("reward.max_workers", (self.max_workers, self.target_drain_s, self.start_s, self.idle_s),
+                              "max_workers, target_drain_s, start_s and idle_s >= 0")
+
+    @property
+    def autoscale(self) -> bool:
+        return self.workers > 0 and self.max_workers > self.workers
 
 
 class RewardQueue:
     def __init__(self, cfg: RewardCostConfig, latency_s: float) -> None:
         self.cfg, self.latency = cfg, latency_s
         self.free = [0.0] * cfg.workers  # when each worker is next free (a heap)
+        self.born = [0.0] * cfg.workers  # start time of each live worker (for worker_seconds)
+        self.retired_s = 0.0  # alive time of workers already given back
+        self.size_max = cfg.workers
         self.done: dict[str, float] = {}
         self.timeouts = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.free)
+
+    def worker_seconds(self, t: float) -> float:
+        """Seconds of worker time paid up to `t` (alive, busy or idle)."""
+        return self.retired_s + sum(max(0.0, t - b) for b in self.born)
+
+    def _scale(self, t: float) -> None:
+        cfg = self.cfg
+        # Give back workers idle for idle_s (their free time is that long past), never below `workers`.
+        # It left at free + idle_s (between two arrivals, e.g. while the step trained), not now.
+        while len(self.free) > cfg.workers and self.free[0] + cfg.idle_s <= t:
+            gone = heapq.heappop(self.free) + cfg.idle_s
+            # Workers are not tracked one by one: the sum of lifetimes is the same whichever birth goes.
+            b = self.born.pop(self.born.index(min(self.born)))
+            self.retired_s += max(0.0, gone - b)
+        # Start one when this sample would wait longer than the target (the backlog outruns the workers).
+        if self.free[0] - t > cfg.target_drain_s and len(self.free) < cfg.max_workers:
+            heapq.heappush(self.free, t + cfg.start_s)
+            self.born.append(t)
+            self.size_max = max(self.size_max, len(self.free))
 
     def cost(self, sample_id: str) -> float:
         rng = random.Random(zlib.crc32(sample_id.encode()) ^ self.cfg.seed)
@@ -63,6 +106,8 @@ class RewardQueue:
         else:
             c = self.cost(sample_id)
             self.timeouts += c >= self.cfg.timeout_s
+            if self.cfg.autoscale:
+                self._scale(t)
             start = max(t, heapq.heappop(self.free))
             heapq.heappush(self.free, start + c)
             done = start + c + self.latency

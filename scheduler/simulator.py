@@ -431,6 +431,8 @@ class Simulator:
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
                 "reward_critical_s": self.rewards.critical_path(h.batch, t0, t_end), "reward_timeouts": self.rewards.timeouts,
+                "reward_workers": self.rewards.size, "reward_workers_max": self.rewards.size_max,
+                "reward_worker_s": self.rewards.worker_seconds(t_end),
                 "sample_ids": [s.sample_id for s in h.batch],
                 "update": update and not h.stats.get("more"), "informative_groups": sum(len(r) > 1 for r in groups.values()),
                 "sampling": dict(h.stats.get("sampling", {}))}

@@ -144,3 +144,75 @@ def test_ray_backend_scores_times_out_and_takes_batches(local_ray):
         assert {s.index: s.reward for s in out} == {i: float(i == 3) for i in range(6)}
     finally:
         stage.close()
+
+
+def test_rewards_left_after_a_harvest_reach_the_policy_later_and_none_is_lost():
+    """The driver does not wait after a harvest for rewards it did not take: an evaluation's `score` returns
+    only its own samples and keeps the round's for the next poll; a checkpoint's hand-over waits for all."""
+    from types import SimpleNamespace
+
+    from megatron_sortedrl.round_stream import compose_round, hand_over_rewards
+
+    class Policy:
+        def __init__(self):
+            self.finished, self.composed = [], 0
+
+        def on_sample_finished(self, s, clock):
+            self.finished.append(s.sample_id)
+            return []
+
+        def compose_round(self, clock):  # nothing to generate until every sample has come back
+            self.composed += 1
+            return "round" if len(self.finished) == 4 else None
+
+    stage = _stage(workers=2)
+    try:
+        left = [_s("p", i, "0.4") for i in range(3)]  # the round's samples the harvest did not take
+        for s in left:
+            stage.submit(s)
+        ev = [_s("eval", 0, "0.0")]
+        assert stage.score(ev) == ev  # the evaluation gets its own sample only, at once
+        d = SimpleNamespace(rewards=stage, policy=Policy(), clock=None)
+        stage.submit(_s("q", 0, "1.0"))
+        n = hand_over_rewards(d)  # non-blocking: whatever is done
+        assert n == len(d.policy.finished) <= 3
+        # the policy has nothing to generate while rewards are on their way: compose waits for them
+        assert compose_round(d) == "round" and d.policy.composed >= 2
+        assert sorted(d.policy.finished) == sorted([s.sample_id for s in left] + [_s("q", 0, "").sample_id])
+        assert len(stage) == 0 and hand_over_rewards(d, wait=True) == 0
+    finally:
+        stage.close()
+
+
+def test_timeout_history_is_restored_exactly_from_a_checkpoint(tmp_path):
+    """A resumed run gives every prompt the limit it had: the stage's state goes through the real checkpoint
+    file (torch.save, read back with weights_only) and comes back equal."""
+    import torch
+
+    from megatron_sortedrl.trainer.checkpoint import MARKER, STATE_FILE, read_state
+
+    kw = {"timeout": "history", "timeout_multiple": 3.0, "min_timeout_s": 0.3, "autoscale": True, "min_workers": 1,
+          "max_workers": 2, "timeout_s": 5.0}
+    stage = _stage(**kw)
+    try:
+        stage.score([_s("p", 0, "0.25"), _s("p", 1, "0.05"), _s("q", 0, "0.0"), _s("r", 0, "hang")])
+    finally:
+        stage.close()
+    assert stage.history.timeouts == {"r": 1}
+    ckpt = tmp_path / "iter_0000001"
+    ckpt.mkdir()
+    torch.save({"step": 1, "extra": {"reward_stage": stage.state_dict()}}, ckpt / STATE_FILE)
+    (ckpt / MARKER).write_text("{}")
+    restored = _stage(**kw)
+    try:
+        before = {p: restored.history.timeout_for(p) for p in "pqrs"}
+        assert set(before.values()) == {5.0}  # a fresh stage knows nothing yet
+        restored.load_state_dict(read_state(ckpt)["extra"]["reward_stage"])
+        for p in "pqrs":
+            assert restored.history.timeout_for(p) == stage.history.timeout_for(p), p
+        assert restored.history.slowest_pass == stage.history.slowest_pass
+        assert restored.history.timeouts == stage.history.timeouts == {"r": 1}
+        assert restored.scaler.mean_s == stage.scaler.mean_s > 0
+        assert 0.3 <= stage.history.timeout_for("p") < 5.0  # learned, not the default
+    finally:
+        restored.close()

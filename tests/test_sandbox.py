@@ -1,7 +1,8 @@
 """Sandboxed code reward: hostile programs are contained and score 0 with their reason; correct ones pass.
 
 Runs in the mode the machine allows (bubblewrap here, installed by tools/setup_env.sh) and in the forced
-fallback mode. Each case checks the effect did not happen (file absent, no connection accepted, no
+fallback mode, through the warm-start path the code reward uses (its boot script, stdin payload and
+teardown); the cold path and a sandbox started ahead are checked at the end. Each case checks the effect did not happen (file absent, no connection accepted, no
 process left) as well as the score. CPU, about 15 s.
 """
 
@@ -28,8 +29,20 @@ def _score(program: str, mode: str, timeout_s: float = 3.0) -> RewardResult:
     return score_program(program, CALL_TESTS, timeout_s=timeout_s, mode=mode)
 
 
+# This file's runs take uids of their own, outside the range any run uses: a training run or benchmark
+# scoring on the same machine must not show up as a process left behind here.
+TEST_UID_RANGE = (_UID_RANGE[1] + 10_000, _UID_RANGE[1] + 11_000)
+
+
+@pytest.fixture(autouse=True)
+def _own_uids(monkeypatch):
+    import megatron_sortedrl.rewards.sandbox as sb
+
+    monkeypatch.setattr(sb, "_UID_RANGE", TEST_UID_RANGE)
+
+
 def _sandbox_processes() -> list[int]:
-    lo, hi = _UID_RANGE
+    lo, hi = TEST_UID_RANGE
     out = []
     for p in os.listdir("/proc"):
         if p.isdigit():
@@ -167,3 +180,51 @@ def test_bwrap_is_active_on_this_machine_when_installed():
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap not installed here")
     assert mode == "bwrap", why
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cold_path_contains_the_same_cases(mode, tmp_path):
+    """warm=False (reward.warm_sandbox=false) starts each program's sandbox with its files in place."""
+    target = tmp_path / f"escaped-{uuid.uuid4().hex}"
+    os.chmod(tmp_path, 0o777)
+    assert score_program(GOOD, CALL_TESTS, timeout_s=3.0, mode=mode, warm=False).score == 1.0
+    res = score_program(f"open({str(target)!r}, 'w').write('x')\n" + GOOD, CALL_TESTS, 3.0, mode, warm=False)
+    assert res.score == 0.0 and res.reason.startswith("error: ") and not target.exists()
+    res = score_program("def f(x):\n    while True:\n        pass\n", CALL_TESTS, 1.0, mode, warm=False)
+    assert (res.score, res.reason) == (0.0, "timeout")
+    assert _sandbox_processes() == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sandbox_started_ahead_is_used_once_and_killed_on_close(mode, tmp_path):
+    box = Sandbox(mode, warm=True)
+    try:
+        box.prepare()  # what a reward worker does after sending a result back
+        assert len(_sandbox_processes()) >= 1  # the interpreter waiting for its program
+        hits = box.warm_hits
+        target = tmp_path / f"escaped-{uuid.uuid4().hex}"
+        os.chmod(tmp_path, 0o777)
+        res = box.run({"main.py": f"open({str(target)!r}, 'w').write('x')\n"}, "main.py", timeout_s=3.0)
+        assert box.warm_hits == hits + 1 and res.status == "error" and not target.exists()
+        box.prepare()
+        # a fresh sandbox: the file the last program wrote in its scratch directory is gone
+        res = box.run({"a.py": "open('x', 'w').write('1')\n"}, "a.py", timeout_s=3.0)
+        assert res.status == "ok"
+        box.prepare()
+        res = box.run({"b.py": "import os\nprint(os.path.exists('x'), sorted(os.environ))\n"}, "b.py", timeout_s=3.0)
+        assert res.status == "ok" and res.stdout.split()[0] == "False" and "TRAINER" not in res.stdout
+        assert box.warm_hits == hits + 3
+    finally:
+        box.close()
+    time.sleep(0.2)
+    assert _sandbox_processes() == []
+
+
+def test_partial_credit_is_the_share_of_tests_passed_and_errors_still_score_zero():
+    prog = "def f(x):\n    return 5 if x == 1 else 17 if x == 5 else 0\n"  # passes 2 of 3
+    res = score_program(prog, CALL_TESTS, timeout_s=3.0, partial=True)
+    assert res.score == pytest.approx(2 / 3) and res.reason == "wrong answer on test 3 of 3"
+    assert score_program(prog, CALL_TESTS, timeout_s=3.0).score == 0.0  # off by default
+    assert score_program(GOOD, CALL_TESTS, timeout_s=3.0, partial=True).score == 1.0
+    crash = "def f(x):\n    if x == 5:\n        raise ValueError('no')\n    return 3 * x + 2\n"
+    assert score_program(crash, CALL_TESTS, timeout_s=3.0, partial=True).score == 0.0

@@ -14,15 +14,18 @@ The ground truth is JSON, in one of the layouts public code-RL data uses:
 The program is the last fenced ```python block of the response when there is one, else the whole
 response. All tests run in one sandboxed process (`rewards/sandbox.py`); the expected outputs never enter
 the sandbox (the program returns its outputs and they are compared here), so a program cannot print its
-way to a pass. Reward 1.0 when every test passes, else 0.0, with the reason in `RewardResult.reason`
-(first failing test, error, timeout, memory, a process left behind, ...). A program that leaves a
+way to a pass. Reward 1.0 when every test passes, else 0.0 (with `reward.code_partial_credit`: the share
+of tests passed, for a program that ran them all), with the reason in `RewardResult.reason` (first
+failing test, error, timeout, memory, a process left behind, ...). A program that leaves a
 process running scores 0 even when its answers are right.
 
 The program's limit is `sample.meta["reward_timeout_s"]` when the reward stage set one (timeouts from
 history, see `reward_stage.py`), else `DEFAULT_TIMEOUT_S`. It counts from the start of the program's code
 (an interval timer in the runner), so interpreter and sandbox start-up do not eat it; the sandbox's
 wall-clock limit, `STARTUP_ALLOWANCE_S` later, catches a program that blocks the timer's signal. The
-result's `seconds` is the program's own run time, which the timeout history learns from.
+result's `seconds` is the program's own run time, which the timeout history learns from. Each worker
+process keeps one sandbox started ahead for its next program (`reward.warm_sandbox`, on by default; see
+"Warm start" in `sandbox.py`), so sandbox start-up is paid between samples, not after one arrives.
 Tests: `python -m pytest tests/test_sandbox.py tests/test_code_task.py -q`.
 """
 
@@ -121,14 +124,15 @@ class RewardResult:
         return float(self.score)
 
 
-_BOXES: dict[str, Sandbox] = {}
+_BOXES: dict[tuple[str, bool], Sandbox] = {}
 
 
-def sandbox(mode: str = "auto") -> Sandbox:
-    """One sandbox per process and mode (the bwrap probe runs once)."""
-    if mode not in _BOXES:
-        _BOXES[mode] = Sandbox(mode, Limits())
-    return _BOXES[mode]
+def sandbox(mode: str = "auto", warm: bool = True) -> Sandbox:
+    """One sandbox per process, mode and warmth (the bwrap probe runs once). Warm by default: the next
+    program's sandbox starts while this worker waits for its next sample (`Sandbox(warm=True)`)."""
+    if (mode, warm) not in _BOXES:
+        _BOXES[(mode, warm)] = Sandbox(mode, Limits(), warm=warm)
+    return _BOXES[(mode, warm)]
 
 
 def extract_program(text: str) -> str:
@@ -159,8 +163,9 @@ def _same_text(got: str, want: str) -> bool:
     return norm(got) == norm(want)
 
 
-def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "auto") -> RewardResult:
-    box = sandbox(mode)
+def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_S, mode: str = "auto",
+                  warm: bool = True, partial: bool = False) -> RewardResult:
+    box = sandbox(mode, warm)
     runner_tests = {k: tests[k] for k in ("mode", "fn_name", "inputs")}
     runner_tests["limit_s"] = timeout_s
     res = box.run({"solution.py": program, "runner.py": _RUNNER, "tests.json": json.dumps(runner_tests)},
@@ -184,11 +189,20 @@ def score_program(program: str, tests: dict, timeout_s: float = DEFAULT_TIMEOUT_
     outputs, want = report.get("outputs", []), tests["outputs"]
     if len(outputs) != len(want):
         return RewardResult(0.0, f"ran {len(outputs)} of {len(want)} tests")
-    for i, (got, exp) in enumerate(zip(outputs, want)):
-        ok = _same_text(got, exp) if tests["mode"] == "stdio" else got == exp
-        if not ok:
-            return RewardResult(0.0, f"wrong answer on test {i + 1} of {len(want)}", secs)
+    ok = [_same_text(got, exp) if tests["mode"] == "stdio" else got == exp for got, exp in zip(outputs, want)]
+    if not all(ok):
+        first = ok.index(False)
+        # Partial credit: the share of tests passed, for a program that ran them all (errors still score 0).
+        score = sum(ok) / len(ok) if partial else 0.0
+        return RewardResult(score, f"wrong answer on test {first + 1} of {len(want)}", secs)
     return RewardResult(1.0, "", secs)
+
+
+def prepare_next() -> None:
+    """Between two samples: tears down the last program's sandboxes and starts the next ones (warm start)."""
+    for box in _BOXES.values():
+        if box.warm:
+            box.prepare()
 
 
 def reward(sample, ground_truth: str) -> RewardResult:
@@ -199,4 +213,9 @@ def reward(sample, ground_truth: str) -> RewardResult:
         raise ValueError(f"bad code ground truth for {sample.prompt_id}: {exc}") from None
     timeout = float(sample.meta.get("reward_timeout_s") or DEFAULT_TIMEOUT_S)
     mode = sample.meta.get("sandbox_mode", "auto")
-    return score_program(extract_program(sample.response_text), tests, timeout, mode)
+    warm = bool(sample.meta.get("sandbox_warm", True))
+    partial = bool(sample.meta.get("code_partial_credit", False))
+    return score_program(extract_program(sample.response_text), tests, timeout, mode, warm, partial)
+
+
+reward.after_call = prepare_next  # the reward pool calls it after each result has gone back

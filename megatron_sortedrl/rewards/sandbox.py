@@ -29,6 +29,15 @@ after which its whole process group (and, in bwrap, its PID namespace) is killed
 The program's interpreter is the system's `python3` (`/usr/bin/python3`) rather than the project's
 virtual environment, which a dropped uid may not be allowed to read; programs get the standard library.
 
+Warm start (`Sandbox(warm=True)`, what the code reward uses): starting bubblewrap and an interpreter costs
+0.1 s on an idle machine and up to a second or two on a loaded one, per program, and that cost used to sit
+on the reward critical path of the last samples of a round. A warm sandbox starts the *next* run's
+sandboxed interpreter as soon as a run ends (its own scratch directory, uid, namespaces and rlimits, all
+fresh), where it waits on stdin; `run` then only sends it the files and its limits, and the interpreter
+writes them into its scratch directory, lowers its CPU limit and runs the entry in place. Each run still
+gets a sandbox of its own, never reused; only its start-up moves off the critical path. A waiting
+sandbox that died meanwhile is replaced by a cold start. `close()` (also at exit) kills the waiting one.
+
 Written here because the isolation tools in the distribution (bubblewrap) do the namespaces but not the
 rlimits, uid and clean-up around them. Left out: seccomp filters and cgroup limits (bwrap supports both;
 they would need a policy file and a writable cgroup tree, which these machines do not give us).
@@ -37,6 +46,7 @@ Tests: `python -m pytest tests/test_sandbox.py -q`.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -157,13 +167,54 @@ del _guard
 '''
 
 
+# The warm sandbox's interpreter runs this first and waits: one JSON line on stdin brings the files, the
+# entry, the CPU limit and the program's stdin; it writes the files into its scratch directory (its cwd),
+# lowers RLIMIT_CPU to what this run allows (a process may always lower its own limit) and runs the entry
+# in place, so interpreter and sandbox start-up were paid before the program existed.
+_WARM_BOOT = r"""
+import io, json, os, resource, sys
+_p = json.loads(sys.stdin.readline() or "null")
+if _p is None:
+    os._exit(0)
+for _n, _t in _p["files"].items():
+    with open(_n, "w") as _f:
+        _f.write(_t)
+_u = resource.getrusage(resource.RUSAGE_SELF)
+_c = min(resource.getrlimit(resource.RLIMIT_CPU)[1], int(_u.ru_utime + _u.ru_stime) + _p["cpu_s"])
+resource.setrlimit(resource.RLIMIT_CPU, (_c, _c))
+sys.stdin = io.StringIO(_p["stdin"])
+_e = _p["entry"]
+del _p, _n, _t, _f, _u, _c
+exec(compile(open(_e).read(), _e, "exec"), {"__name__": "__main__", "__file__": _e})
+"""
+
+
+@dataclass
+class _Waiting:
+    """A pre-started sandbox waiting for its program (see "Warm start" in the module docstring)."""
+
+    proc: subprocess.Popen
+    scratch: Path
+    uid: int | None
+    out: object
+    err: object
+
+
 class Sandbox:
-    def __init__(self, mode: str = "auto", limits: Limits | None = None, python: str | None = None) -> None:
+    def __init__(self, mode: str = "auto", limits: Limits | None = None, python: str | None = None,
+                 warm: bool = False) -> None:
         if mode not in ("auto", "bwrap", "fallback"):
             raise ValueError(f"sandbox mode must be auto, bwrap or fallback, got {mode!r}")
         self.mode, self.why = detect_mode(mode)
         self.limits = limits or Limits()
         self.python = python or _python()
+        self.warm = warm
+        self._waiting: _Waiting | None = None
+        self.warm_hits = 0  # runs that found their sandbox already started
+        if warm:
+            import atexit
+
+            atexit.register(self.close)
 
     def describe(self) -> str:
         if self.mode == "bwrap":
@@ -189,6 +240,8 @@ class Sandbox:
 
     def run(self, files: dict[str, str], entry: str, timeout_s: float = 5.0, stdin: str = "") -> SandboxResult:
         """Writes `files` into a fresh scratch directory, runs `python entry` there, returns what happened."""
+        if self.warm:
+            return self._run_warm(files, entry, timeout_s, stdin)
         uid = _pick_uid() if _root() else None
         _become_subreaper()
         scratch = Path(tempfile.mkdtemp(prefix="msrl-sandbox-"))
@@ -198,6 +251,97 @@ class Sandbox:
             if uid is not None:
                 _kill_uid(uid)
             shutil.rmtree(scratch, ignore_errors=True)
+
+    # ------------------------------------------------------------------ warm start
+
+    def _start_waiting(self) -> _Waiting:
+        """Starts a sandboxed interpreter that waits on stdin for its program (not yet limited in wall time)."""
+        uid = _pick_uid() if _root() else None
+        _become_subreaper()
+        scratch = Path(tempfile.mkdtemp(prefix="msrl-sandbox-"))
+        work = scratch / "work"
+        work.mkdir()
+        (work / "_boot.py").write_text((_FALLBACK_GUARD if self.mode == "fallback" else "") + _WARM_BOOT)
+        if uid is not None:
+            for p in (scratch, work, work / "_boot.py"):
+                os.chown(p, uid, uid)
+        argv = [self.python, "-I", "-S", "-B", "_boot.py"]
+        if self.mode == "bwrap":
+            argv = self._bwrap_argv(work) + argv
+        # Open for the waiting sandbox's whole life, not a block: closed in _drop_waiting.
+        out, err = open(scratch / "stdout", "wb"), open(scratch / "stderr", "wb")  # noqa: SIM115
+        # The CPU limit here is the largest; the boot lowers it to the run's own once it knows it.
+        proc = subprocess.Popen(argv, cwd=work, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                stdin=subprocess.PIPE, stdout=out, stderr=err, close_fds=True,
+                                preexec_fn=self._preexec(uid, float(self.limits.cpu_s)))  # noqa: PLW1509 (as in _run)
+        return _Waiting(proc, scratch, uid, out, err)
+
+    def _drop_waiting(self, w: _Waiting) -> None:
+        _killpg(w.proc.pid)
+        try:
+            w.proc.kill()
+        except OSError:
+            pass
+        w.proc.wait()
+        if w.uid is not None:
+            _kill_uid(w.uid)
+        w.out.close()
+        w.err.close()
+        shutil.rmtree(w.scratch, ignore_errors=True)
+
+    def prepare(self) -> None:
+        """Starts the next run's sandbox: what a worker does while it waits for its next sample (the reward
+        pool calls it after sending a result back)."""
+        if self._waiting is None:
+            try:
+                self._waiting = self._start_waiting()
+            except OSError:
+                self._waiting = None
+
+    def close(self) -> None:
+        """Kills the sandbox waiting for the next program, if any."""
+        w, self._waiting = self._waiting, None
+        if w is not None:
+            self._drop_waiting(w)
+
+    def _run_warm(self, files: dict[str, str], entry: str, timeout_s: float, stdin: str) -> SandboxResult:
+        w, self._waiting = self._waiting, None
+        if w is not None and w.proc.poll() is None:
+            self.warm_hits += 1
+        else:  # none started ahead (first run, no prepare) or it died meanwhile: start one now, cold
+            if w is not None:
+                self._drop_waiting(w)
+            try:
+                w = self._start_waiting()
+            except OSError as exc:
+                return SandboxResult("error", None, "", f"could not start the sandbox: {exc}", 0.0)
+        try:
+            return self._finish_waiting(w, files, entry, timeout_s, stdin)
+        finally:
+            # Torn down now: nothing the program started outlives its result. The next sandbox starts in
+            # prepare(), after the result has gone back.
+            self._drop_waiting(w)
+
+    def _finish_waiting(self, w: _Waiting, files: dict[str, str], entry: str, timeout_s: float,
+                        stdin: str) -> SandboxResult:
+        cpu = max(1, min(self.limits.cpu_s, int(timeout_s) + 1))
+        payload = json.dumps({"files": files, "entry": entry, "cpu_s": cpu, "stdin": stdin}) + "\n"
+        t0 = time.monotonic()
+        status = "ok"
+        try:
+            w.proc.communicate(payload.encode(), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+            _killpg(w.proc.pid)
+            w.proc.wait()
+        except OSError:  # it died while we sent (a broken pipe): what it wrote says why
+            w.proc.wait()
+        seconds = time.monotonic() - t0
+        w.out.flush()
+        w.err.flush()
+        return self._result(w.proc, status, seconds, w.uid, w.scratch / "stdout", w.scratch / "stderr", timeout_s)
+
+    # ------------------------------------------------------------------ cold start
 
     def _run(self, scratch: Path, files: dict[str, str], entry: str, timeout_s: float, stdin: str,
              uid: int | None) -> SandboxResult:
@@ -232,6 +376,10 @@ class Sandbox:
                 _killpg(proc.pid)
                 proc.wait()
         seconds = time.monotonic() - t0
+        return self._result(proc, status, seconds, uid, out_path, err_path, timeout_s)
+
+    def _result(self, proc: subprocess.Popen, status: str, seconds: float, uid: int | None, out_path: Path,
+                err_path: Path, timeout_s: float) -> SandboxResult:
         leftover = _kill_uid(uid) if uid is not None else 0
         if self.mode == "bwrap":  # its namespace is being torn down now: what is found is dying, not left over
             leftover = 0
