@@ -144,14 +144,22 @@ def test_a_skipped_prompt_comes_back_at_the_floor_rate():
 
 def test_skip_probability_adapts_towards_the_target_and_keeps_the_floor():
     cfg = SamplingConfig(dynamic=True, history_skip=True, skip_floor=0.2, skip_target_uninformative=0.25,
-                         skip_adapt_step=0.1, skip_initial_probability=0.5)
+                         skip_adapt_step=0.04, skip_initial_probability=0.5)
     gate = SkipGate(cfg, LengthHistory(), 0)
     for _ in range(20):
-        gate.adapt(uninformative=9, generated=10)
-    assert gate.p == pytest.approx(0.8)  # capped at 1 - floor
-    for _ in range(3):
-        gate.adapt(uninformative=1, generated=10)
-    assert gate.p == pytest.approx(0.5)
+        gate.observe(informative_group=False)
+    assert gate.p == pytest.approx(0.8)  # 20 * 0.04 * 0.75 would pass 1: capped at 1 - floor
+    for _ in range(10):
+        gate.observe(informative_group=True)
+    assert gate.p == pytest.approx(0.8 - 10 * 0.04 * 0.25)
+    # At the target share (1 uninformative group in 4) the feedback is in balance: p stays where it is.
+    before = gate.p
+    for i in range(400):
+        gate.observe(informative_group=i % 4 != 0)
+    assert gate.p == pytest.approx(before)
+    for _ in range(100):
+        gate.observe(informative_group=True)
+    assert gate.p == 0.0
 
 
 def test_skip_saves_generation_and_is_deterministic_under_the_seed():
