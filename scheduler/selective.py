@@ -24,8 +24,9 @@ nothing; the caller composes and generates another round (same policy version) b
 - *Skip.* The wrapped policy's data cursor is replaced by one that asks `SkipGate` about every prompt it
   yields: a prompt whose last `k >= 1` groups were uninformative (reward streak, `scheduler/history.py`) is
   tried with probability `max(floor, (1 - p) ** k)` and otherwise skipped (counted, consumed for its epoch).
-  `p` adapts after every complete group so that the share of uninformative generated groups approaches the
-  target (GRESO, arXiv 2506.02177, uses the same feedback, per step). Each draw is seeded by (seed, prompt, epoch), so the
+  `p` adapts after each harvested round, by a step per complete group, so that the share of uninformative
+  generated groups approaches the target (GRESO, arXiv 2506.02177, uses the same feedback, per training step).
+  Each draw is seeded by (seed, prompt, epoch), so the
   decisions are deterministic under the seed and independent of event order.
 - *Shaping* (`shape_batch`): DAPO's soft overlong penalty and overlong filtering, applied to the trained
   batch (copies; the samples keep their task reward for logging). The filter above judges the task reward,
@@ -79,17 +80,18 @@ class SkipGate:
         draw = random.Random(f"{self.seed}:skip:{prompt_id}:{epoch}").random()
         return draw < self.try_probability(prompt_id)
 
-    def observe(self, informative_group: bool) -> None:
-        """After every complete group: an uninformative one raises `p` by step * (1 - target), an informative one
-        lowers it by step * target, so `p` rests where the uninformative share of generated groups is the target
-        (or at a bound). Per group rather than per round: the feedback then has the same speed whatever the
-        policy's round size (a twotier round on a large cluster holds hundreds of prompts, and a run only a few
-        dozen rounds), and a policy change within a round already steers the next one."""
-        if not self.cfg.history_skip:
+    def adapt(self, uninformative: int, generated: int) -> None:
+        """After every harvested round, summed over its complete groups: each uninformative group raises `p` by
+        step * (1 - target), each informative one lowers it by step * target, so `p` rests where the uninformative
+        share of generated groups is the target (or at a bound). The gain grows with the groups seen rather than
+        being one step per round: a twotier round on a large cluster holds hundreds of prompts and a run only a few
+        dozen rounds, while a CPU round holds a handful; summed per round (and bounded once), the result does not
+        depend on the order in which the round's groups completed (filtered ones complete early, informative ones
+        are counted at harvest)."""
+        if not self.cfg.history_skip or generated == 0:
             return
         step, target = self.cfg.skip_adapt_step, self.cfg.skip_target_uninformative
-        self.p += -step * target if informative_group else step * (1.0 - target)
-        self.p = min(1.0 - self.cfg.skip_floor, max(0.0, self.p))
+        self.p = min(1.0 - self.cfg.skip_floor, max(0.0, self.p + step * (uninformative - target * generated)))
 
 
 class SkippingCursor:
@@ -140,6 +142,7 @@ class SelectivePolicy:
         self.predicted: dict[str, bool] = {}  # live prompt key -> predicted informative when it was let through
         self.consumed: dict[int, Counter] = {}  # epoch -> outcome -> prompts
         self.step_counts: Counter = Counter()  # this update's outcomes and prediction hits
+        self.round_counts: Counter = Counter()  # outcomes since the last harvested round (the skip's feedback)
         self.step_tokens = Counter()  # generated / trained response tokens this update
         self._wasted_seen = 0
         self.totals: Counter = Counter()  # whole run: outcomes, tokens
@@ -155,13 +158,13 @@ class SelectivePolicy:
         epoch = int(key.rsplit("/e", 1)[1])
         self.consumed.setdefault(epoch, Counter())[outcome] += 1
         self.step_counts[outcome] += 1
+        self.round_counts[outcome] += 1
         self.totals[outcome] += 1
         if rewards is not None:
             pid = key.rsplit("/e", 1)[0]
             self.inner.history.record_rewards(pid, epoch, rewards)
             predicted = self.predicted.pop(key, True)
             actual = informative(rewards)
-            self.gate.observe(actual)
             self.step_counts["predicted_informative"] += predicted
             self.step_counts["actual_informative"] += actual
             self.step_counts["prediction_correct"] += predicted == actual
@@ -211,6 +214,8 @@ class SelectivePolicy:
                 self.pending.extend(samples)
             else:
                 self.step_tokens["filtered"] += sum(s.response_length for s in samples)
+        self.gate.adapt(self.round_counts["filtered"], self.round_counts["filtered"] + self.round_counts["trained"])
+        self.round_counts = Counter()
         have = len({prompt_key(s.prompt_id, s.epoch) for s in self.pending})
         data_left = bool(self.inner.live) or not self.inner.cursor.exhausted
         if have >= self.target or not data_left:

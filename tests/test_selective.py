@@ -146,19 +146,17 @@ def test_skip_probability_adapts_towards_the_target_and_keeps_the_floor():
     cfg = SamplingConfig(dynamic=True, history_skip=True, skip_floor=0.2, skip_target_uninformative=0.25,
                          skip_adapt_step=0.04, skip_initial_probability=0.5)
     gate = SkipGate(cfg, LengthHistory(), 0)
-    for _ in range(20):
-        gate.observe(informative_group=False)
-    assert gate.p == pytest.approx(0.8)  # 20 * 0.04 * 0.75 would pass 1: capped at 1 - floor
-    for _ in range(10):
-        gate.observe(informative_group=True)
-    assert gate.p == pytest.approx(0.8 - 10 * 0.04 * 0.25)
-    # At the target share (1 uninformative group in 4) the feedback is in balance: p stays where it is.
-    before = gate.p
-    for i in range(400):
-        gate.observe(informative_group=i % 4 != 0)
-    assert gate.p == pytest.approx(before)
-    for _ in range(100):
-        gate.observe(informative_group=True)
+    gate.adapt(uninformative=3, generated=4)
+    assert gate.p == pytest.approx(0.5 + 0.04 * (3 - 0.25 * 4))  # a step per group, net of the target share
+    gate.adapt(uninformative=90, generated=100)
+    assert gate.p == pytest.approx(0.8)  # capped at 1 - floor
+    gate.adapt(uninformative=10, generated=40)
+    assert gate.p == pytest.approx(0.8)  # at the target share the feedback is in balance
+    gate.adapt(uninformative=0, generated=10)
+    assert gate.p == pytest.approx(0.8 - 0.04 * 0.25 * 10)
+    gate.adapt(uninformative=0, generated=1000)
+    assert gate.p == 0.0
+    gate.adapt(uninformative=0, generated=0)
     assert gate.p == 0.0
 
 
