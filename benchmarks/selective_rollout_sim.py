@@ -61,8 +61,12 @@ def row_of(result, policy: str, filt: str, wall: float) -> dict:
             "sim_wall_s": round(wall, 1)}
 
 
-def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str]) -> dict:
+def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str], cache: Path | None = None) -> dict:
     logging.disable(logging.WARNING)  # the per-update "cap hit" lines of dynamic sampling
+    key = {"config": config, "epochs": epochs, "policy": policy, "filter": filt, "overrides": overrides}
+    path = cache / f"{policy}_{filt.replace('+', '_')}.json" if cache else None
+    if path and path.is_file() and json.loads(path.read_text())["key"] == key:  # a part run earlier (--cache)
+        return json.loads(path.read_text())["row"]
     label, gen = policy, []
     if policy == GEN3X:  # DAPO's own recipe: generate 3x the update's prompts per round, train the informative ones
         sim0, run0 = load_sim_config(ROOT / config, overrides)
@@ -73,6 +77,8 @@ def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str]) 
     t0 = time.time()
     row = row_of(simulate(sim, run, policy), label, filt, time.time() - t0)
     row["prompts_per_round"] = run.scheduler.group_size if policy in ("sorted", "twotier") else run.scheduler.rollout_batch_size
+    if path:
+        path.write_text(json.dumps({"key": key, "row": row}))
     print(f"{label:10s} {filt:8s} {row['time_per_informative_group_s']:8.2f} s/group  "
           f"gen/trained {row['generated_tokens_per_trained_token']:.2f}  informative {row['informative_groups']}  "
           f"updates {row['updates']}  skipped {row['skipped_prompts']}  ({row['sim_wall_s']}s)", flush=True)
@@ -123,19 +129,26 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES + (GEN3X,)),
                     help=f"comma list (sync and twotier needed; {GEN3X}: sync generating 3 updates' prompts per round)")
     ap.add_argument("--name", default="selective_rollout_sim", help="output file stem under --out")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="keep each simulation's row here and reuse it (a long grid can run in parts: --policies)")
+    ap.add_argument("--no-write", action="store_true", help="simulate (into --cache) without writing the outputs")
     ap.add_argument("--jobs", type=int, default=3, help="simulations run in parallel")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="extra sim overrides (key=value; run.* for the run config)")
     args = ap.parse_args()
     t_all = time.time()
     policies = [p for p in args.policies.split(",") if p]
-    if not {"sync", "twotier"} <= set(policies) or set(policies) - set(POLICIES + (GEN3X,)):
+    if not (args.no_write or {"sync", "twotier"} <= set(policies)) or set(policies) - set(POLICIES + (GEN3X,)):
         print(f"error: --policies must include sync and twotier, from {', '.join(POLICIES + (GEN3X,))}", file=sys.stderr)
         return 2
-    jobs = [(args.config, args.epochs, policy, filt, args.overrides) for policy in policies for filt in FILTERS
+    if args.cache:
+        args.cache.mkdir(parents=True, exist_ok=True)
+    jobs = [(args.config, args.epochs, policy, filt, args.overrides, args.cache) for policy in policies for filt in FILTERS
             if not (policy == GEN3X and filt == "none")]  # without the filter it is just a bigger sync batch
     with multiprocessing.Pool(args.jobs) as pool:  # independent simulations; each is single-threaded
-        rows = pool.starmap(one, jobs)
+        rows = pool.starmap(one, jobs, chunksize=1)
+    if args.no_write:
+        return 0
     base = next(r for r in rows if r["policy"] == "sync" and r["filter"] == "ds")
     for r in rows:
         r["time_per_informative_group_vs_sync_ds"] = r["time_per_informative_group_s"] / base["time_per_informative_group_s"]
