@@ -1,7 +1,10 @@
 """Selective rollout on real RL runs (CPU): dynamic sampling alone vs dynamic sampling with reward-history skip,
 from identical warm-started weights, at the same number of updates of the same size.
 
-    .venv/bin/python benchmarks/selective_rollout.py                      # ~30 minutes on 2 busy cores
+    .venv/bin/python benchmarks/selective_rollout.py                      # ~40 minutes on 2 cores at load 50
+    .venv/bin/python benchmarks/selective_rollout.py --work-dir W --model-dir M --warm-only      # resumable parts:
+    .venv/bin/python benchmarks/selective_rollout.py --work-dir W --model-dir M --repeats 1     # finished runs in W
+    .venv/bin/python benchmarks/selective_rollout.py --work-dir W --model-dir M --repeats 3     # are reused
     .venv/bin/python benchmarks/selective_rollout.py --model-dir /tmp/sr_warm --repeats 1 --steps 6   # quick look
 
 What it does: one supervised warm-up (the driver's own `warm_start`), exported as a Hugging Face directory;

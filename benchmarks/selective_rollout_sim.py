@@ -1,7 +1,11 @@
 """Simulated selective rollout at cluster scale: every tier-1 policy with no filter, dynamic sampling (DS), and
 DS with reward-history skip, on a DAPO-like pass-rate process; figures committed to docs/benchmarks/.
 
-    .venv/bin/python benchmarks/selective_rollout_sim.py                       # 32B, 128 GPUs; ~5 minutes
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6    # 32B, 128 GPUs; sorted alone takes > 30 min
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,tail,twotier,sync_gen3x --cache /tmp/c
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sorted --cache /tmp/c --no-write  # a part
+    .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_paper_rollpacker_7b_8k.yaml --epochs 6 \
+        --policies sync,twotier,sync_gen3x --name selective_rollout_sim_7b                  # the second workload
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_tiny_cpu.yaml --out /tmp/x
 
 Scenario: configs/sim_qwen32b_128gpu.yaml (Qwen2.5-32B, 128 GPUs, 16 responses per prompt, 32k tails) with
@@ -13,7 +17,10 @@ Figures per (policy, filter): wall time per trained *informative* group (a group
 kind that moves a group-relative advantage), its ratio to sync + DS from the same run
 (`time_per_informative_group_vs_sync_ds`, lower is faster), generated response tokens per trained token
 (no filter: trained + wasted; DS: trained + filtered + wasted), the pooled worker bubble, updates, prompts
-skipped. Writes selective_rollout_sim.{json,md,png}.
+skipped, prompts per round. `sync_gen3x` is sync + DS the way verl's DAPO recipe runs it: each round generates
+three updates' prompts (`gen_batch_size = 3 x train_batch_size`) and the update trains `rollout_batch_size`
+informative groups; the headline compares twotier + DS + skip with it too. Writes `--name`.{json,md,png}
+(default selective_rollout_sim); `--cache DIR` keeps each simulation's row, so a long grid runs in parts.
 
 Left out: the learning effect of training only on informative groups (the simulator has no model); DAPO reports
 equal or better accuracy with the filter, GRESO with the skip.
