@@ -4,6 +4,7 @@ DS with reward-history skip, on a DAPO-like pass-rate process; figures committed
     .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6    # 32B, 128 GPUs; sorted alone takes > 30 min
     .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,tail,twotier,sync_gen3x --cache /tmp/c --no-write
     .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sorted --cache /tmp/c --no-write  # a part
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,sorted,tail,twotier,sync_gen3x --cache /tmp/c
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_paper_rollpacker_7b_8k.yaml --epochs 6 \
         --policies sync,twotier,sync_gen3x --name selective_rollout_sim_7b                  # the second workload
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_tiny_cpu.yaml --out /tmp/x
