@@ -1,7 +1,10 @@
 """Selective rollout on real RL runs (CPU): dynamic sampling alone vs dynamic sampling with reward-history skip,
 from identical warm-started weights, at the same number of updates of the same size.
 
-    .venv/bin/python benchmarks/selective_rollout.py                      # ~30 minutes on 2 busy cores
+    .venv/bin/python benchmarks/selective_rollout.py                      # ~40 minutes on 2 cores at load 50
+    .venv/bin/python benchmarks/selective_rollout.py --work-dir W --model-dir M --warm-only      # resumable parts:
+    .venv/bin/python benchmarks/selective_rollout.py --work-dir W --model-dir M --repeats 1     # finished runs in W
+    .venv/bin/python benchmarks/selective_rollout.py --work-dir W --model-dir M --repeats 3     # are reused
     .venv/bin/python benchmarks/selective_rollout.py --model-dir /tmp/sr_warm --repeats 1 --steps 6   # quick look
 
 What it does: one supervised warm-up (the driver's own `warm_start`), exported as a Hugging Face directory;
@@ -162,6 +165,10 @@ def run_variant(name: str, repeat: int, args, model_dir: Path, work: Path) -> di
            f"scheduler.update_batch_size={args.rollout_batch * args.n}", f"scheduler.group_size={2 * args.rollout_batch}",
            f"cluster.ray_address={args.ray}", *VARIANTS[name], *args.extra]
     log = work / f"{run_dir.name}.log"
+    done = work / f"{run_dir.name}.json"  # a finished run is kept, so a benchmark split into parts resumes
+    key = [c for c in cmd if not c.startswith("cluster.ray_address=")]  # the head's address differs per part
+    if done.is_file() and json.loads(done.read_text()).get("command") == key:
+        return json.loads(done.read_text())["result"]
     for attempt in range(STARTUP_RETRIES):  # on a crowded machine Ray's fixed 30 s node start-up can time out
         t0 = time.monotonic()
         with open(log, "w") as fh:
@@ -179,8 +186,10 @@ def run_variant(name: str, repeat: int, args, model_dir: Path, work: Path) -> di
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         raise RunFailed(f"{name} (repeat {repeat}) ended with rc={rc}, summary={summary or 'missing'}\n"
                         f"command: cd {ROOT} && {shlex.join(cmd)}\nlog {log}, last lines:\n{tail}")
-    return {**figures(run_dir), "process_s": round(time.monotonic() - t0, 1),
-            "accuracy_before_rl": summary["accuracy_before_rl"], "run_dir": str(run_dir)}
+    result = {**figures(run_dir), "process_s": round(time.monotonic() - t0, 1),
+              "accuracy_before_rl": summary["accuracy_before_rl"], "run_dir": str(run_dir)}
+    done.write_text(json.dumps({"command": key, "result": result}))
+    return result
 
 
 def figures(run_dir: Path) -> dict:
@@ -276,6 +285,7 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    ap.add_argument("--warm-only", action="store_true", help="make the warm start and probe, then stop (a resumable part)")
     ap.add_argument("extra", nargs="*", help="key=value overrides for every variant run")
     args = ap.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="selective_rollout_"))
@@ -299,6 +309,8 @@ def measure(args, model_dir: Path, work: Path, t_all: float) -> int:
     else:
         warm = warm_start_and_probe(args, model_dir, work)
     print(f"warm start: {json.dumps(warm)}", flush=True)
+    if args.warm_only:
+        return 0
     runs: dict[str, list[dict]] = {n: [] for n in VARIANTS}
     try:
         for rep in range(args.repeats):

@@ -1,7 +1,12 @@
 """Simulated selective rollout at cluster scale: every tier-1 policy with no filter, dynamic sampling (DS), and
 DS with reward-history skip, on a DAPO-like pass-rate process; figures committed to docs/benchmarks/.
 
-    .venv/bin/python benchmarks/selective_rollout_sim.py                       # 32B, 128 GPUs; ~5 minutes
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6    # 32B, 128 GPUs; sorted alone takes > 30 min
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,tail,twotier,sync_gen3x --cache /tmp/c --no-write
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sorted --cache /tmp/c --no-write  # a part
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,sorted,tail,twotier,sync_gen3x --cache /tmp/c
+    .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_paper_rollpacker_7b_8k.yaml --epochs 6 \
+        --policies sync,twotier,sync_gen3x --name selective_rollout_sim_7b                  # the second workload
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_tiny_cpu.yaml --out /tmp/x
 
 Scenario: configs/sim_qwen32b_128gpu.yaml (Qwen2.5-32B, 128 GPUs, 16 responses per prompt, 32k tails) with
@@ -13,7 +18,10 @@ Figures per (policy, filter): wall time per trained *informative* group (a group
 kind that moves a group-relative advantage), its ratio to sync + DS from the same run
 (`time_per_informative_group_vs_sync_ds`, lower is faster), generated response tokens per trained token
 (no filter: trained + wasted; DS: trained + filtered + wasted), the pooled worker bubble, updates, prompts
-skipped. Writes selective_rollout_sim.{json,md,png}.
+skipped, prompts per round. `sync_gen3x` is sync + DS the way verl's DAPO recipe runs it: each round generates
+three updates' prompts (`gen_batch_size = 3 x train_batch_size`) and the update trains `rollout_batch_size`
+informative groups; the headline compares twotier + DS + skip with it too. Writes `--name`.{json,md,png}
+(default selective_rollout_sim); `--cache DIR` keeps each simulation's row, so a long grid runs in parts.
 
 Left out: the learning effect of training only on informative groups (the simulator has no model); DAPO reports
 equal or better accuracy with the filter, GRESO with the skip.
@@ -38,6 +46,9 @@ from scheduler.simulator import simulate  # noqa: E402
 from scheduler.workload import PassRates  # noqa: E402
 
 POLICIES = ("sync", "sorted", "tail", "twotier")
+# sync + DS the way verl's DAPO recipe runs it (gen_batch_size = 3 x train_batch_size): each round generates
+# three updates' worth of prompts, so it needs fewer tail-bound rounds per update than a round of one update.
+GEN3X = "sync_gen3x"
 FILTERS = {"none": [], "ds": ["run.sampling.dynamic=true"],
            "ds+skip": ["run.sampling.dynamic=true", "run.sampling.history_skip=true"]}
 
@@ -58,24 +69,38 @@ def row_of(result, policy: str, filt: str, wall: float) -> dict:
             "sim_wall_s": round(wall, 1)}
 
 
-def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str]) -> dict:
+def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str], cache: Path | None = None) -> dict:
     logging.disable(logging.WARNING)  # the per-update "cap hit" lines of dynamic sampling
-    sim, run = load_sim_config(ROOT / config, [f"workload.num_epochs={epochs}", *FILTERS[filt], *overrides])
+    key = {"config": config, "epochs": epochs, "policy": policy, "filter": filt, "overrides": overrides}
+    path = cache / f"{policy}_{filt.replace('+', '_')}.json" if cache else None
+    if path and path.is_file() and json.loads(path.read_text())["key"] == key:  # a part run earlier (--cache)
+        return json.loads(path.read_text())["row"]
+    label, gen = policy, []
+    if policy == GEN3X:  # DAPO's own recipe: generate 3x the update's prompts per round, train the informative ones
+        sim0, run0 = load_sim_config(ROOT / config, overrides)
+        update = run0.scheduler.rollout_batch_size
+        policy, gen = "sync", [f"run.scheduler.rollout_batch_size={3 * update}",
+                               f"run.sampling.min_informative_groups={update}"]
+    sim, run = load_sim_config(ROOT / config, [f"workload.num_epochs={epochs}", *FILTERS[filt], *overrides, *gen])
     t0 = time.time()
-    row = row_of(simulate(sim, run, policy), policy, filt, time.time() - t0)
-    print(f"{policy:8s} {filt:8s} {row['time_per_informative_group_s']:8.2f} s/group  "
+    row = row_of(simulate(sim, run, policy), label, filt, time.time() - t0)
+    row["prompts_per_round"] = run.scheduler.group_size if policy in ("sorted", "twotier") else run.scheduler.rollout_batch_size
+    if path:
+        path.write_text(json.dumps({"key": key, "row": row}))
+    print(f"{label:10s} {filt:8s} {row['time_per_informative_group_s']:8.2f} s/group  "
           f"gen/trained {row['generated_tokens_per_trained_token']:.2f}  informative {row['informative_groups']}  "
           f"updates {row['updates']}  skipped {row['skipped_prompts']}  ({row['sim_wall_s']}s)", flush=True)
     return row
 
 
 def markdown(rows: list[dict], head: str) -> str:
-    lines = [head, "", "| policy | filter | s / informative group | vs sync+DS | gen tok / trained tok | informative "
-             "groups | updates | skipped | worker bubble |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| policy | filter | prompts / round | s / informative group | vs sync+DS | gen tok / trained tok | "
+             "informative groups | rounds | updates | skipped | worker bubble |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['filter']} | {r['time_per_informative_group_s']:.1f} | "
+        lines.append(f"| {r['policy']} | {r['filter']} | {r['prompts_per_round']} | {r['time_per_informative_group_s']:.1f} | "
                      f"{r['time_per_informative_group_vs_sync_ds']:.3f} | {r['generated_tokens_per_trained_token']:.2f} | "
-                     f"{r['informative_groups']} | {r['updates']} | {r['skipped_prompts']} | {r['worker_bubble']:.1%} |")
+                     f"{r['informative_groups']} | {r['rounds']} | {r['updates']} | {r['skipped_prompts']} | "
+                     f"{r['worker_bubble']:.1%} |")
     return "\n".join(lines)
 
 
@@ -87,12 +112,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.27
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    policies = [p for p in POLICIES + (GEN3X,) if any(r["policy"] == p for r in rows)]
     for j, filt in enumerate(FILTERS):
-        sel = [next(r for r in rows if r["policy"] == p and r["filter"] == filt) for p in policies]
-        xs = [i + (j - 1) * width for i in range(len(policies))]
-        ax[0].bar(xs, [1.0 / r["time_per_informative_group_vs_sync_ds"] for r in sel], width, label=filt)
-        ax[1].bar(xs, [r["generated_tokens_per_trained_token"] for r in sel], width, label=filt)
+        sel = [(i + (j - 1) * width, r) for i, p in enumerate(policies) for r in rows
+               if r["policy"] == p and r["filter"] == filt]
+        xs = [x for x, _ in sel]
+        ax[0].bar(xs, [1.0 / r["time_per_informative_group_vs_sync_ds"] for _, r in sel], width, label=filt)
+        ax[1].bar(xs, [r["generated_tokens_per_trained_token"] for _, r in sel], width, label=filt)
     ax[0].axhline(1.0, color="gray", lw=0.8)
     ax[0].set(xticks=range(len(policies)), xticklabels=policies, ylabel="informative groups per second vs sync + DS",
               title="Speed per trained informative group")
@@ -108,19 +134,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/sim_qwen32b_128gpu.yaml")
     ap.add_argument("--epochs", type=int, default=3, help="workload.num_epochs")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="comma list (sync and twotier needed)")
+    ap.add_argument("--policies", default=",".join(POLICIES + (GEN3X,)),
+                    help=f"comma list (sync and twotier needed; {GEN3X}: sync generating 3 updates' prompts per round)")
+    ap.add_argument("--name", default="selective_rollout_sim", help="output file stem under --out")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="keep each simulation's row here and reuse it (a long grid can run in parts: --policies)")
+    ap.add_argument("--no-write", action="store_true", help="simulate (into --cache) without writing the outputs")
     ap.add_argument("--jobs", type=int, default=3, help="simulations run in parallel")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="extra sim overrides (key=value; run.* for the run config)")
     args = ap.parse_args()
     t_all = time.time()
     policies = [p for p in args.policies.split(",") if p]
-    if not {"sync", "twotier"} <= set(policies) or set(policies) - set(POLICIES):
-        print(f"error: --policies must include sync and twotier, from {', '.join(POLICIES)}", file=sys.stderr)
+    if not (args.no_write or {"sync", "twotier"} <= set(policies)) or set(policies) - set(POLICIES + (GEN3X,)):
+        print(f"error: --policies must include sync and twotier, from {', '.join(POLICIES + (GEN3X,))}", file=sys.stderr)
         return 2
-    jobs = [(args.config, args.epochs, policy, filt, args.overrides) for policy in policies for filt in FILTERS]
+    if args.cache:
+        args.cache.mkdir(parents=True, exist_ok=True)
+    jobs = [(args.config, args.epochs, policy, filt, args.overrides, args.cache) for policy in policies for filt in FILTERS
+            if not (policy == GEN3X and filt == "none")]  # without the filter it is just a bigger sync batch
     with multiprocessing.Pool(args.jobs) as pool:  # independent simulations; each is single-threaded
-        rows = pool.starmap(one, jobs)
+        rows = pool.starmap(one, jobs, chunksize=1)
+    if args.no_write:
+        return 0
     base = next(r for r in rows if r["policy"] == "sync" and r["filter"] == "ds")
     for r in rows:
         r["time_per_informative_group_vs_sync_ds"] = r["time_per_informative_group_s"] / base["time_per_informative_group_s"]
@@ -129,6 +165,9 @@ def main() -> int:
         "twotier_ds_skip_speedup_vs_sync_ds": 1.0 / pick[("twotier", "ds+skip")]["time_per_informative_group_vs_sync_ds"],
         "twotier_ds_skip_speedup_vs_twotier_ds": pick[("twotier", "ds")]["time_per_informative_group_s"]
         / pick[("twotier", "ds+skip")]["time_per_informative_group_s"]}
+    if (GEN3X, "ds") in pick:
+        headline["twotier_ds_skip_speedup_vs_sync_gen3x_ds"] = (pick[(GEN3X, "ds")]["time_per_informative_group_s"]
+                                                               / pick[("twotier", "ds+skip")]["time_per_informative_group_s"])
     headline["targets_met"] = (headline["twotier_ds_skip_speedup_vs_sync_ds"] >= 3.0
                                and headline["twotier_ds_skip_speedup_vs_twotier_ds"] >= 1.4)
     sim, run = load_sim_config(ROOT / args.config, [f"workload.num_epochs={args.epochs}", *args.overrides])
@@ -141,16 +180,18 @@ def main() -> int:
               "expected_informative_share_per_epoch": share, "headline": headline,
               "bench_wall_s": round(time.time() - t_all, 1), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "selective_rollout_sim.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     head = (f"# Selective rollout in the simulator: {sim.name}, {args.epochs} epochs\n\n`{result['command']}`. "
             f"Expected informative share of groups per epoch (n = {n}): "
             f"{', '.join(f'{s:.0%}' for s in share)}. twotier + DS + skip is "
             f"{headline['twotier_ds_skip_speedup_vs_sync_ds']:.2f}x sync + DS and "
             f"{headline['twotier_ds_skip_speedup_vs_twotier_ds']:.2f}x twotier + DS per trained informative group "
-            f"(targets 3x and 1.4x: {'met' if headline['targets_met'] else 'NOT met'}).")
+            f"(targets 3x and 1.4x: {'met' if headline['targets_met'] else 'NOT met'})"
+            + (f"; {headline['twotier_ds_skip_speedup_vs_sync_gen3x_ds']:.2f}x sync + DS generating 3 updates' "
+               f"prompts per round ({GEN3X}, as verl's DAPO recipe)" if (GEN3X, "ds") in pick else "") + ".")
     table = markdown(rows, head)
-    (args.out / "selective_rollout_sim.md").write_text(table + "\n")
-    plot(rows, args.out / "selective_rollout_sim.png", f"{sim.name}: selective rollout")
+    (args.out / f"{args.name}.md").write_text(table + "\n")
+    plot(rows, args.out / f"{args.name}.png", f"{sim.name}: selective rollout")
     print(table)
     return 0
 

@@ -107,7 +107,9 @@ class SamplingConfig:
         default=0.25, metadata={"help": "history_skip: the skip probability adapts so that this share of generated groups is uninformative."}
     )
     skip_initial_probability: float = field(default=0.5, metadata={"help": "history_skip: skip probability at the start."})
-    skip_adapt_step: float = field(default=0.1, metadata={"help": "history_skip: change of the skip probability per harvested round."})
+    skip_adapt_step: float = field(
+        default=0.02, metadata={"help": "history_skip: feedback gain per complete group: after each harvested round, every uninformative group of it raises the skip probability by step * (1 - target), every informative one lowers it by step * target."}
+    )
     skip_floor: float = field(
         default=0.1, metadata={"help": "history_skip: every prompt is tried with at least this probability (prompts that become informative again come back)."}
     )

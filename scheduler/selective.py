@@ -24,8 +24,9 @@ nothing; the caller composes and generates another round (same policy version) b
 - *Skip.* The wrapped policy's data cursor is replaced by one that asks `SkipGate` about every prompt it
   yields: a prompt whose last `k >= 1` groups were uninformative (reward streak, `scheduler/history.py`) is
   tried with probability `max(floor, (1 - p) ** k)` and otherwise skipped (counted, consumed for its epoch).
-  `p` adapts after each harvested round so that the share of uninformative generated groups approaches the target
-  (GRESO, arXiv 2506.02177, uses the same feedback). Each draw is seeded by (seed, prompt, epoch), so the
+  `p` adapts after each harvested round, by a step per complete group, so that the share of uninformative
+  generated groups approaches the target (GRESO, arXiv 2506.02177, uses the same feedback, per training step).
+  Each draw is seeded by (seed, prompt, epoch), so the
   decisions are deterministic under the seed and independent of event order.
 - *Shaping* (`shape_batch`): DAPO's soft overlong penalty and overlong filtering, applied to the trained
   batch (copies; the samples keep their task reward for logging). The filter above judges the task reward,
@@ -80,14 +81,17 @@ class SkipGate:
         return draw < self.try_probability(prompt_id)
 
     def adapt(self, uninformative: int, generated: int) -> None:
-        """After an update: more uninformative groups than the target share raise `p`, fewer lower it."""
+        """After every harvested round, summed over its complete groups: each uninformative group raises `p` by
+        step * (1 - target), each informative one lowers it by step * target, so `p` rests where the uninformative
+        share of generated groups is the target (or at a bound). The gain grows with the groups seen rather than
+        being one step per round: a twotier round on a large cluster holds hundreds of prompts and a run only a few
+        dozen rounds, while a CPU round holds a handful; summed per round (and bounded once), the result does not
+        depend on the order in which the round's groups completed (filtered ones complete early, informative ones
+        are counted at harvest)."""
         if not self.cfg.history_skip or generated == 0:
             return
-        step = self.cfg.skip_adapt_step
-        if uninformative / generated > self.cfg.skip_target_uninformative:
-            self.p = min(1.0 - self.cfg.skip_floor, self.p + step)
-        else:
-            self.p = max(0.0, self.p - step)
+        step, target = self.cfg.skip_adapt_step, self.cfg.skip_target_uninformative
+        self.p = min(1.0 - self.cfg.skip_floor, max(0.0, self.p + step * (uninformative - target * generated)))
 
 
 class SkippingCursor:
@@ -210,7 +214,6 @@ class SelectivePolicy:
                 self.pending.extend(samples)
             else:
                 self.step_tokens["filtered"] += sum(s.response_length for s in samples)
-        # Feedback after every harvested round, not every update: an update may span several rounds.
         self.gate.adapt(self.round_counts["filtered"], self.round_counts["filtered"] + self.round_counts["trained"])
         self.round_counts = Counter()
         have = len({prompt_key(s.prompt_id, s.epoch) for s in self.pending})

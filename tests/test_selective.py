@@ -144,14 +144,20 @@ def test_a_skipped_prompt_comes_back_at_the_floor_rate():
 
 def test_skip_probability_adapts_towards_the_target_and_keeps_the_floor():
     cfg = SamplingConfig(dynamic=True, history_skip=True, skip_floor=0.2, skip_target_uninformative=0.25,
-                         skip_adapt_step=0.1, skip_initial_probability=0.5)
+                         skip_adapt_step=0.04, skip_initial_probability=0.5)
     gate = SkipGate(cfg, LengthHistory(), 0)
-    for _ in range(20):
-        gate.adapt(uninformative=9, generated=10)
+    gate.adapt(uninformative=3, generated=4)
+    assert gate.p == pytest.approx(0.5 + 0.04 * (3 - 0.25 * 4))  # a step per group, net of the target share
+    gate.adapt(uninformative=90, generated=100)
     assert gate.p == pytest.approx(0.8)  # capped at 1 - floor
-    for _ in range(3):
-        gate.adapt(uninformative=1, generated=10)
-    assert gate.p == pytest.approx(0.5)
+    gate.adapt(uninformative=10, generated=40)
+    assert gate.p == pytest.approx(0.8)  # at the target share the feedback is in balance
+    gate.adapt(uninformative=0, generated=10)
+    assert gate.p == pytest.approx(0.8 - 0.04 * 0.25 * 10)
+    gate.adapt(uninformative=0, generated=1000)
+    assert gate.p == 0.0
+    gate.adapt(uninformative=0, generated=0)
+    assert gate.p == 0.0
 
 
 def test_skip_saves_generation_and_is_deterministic_under_the_seed():
