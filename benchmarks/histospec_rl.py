@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -345,6 +346,7 @@ def main() -> int:
         warm = json.loads(warm_path.read_text()) if warm_path and warm_path.is_file() else {}
         return write_outputs(args, methods, runs, warm)
     os.environ.update(ray_env())  # the warm-up's driver runs in this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the Ray head on a kill too
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="histospec_rl_"))
     work.mkdir(parents=True, exist_ok=True)
     head = None
