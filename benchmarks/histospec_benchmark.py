@@ -148,10 +148,15 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
                         llm.collective_rpc("histospec_configure", kwargs={
                             "adaptive_length": args.adaptive_length,
                             "max_batch_rows": args.switch_rows if mode.endswith("switch") else 0})
-                    _, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
-                    cells[mode][b].append({"wall_s": wall, "tokens": fig["tokens"], "forwards": fig["forwards"],
-                                           "tokens_per_forward": fig["spec/tokens_per_forward"]})
+                    outs, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
+                    # Tokens from the outputs: vLLM's counters can lag a small batch's last step (then 0).
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    tpf = fig["spec/tokens_per_forward"] if fig["tokens"] and fig["forwards"] else None
+                    cells[mode][b].append({"wall_s": wall, "tokens": tokens, "counter_tokens": fig["tokens"],
+                                           "forwards": fig["forwards"], "tokens_per_forward": tpf})
             print(f"batch sweep: repeat {r + 1}/{args.repeats} done", flush=True)
+            args.out.mkdir(parents=True, exist_ok=True)  # raw cells so far, in case a later repeat fails
+            (args.out / "histospec_batch_sweep_cells.json").write_text(json.dumps(cells))
     finally:
         for llm in llms.values():
             llm.llm_engine.engine_core.shutdown()
@@ -162,7 +167,7 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
             per_tok = [c["wall_s"] / c["tokens"] * 1e3 for c in cells[mode][b]]
             row[mode] = {"ms_per_token_median": statistics.median(per_tok), "ms_per_token_min": min(per_tok),
                          "ms_per_token_max": max(per_tok),
-                         "tokens_per_forward": statistics.median(c["tokens_per_forward"] for c in cells[mode][b]),
+                         "tokens_per_forward": _median([c["tokens_per_forward"] for c in cells[mode][b]]),
                          "runs": cells[mode][b]}
         for mode in SWEEP_MODES[1:]:  # the target: never slower than none beyond the spread of repeats
             row[mode]["speedup_vs_none"] = row["none"]["ms_per_token_median"] / row[mode]["ms_per_token_median"]
@@ -182,6 +187,11 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
                                                         "(0: no size is slower, no switch needed)"},
             "calibrated_max_batch_rows": calibrate(rows),
             "rows": rows}
+
+
+def _median(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
 
 
 def calibrate(rows: list[dict]) -> int:
@@ -288,7 +298,7 @@ def main() -> int:
         plot_sweep(result, args.out / "histospec_batch_sweep.png")
         for r in result["rows"]:
             print(f"batch {r['batch']:4d}: " + "  ".join(f"{m} {r[m]['ms_per_token_median']:.3f} ms/tok "
-                                                         f"(x{r[m]['tokens_per_forward']:.2f})" for m in SWEEP_MODES))
+                                                         f"(x{r[m]['tokens_per_forward'] or 0:.2f})" for m in SWEEP_MODES))
         print(f"calibrated max_batch_rows: {result['calibrated_max_batch_rows']} (this sweep's switch: "
               f"{args.switch_rows})")
         return 0
