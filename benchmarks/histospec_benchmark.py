@@ -72,7 +72,7 @@ def run_method(method: str, model_dir: Path, prompts: list[list[int]], args) -> 
     try:
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(args.n)]
 
-        def epoch(seed_base: int):
+        def epoch(seed_base: int, llm=llm):  # bound now: `llm` is deleted in `finally`
             params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, detokenize=False,
                                      seed=seed_base + i) for i in range(len(requests))]
             before = from_vllm_metrics(llm.get_metrics())
@@ -145,12 +145,18 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
                 for mode in modes:
                     llm = llms["none" if mode == "none" else "histospec"]
                     if mode != "none":
-                        llm.collective_rpc("histospec_configure",
-                                           kwargs={"max_batch_rows": args.switch_rows if mode.endswith("switch") else 0})
-                    _, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
-                    cells[mode][b].append({"wall_s": wall, "tokens": fig["tokens"], "forwards": fig["forwards"],
-                                           "tokens_per_forward": fig["spec/tokens_per_forward"]})
+                        llm.collective_rpc("histospec_configure", kwargs={
+                            "adaptive_length": args.adaptive_length,
+                            "max_batch_rows": args.switch_rows if mode.endswith("switch") else 0})
+                    outs, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
+                    # Tokens from the outputs: vLLM's counters can lag a small batch's last step (then 0).
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    tpf = fig["spec/tokens_per_forward"] if fig["tokens"] and fig["forwards"] else None
+                    cells[mode][b].append({"wall_s": wall, "tokens": tokens, "counter_tokens": fig["tokens"],
+                                           "forwards": fig["forwards"], "tokens_per_forward": tpf})
             print(f"batch sweep: repeat {r + 1}/{args.repeats} done", flush=True)
+            args.out.mkdir(parents=True, exist_ok=True)  # raw cells so far, in case a later repeat fails
+            (args.out / "histospec_batch_sweep_cells.json").write_text(json.dumps(cells))
     finally:
         for llm in llms.values():
             llm.llm_engine.engine_core.shutdown()
@@ -161,16 +167,42 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
             per_tok = [c["wall_s"] / c["tokens"] * 1e3 for c in cells[mode][b]]
             row[mode] = {"ms_per_token_median": statistics.median(per_tok), "ms_per_token_min": min(per_tok),
                          "ms_per_token_max": max(per_tok),
-                         "tokens_per_forward": statistics.median(c["tokens_per_forward"] for c in cells[mode][b]),
+                         "tokens_per_forward": _median([c["tokens_per_forward"] for c in cells[mode][b]]),
                          "runs": cells[mode][b]}
+        for mode in SWEEP_MODES[1:]:  # the target: never slower than none beyond the spread of repeats
+            row[mode]["speedup_vs_none"] = row["none"]["ms_per_token_median"] / row[mode]["ms_per_token_median"]
+            row[mode]["no_worse_than_none"] = row[mode]["ms_per_token_min"] <= row["none"]["ms_per_token_max"]
         rows.append(row)
-    return {"setup": {"prompts": len(prompts), "n": args.n, "k": args.k, "temperature": args.temperature,
-                      "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs, "repeats": args.repeats,
-                      "switch_rows": args.switch_rows, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+    return {"setup": {"prompts": len(prompts), "n": args.n, "k": args.k, "adaptive_length": args.adaptive_length,
+                      "temperature": args.temperature, "max_tokens": args.max_tokens,
+                      "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "switch_rows": args.switch_rows,
+                      "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                       "load_average": os.getloadavg()[0], "vllm": _version()},
             "definitions": {"ms_per_token": "wall clock of generating the batch / tokens generated (per-token, "
-                                            "because different samples have different lengths)"},
+                                            "because different samples have different lengths)",
+                            "no_worse_than_none": "the fastest repeat of the mode is no slower than the slowest "
+                                                  "repeat of none (not worse beyond the spread)",
+                            "calibrated_max_batch_rows": "the largest batch size below the first size where "
+                                                        "HistoSpec always on is slower than none beyond the spread "
+                                                        "(0: no size is, no switch needed)"},
+            "calibrated_max_batch_rows": calibrate(rows),
             "rows": rows}
+
+
+def _median(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def calibrate(rows: list[dict]) -> int:
+    """`max_batch_rows` from a sweep: drafts pay up to the last batch size before the first one where HistoSpec
+    (always on) is slower than no speculation beyond the spread of repeats (its fastest repeat slower than
+    none's slowest); 0 (no switch needed) when no size is. A median rule would switch off on noise alone."""
+    slower = [r["batch"] for r in rows if r["histospec"]["ms_per_token_min"] > r["none"]["ms_per_token_max"]]
+    if not slower:
+        return 0
+    below = [r["batch"] for r in rows if r["batch"] < slower[0]]
+    return below[-1] if below else 1
 
 
 def plot_sweep(result: dict, path: Path) -> None:
@@ -242,6 +274,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     parser.add_argument("--batch-sweep", action="store_true", help="rollout time vs batch size instead (see above)")
     parser.add_argument("--switch-rows", type=int, default=16, help="max_batch_rows of the switched mode (sweep)")
+    parser.add_argument("--adaptive-length", action="store_true",
+                        help="HistoSpec with the per-request adaptive draft length in the sweep (default: off, as "
+                             "speculative.adaptive_draft_length)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -264,7 +299,9 @@ def main() -> int:
         plot_sweep(result, args.out / "histospec_batch_sweep.png")
         for r in result["rows"]:
             print(f"batch {r['batch']:4d}: " + "  ".join(f"{m} {r[m]['ms_per_token_median']:.3f} ms/tok "
-                                                         f"(x{r[m]['tokens_per_forward']:.2f})" for m in SWEEP_MODES))
+                                                         f"(x{r[m]['tokens_per_forward'] or 0:.2f})" for m in SWEEP_MODES))
+        print(f"calibrated max_batch_rows: {result['calibrated_max_batch_rows']} (this sweep's switch: "
+              f"{args.switch_rows})")
         return 0
 
     rows = []

@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,8 +51,17 @@ METHODS = {  # name -> overrides
     "none": ["speculative.enabled=false"],
     "ngram": ["speculative.enabled=true", "speculative.method=ngram", "speculative.max_draft_tokens=5"],
     "suffix": ["speculative.enabled=true", "speculative.method=suffix", "speculative.max_draft_tokens=16"],
-    "histospec": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16"],
+    # Drafts as long as the history is confident (up to 16; the default): the tree's path frequency
+    # (min_confidence) alone ends a draft, as in `suffix`. The first measurement ran this as
+    # min_draft_tokens=16 (the adaptive rule pinned at the cap), which is the same drafting.
+    "histospec": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
+                  "speculative.adaptive_draft_length=false"],
+    # The adaptive length rule (start at 2, x2 after a full accept, /2 after a miss) on top of the confidence.
+    "histospec_adaptive": ["speculative.enabled=true", "speculative.method=histospec",
+                           "speculative.max_draft_tokens=16", "speculative.adaptive_draft_length=true",
+                           "speculative.min_draft_tokens=2"],
 }
+DEFAULT_METHODS = ("none", "ngram", "suffix", "histospec")
 KINDS = ("all", "short", "long")
 DEFINITIONS = {
     "tokens_per_forward": "generated tokens / target forwards, target forwards = tokens - accepted draft tokens "
@@ -70,6 +80,12 @@ def workload_overrides(args) -> list[str]:
             f"rollout.max_response_length={args.max_response_length}",
             f"rollout.n_samples_per_prompt={args.n}", "logging.tensorboard=false",
             *([f"cluster.ray_address={args.ray_address}"] if args.ray_address else [])]
+
+
+def ray_env() -> dict:
+    """The environment of the head and of every run: Ray's token authentication off. `ray start` turns it on
+    when a token file exists on the machine, and the runs' `ray.init` (auth disabled) are then refused."""
+    return {**os.environ, "RAY_AUTH_MODE": "disabled"}
 
 
 def start_ray_head(work: Path, tries: int = 10) -> tuple[subprocess.Popen, str]:
@@ -91,7 +107,7 @@ def start_ray_head(work: Path, tries: int = 10) -> tuple[subprocess.Popen, str]:
         log = open(work / f"ray_head_{attempt}.log", "w")
         proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                                  "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", "--block", *ports],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, env=ray_env())
         address = f"127.0.0.1:{port}"
         for _ in range(300):  # `ray start` prints this line once the node registered; it exits if it did not
             time.sleep(2)
@@ -133,7 +149,7 @@ def run_one(method: str, repeat: int, args, model_dir: Path, work: Path) -> dict
            f"logging.run_dir={run_dir}", *METHODS[method]]
     log = work / f"{run_dir.name}.log"
     t0 = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**ray_env(), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as fh:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
                             timeout=args.run_timeout).returncode
@@ -302,16 +318,22 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-difficulty", type=int, default=4)
     ap.add_argument("--max-response-length", type=int, default=192)
-    ap.add_argument("--warmup-steps", type=int, default=1000, help="supervised warm-up steps, run once")
+    # 1000 steps memorise 32 prompts (reward 1.0 everywhere: zero GRPO advantages, a policy that never moves);
+    # 200 leave a loss of about 0.15 and mixed rewards, so the updates move the policy between epochs.
+    ap.add_argument("--warmup-steps", type=int, default=200, help="supervised warm-up steps, run once")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma-separated, of {', '.join(METHODS)}; rows of methods already in the work dir's "
+                         "runs.json are reported too")
     ap.add_argument("--model-dir", type=Path, default=None, help="warm-started HF dir to reuse (written if missing)")
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--load-note", default="2 cores shared with other jobs; see the load average in the JSON")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--ray-address", default="", help="an existing Ray cluster for every run (default: start one)")
+    ap.add_argument("--max-runs", type=int, default=0,
+                    help="driver runs in this invocation (0: all); with --work-dir, the next invocation goes on")
     ap.add_argument("--from-runs", type=Path, default=None,
                     help="only write the outputs from a work dir's runs.json (e.g. of an interrupted benchmark)")
     args = ap.parse_args()
@@ -322,12 +344,11 @@ def main() -> int:
         return 2
     if args.from_runs:
         runs = json.loads(args.from_runs.read_text())
-        done = {r["repeat"] for r in runs if r["method"] == "none"}
-        runs = [r for r in runs if r["repeat"] in done]  # a repeat counts only with its baseline
-        args.repeats = len(done)
         warm_path = args.model_dir / "warm_start.json" if args.model_dir else None
         warm = json.loads(warm_path.read_text()) if warm_path and warm_path.is_file() else {}
-        return write_outputs(args, methods, runs, warm, load=[])
+        return write_outputs(args, methods, runs, warm)
+    os.environ.update(ray_env())  # the warm-up's driver runs in this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the Ray head on a kill too
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="histospec_rl_"))
     work.mkdir(parents=True, exist_ok=True)
     head = None
@@ -350,33 +371,49 @@ def _benchmark(args, methods: list[str], work: Path) -> int:
     else:
         warm = warm_start(args, model_dir, work)
     print(f"warm start: {warm}", flush=True)
-    load = []
-    runs: list[dict] = []
+    # Resumable: runs already in the work dir's runs.json are kept and not run again, and --max-runs bounds
+    # one invocation, so the benchmark can be split into parts that each hold a benchmark slot briefly.
+    runs_path = work / "runs.json"
+    runs: list[dict] = json.loads(runs_path.read_text()) if runs_path.is_file() else []
+    done = {(r["method"], r["repeat"]) for r in runs}
+    started = 0
     for repeat in range(args.repeats):
         order = methods[repeat % len(methods):] + methods[:repeat % len(methods)]  # rotate: no method always first
         for method in order:
-            load.append(os.getloadavg()[0])
+            if (method, repeat) in done:
+                continue
+            if args.max_runs and started >= args.max_runs:
+                print(f"stopping after {started} runs (--max-runs); run the same command again to go on", flush=True)
+                return write_outputs(args, methods, runs, warm)
+            started += 1
+            load = os.getloadavg()[0]
             run = run_one(method, repeat, args, model_dir, work)
+            run["load_at_start"] = round(load, 1)
             f = per_run(run)["all"]
             print(f"repeat {repeat} {method}: {len(run['steps'])} steps, tokens/forward "
                   f"{f['tokens_per_forward'] or 0:.2f}, rollout {f['rollout_s']:.1f}s "
                   f"({f['rollout_ms_per_token'] or 0:.3f} ms/token), process {run['process_s']:.0f}s", flush=True)
             runs.append(run)
-            (work / "runs.json").write_text(json.dumps(runs))
-    return write_outputs(args, methods, runs, warm, load)
+            runs_path.write_text(json.dumps(runs))
+    return write_outputs(args, methods, runs, warm)
 
 
-def write_outputs(args, methods: list[str], runs: list[dict], warm: dict, load: list[float]) -> int:
-    methods = [m for m in methods if any(r["method"] == m for r in runs)]
+def write_outputs(args, methods: list[str], runs: list[dict], warm: dict) -> int:
+    done = {r["repeat"] for r in runs if r["method"] == "none"}
+    runs = [r for r in runs if r["repeat"] in done]  # a repeat counts only with its baseline
+    if not runs:
+        return 0
+    load = [r.get("load_at_start") for r in runs]
+    methods = [m for m in METHODS if any(r["method"] == m for r in runs)]  # every method run in this work dir
     baseline = {r["repeat"]: per_run(r) for r in runs if r["method"] == "none"}
     rows = [method_row(m, [r for r in runs if r["method"] == m], baseline) for m in methods]
     result = {"setup": {"command": "python benchmarks/histospec_rl.py " + shlex.join(sys.argv[1:]),
                         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
-                        "load_average_at_run_starts": [round(x, 1) for x in load], "load_note": args.load_note,
+                        "load_average_at_run_starts": load, "load_note": args.load_note,
                         "prompts": args.prompts, "epochs": args.epochs, "n": args.n,
                         "max_response_length": args.max_response_length, "max_difficulty": args.max_difficulty,
                         "warmup_steps": args.warmup_steps, "warm_start": warm, "seed": args.seed,
-                        "repeats": args.repeats, "methods": {m: METHODS[m] for m in methods},
+                        "repeats": len(done), "methods": {m: METHODS[m] for m in methods},
                         "definitions": DEFINITIONS},
               "rows": rows, "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,15 @@ class SpeculativeConfig:
         default="histospec",
         metadata={"help": "histospec (previous responses to the same prompt) | ngram | suffix (vLLM built-ins)."},
     )
-    min_draft_tokens: int = field(default=2, metadata={"help": "Adaptive draft length floor (and start value)."})
-    max_draft_tokens: int = field(default=16, metadata={"help": "Adaptive draft length cap; also vLLM's num_speculative_tokens."})
+    min_draft_tokens: int = field(
+        default=2, metadata={"help": "Adaptive draft length floor and start value (with adaptive_draft_length)."}
+    )
+    max_draft_tokens: int = field(default=16, metadata={"help": "Longest draft; also vLLM's num_speculative_tokens."})
+    adaptive_draft_length: bool = field(
+        default=False,
+        metadata={"help": "Per-request draft length (start at min_draft_tokens, x2 after a full accept, /2 after a "
+                          "miss); off: every draft may reach max_draft_tokens and min_confidence alone ends it."},
+    )
     match_tokens: int = field(default=7, metadata={"help": "Tail length of the current response matched against history."})
     min_confidence: float = field(
         default=0.1, metadata={"help": "Drop draft tokens whose history frequency falls below this fraction."}

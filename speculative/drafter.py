@@ -51,7 +51,8 @@ MAX_REPLICAS = 8  # epoch weighting inserts a response this many times at most
 class DraftSettings:
     match_tokens: int = 7  # tail of the current sequence matched against history
     min_draft_tokens: int = 2  # adaptive length floor and start value
-    max_draft_tokens: int = 16  # adaptive length cap
+    max_draft_tokens: int = 16  # longest draft (the adaptive length's cap)
+    adaptive_length: bool = False  # per-request length rule; off: up to max_draft_tokens, confidence decides
     min_confidence: float = 0.1  # stop drafting where the history path frequency falls below this
     max_spec_factor: float = 4.0  # a match of m tokens may draft at most m * factor tokens
     epoch_weight: float = 2.0  # a response of a newer epoch counts this many times one of the epoch before
@@ -77,6 +78,7 @@ class DraftSettings:
         """From `speculative.config.SpeculativeConfig` (or anything with the same attributes)."""
         return cls(match_tokens=cfg.match_tokens, min_draft_tokens=cfg.min_draft_tokens,
                    max_draft_tokens=cfg.max_draft_tokens, min_confidence=cfg.min_confidence,
+                   adaptive_length=getattr(cfg, "adaptive_draft_length", False),
                    epoch_weight=getattr(cfg, "history_epoch_weight", 2.0),
                    sources=tuple(getattr(cfg, "sources", SOURCES)),
                    max_batch_rows=getattr(cfg, "max_batch_rows", 0),

@@ -43,6 +43,7 @@ def settings_of(cfg) -> dict[str, Any]:
     """The drafter settings (`DraftSettings` fields) that a `SpeculativeConfig` sets."""
     return {"match_tokens": cfg.match_tokens, "min_draft_tokens": cfg.min_draft_tokens,
             "max_draft_tokens": cfg.max_draft_tokens, "min_confidence": cfg.min_confidence,
+            "adaptive_length": cfg.adaptive_draft_length,
             "epoch_weight": cfg.history_epoch_weight, "sources": list(cfg.sources),
             "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget}
 

@@ -166,7 +166,8 @@ class HistoSpecProposer:
                     state.length.value = self._hint[state.key]
             if fresh and self.fallback.active:
                 self.fallback.start(state.label, row[:n], state.prompt_len)
-            budget = min(state.length.value, row_cap, self.max_model_len - n - 1)
+            length = state.length.value if st.adaptive_length else st.max_draft_tokens
+            budget = min(length, row_cap, self.max_model_len - n - 1)
             best = None
             if gate and budget > 0:
                 context = row[:n]

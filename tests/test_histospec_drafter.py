@@ -139,7 +139,8 @@ class _SimEngine:
 def test_proposer_adapts_length_and_cuts_forwards():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
+                                                        adaptive_length=True))
     assert proposer.apply_update(store.updates_since(0).to_bytes())["prompts"] == 1
     other = np.array([7, 7, 7, 7, 7, 7], dtype=np.int32)  # no history: never drafted
     engine = _SimEngine([PROMPT, other], [RESPONSE, RESPONSE[:30]], k=16)
@@ -155,12 +156,28 @@ def test_proposer_adapts_length_and_cuts_forwards():
     assert rec[""].tokens_per_forward == 1.0
 
 
+def test_without_adaptive_length_drafts_reach_the_cap_at_once():
+    store = HistoryStore()
+    store.record(PROMPT, [RESPONSE], epoch=1)
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
+    proposer.apply_update(store.snapshot())
+    lengths = [n[0] for n in _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer) if n[0]]
+    assert lengths[:2] == [16, 16]  # no ramp from the floor: the history's confidence alone ends a draft
+    adaptive = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
+                                                        adaptive_length=True))
+    adaptive.apply_update(store.snapshot())
+    ramp = _SimEngine([PROMPT], [RESPONSE], k=16).run(adaptive)
+    assert adaptive.stats.summary()["spec/tokens_per_forward"] < proposer.stats.summary()["spec/tokens_per_forward"]
+    assert ramp[0][0] == 2
+
+
 def test_proposer_halves_after_rejection_and_recovers():
     history = RESPONSE[:30] + [1] * 40
     target = RESPONSE[:30] + [2] + [1] * 39  # one divergence in the middle
     store = HistoryStore()
     store.record(PROMPT, [history], epoch=0)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=8, sources=("history",)))
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=8, sources=("history",),
+                                                        adaptive_length=True))
     proposer.apply_update(store.snapshot())
     lengths = [s[0] for s in _SimEngine([PROMPT], [target], k=8).run(proposer)]
     # Right after the divergence the context matches nothing (no draft); the next draft is halved.
@@ -239,7 +256,8 @@ def test_fallback_trees_grow_with_the_response():
 def test_new_request_starts_at_its_prompts_last_draft_length():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
+    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
+                                                        adaptive_length=True))
     proposer.apply_update(store.snapshot())
     _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer)
     again = _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer)  # a sibling of the same prompt
