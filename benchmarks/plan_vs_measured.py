@@ -104,7 +104,7 @@ def write_measured(rows: list[dict], wall_s: float) -> None:
     meta = {"model": {k: getattr(SMALL, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                     "num_kv_heads", "head_dim", "vocab_size", "qkv_bias")},
             "spec": "local (CPU trainer build)", "tolerance": TOLERANCE, "worst_abs_deviation": round(worst, 4),
-            "wall_s": round(wall_s), "machine": (f"{platform.machine()}, shared 2-core CPU, other engineers' "
+            "wall_s": round(wall_s), "machine": (f"{platform.machine()}, shared 2-core CPU, other "
                                                  "tests running meanwhile (bytes do not depend on load)")}
     (OUT / "plan_vs_measured.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [

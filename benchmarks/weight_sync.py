@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         "planner_estimate_32b": planner_estimate_32b or estimate_32b_sync(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": load0,
                     "load_avg_end": os.getloadavg(), "wall_s": time.time() - t0,
-                    "note": "2 cores shared with other engineers' test runs; timings are noisy, ratios within a run "
+                    "note": "2 cores shared with other test runs; timings are noisy, ratios within a run "
                             "are what counts"},
     }
     out = Path(args.out_dir)
