@@ -158,8 +158,8 @@ def measured(run_dir: Path) -> dict:
     events = read_run_timeline(run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     samples = sum(r.get("rollout/samples", 0) for r in rows if "time/step_s" in r)
-    # Only phases that ended: the driver opens a last rollout phase, finds the data used up and ends the run
-    # without closing it, and `phase_intervals` would stretch it over the post-RL evaluation.
+    # Only phases that ended: run directories recorded before the driver closed its last (empty) rollout phase
+    # have it open, and `phase_intervals` would stretch it over the post-RL evaluation.
     ended = {(e.step, e.phase) for e in events if e.kind == "phase" and e.event == "end"}
     spans = [(p, a, b) for s, p, a, b in phase_intervals(events) if p in WORK_PHASES and (s, p) in ended]
     t0 = min(a for p, a, _ in spans if p == "rollout")

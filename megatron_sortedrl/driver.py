@@ -209,7 +209,9 @@ class Driver:
     def compose_round(self):
         self._phase("rollout", "start")
         rnd = compose_round(self)  # hands the policy the rewards that arrived while the last step trained
-        if rnd is not None and (rnd.layout.num_engines, rnd.layout.tp) != tuple(self.pool.layout):
+        if rnd is None:  # data used up: close the phase, or it would stretch over the final eval
+            self._phase("rollout", "end")
+        elif (rnd.layout.num_engines, rnd.layout.tp) != tuple(self.pool.layout):
             self.pool.set_layout(rnd.layout.num_engines, rnd.layout.tp)
         return rnd
 
