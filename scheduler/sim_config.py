@@ -49,6 +49,9 @@ class ClusterCosts:
     stream_training: bool = help_field("Stream training, colocated (scheduler/stream_sim.py): GPUs of engines that have "
                                        "run out of the round's work compute the backward of finished samples the harvest "
                                        "will train, while the tail still generates.", False)
+    tail_migration: bool = help_field("Tail migration (scheduler/tail_migration.py): an engine with nothing left to run "
+                                      "takes over a running request of the engine running the most (abort there, "
+                                      "resubmit with its tokens, re-prefill).", False)
 
     def __post_init__(self) -> None:
         if self.engine_jitter < 0:

@@ -62,6 +62,7 @@ from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
 from scheduler.stream_sim import stream_round
+from scheduler.tail_migration import take_running
 from scheduler.workload import make_workload
 
 
@@ -172,8 +173,14 @@ class SimEngine:
                     # finds some (an engine that filled all its slots would leave the last ones nothing).
                     req, self.ahead = self.sim.ahead.popleft(), True
                 if req is None:
-                    break
-                self.preempted.append(self.sim.start(self, req))
+                    # Tail migration (scheduler/tail_migration.py): run dry, take a running request of the busiest.
+                    moved = (take_running(self.sim, self) if steal and self.sim.sim.cluster.tail_migration
+                             and not self.running else None)
+                    if moved is None:
+                        break
+                    self.preempted.append(moved)
+                else:
+                    self.preempted.append(self.sim.start(self, req))
             seq = self.preempted[0]
             if self.running and self.ctx + seq.context + len(self.running) + 1 > self.cap:
                 break  # no KV room yet: it waits inside the engine
@@ -243,6 +250,7 @@ class Simulator:
         self.where: dict[str, SimEngine] = {}
         self.step = 0
         self.preemptions = 0
+        self.migrations = 0  # running requests moved to an engine that ran dry (cluster.tail_migration)
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
         self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
@@ -354,7 +362,7 @@ class Simulator:
             self.spec.publish()  # the driver ships the last round's finished samples to the drafters
         t0 = self.clock.t
         self.emit("phase", "start", t0, phase="rollout")
-        self.preemptions = 0
+        self.preemptions = self.migrations = 0
         self.heap = []
         self.queues.add(rnd.requests)
         self.ahead = deque(rnd.lookahead)
@@ -426,7 +434,7 @@ class Simulator:
             groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
-                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens, "streamed_tokens": streamed,
+                "preemptions": self.preemptions, "moves": self.queues.moves, "migrations": self.migrations, "tokens": tokens, "streamed_tokens": streamed,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
