@@ -1,5 +1,6 @@
 """The papers' settings in our simulator: RollPacker's Qwen2.5-7B/8k, 14B/16k and 32B/32k and SortedRL's 8k,
-each with the paper's own figure, our simulator's figure for the same policy, and ours for twotier+HistoSpec.
+each with the paper's own figure, our simulator's figure for the same policy, and ours: twotier+HistoSpec with
+tail migration and colocated stream training (`twotier+histospec@system`; plain twotier+HistoSpec is a row too).
 
     nice .venv/bin/python benchmarks/papers_side_by_side.py      # ~5 minutes on an idle 2-core machine
 
@@ -50,6 +51,10 @@ PAPERS = {
                     "sync_bubble": 0.74, "sorted_on_policy_bubble": 0.0581, "sorted_partial_bubble": 0.0337},
 }
 RHYMERL_OVERALL = 2.6
+# Ours: twotier+HistoSpec with the round-tail mechanisms of the system, colocated (tail migration,
+# scheduler/tail_migration.py, and stream training on the tail's idle GPUs, scheduler/stream_sim.py).
+OURS = "twotier+histospec@system"
+SYSTEM = ["cluster.tail_migration=true", "cluster.stream_training=true"]
 
 
 def run_policy(sim, run, name: str, overrides: list[str], path: str) -> dict:
@@ -80,9 +85,11 @@ def scenario(key: str, spec: dict) -> dict:
     sim, run = load_sim_config(ROOT / path, over)
     names = ["sync", "tail", "twotier", "twotier+histospec"] if spec["paper"] == "RollPacker" else \
         ["sync", "sorted@on_policy", "sorted@partial", "twotier", "twotier+histospec"]
+    names.append(OURS)
     rows = []
     for name in names:
-        extra = [f"run.scheduler.mode={name.split('@')[1]}"] if "@" in name else []
+        variant = name.partition("@")[2]
+        extra = SYSTEM if variant == "system" else [f"run.scheduler.mode={variant}"] if variant else []
         rows.append(run_policy(sim, run, name, over + extra if extra else [], path))
     add_ratios(rows)
     limit = physical_limit(sim, run)
@@ -95,17 +102,17 @@ def compare(res: dict) -> list[dict]:
     """Rows of the side-by-side table: what the paper says, what we get for the same policy, and ours."""
     by = {r["policy"]: r for r in res["rows"]}
     p = res["paper"]
-    ours = by["twotier+histospec"]
+    ours, spec = by[OURS], by["twotier+histospec"]
     out = []
     if p["paper"] == "RollPacker":
         out.append({"figure": "rollout share of a sync step", "paper": "66-72%",
                     "same_policy": f"{by['sync']['rollout_share']:.0%} (set by the trainer speed)", "ours": "-"})
         out.append({"figure": "tail batching alone vs verl (sync)", "paper": f"{p['tail_batching_alone']:.2f}x",
                     "same_policy": f"{by['tail']['throughput_vs_sync']:.2f}x (tail)",
-                    "ours": f"{ours['throughput_vs_sync']:.2f}x (twotier+histospec)"})
+                    "ours": f"{ours['throughput_vs_sync']:.2f}x (twotier+histospec alone {spec['throughput_vs_sync']:.2f}x)"})
         out.append({"figure": "end-to-end vs verl (full system)", "paper": f"{p['end_to_end_vs_verl']:.2f}x",
                     "same_policy": f"{by['tail']['throughput_vs_sync']:.2f}x (tail; no elastic TP, reward or stream training)",
-                    "ours": f"{ours['throughput_vs_sync']:.2f}x (twotier+histospec), twotier alone {by['twotier']['throughput_vs_sync']:.2f}x"})
+                    "ours": f"{ours['throughput_vs_sync']:.2f}x, twotier alone {by['twotier']['throughput_vs_sync']:.2f}x"})
         out.append({"figure": "worker bubble (sync -> policy)", "paper": "-",
                     "same_policy": f"{by['sync']['worker_bubble']:.1%} -> {by['tail']['worker_bubble']:.1%} (tail)",
                     "ours": f"{ours['worker_bubble']:.1%}"})
@@ -123,7 +130,7 @@ def compare(res: dict) -> list[dict]:
                     "same_policy": f"{by['sorted@on_policy']['throughput_vs_sync']:.2f}x on-policy, {part['throughput_vs_sync']:.2f}x partial",
                     "ours": f"{ours['throughput_vs_sync']:.2f}x"})
     out.append({"figure": "RhymeRL overall (its own setting)", "paper": f"{RHYMERL_OVERALL:.1f}x", "same_policy": "-",
-                "ours": f"{ours['throughput_vs_sync']:.2f}x (twotier+histospec vs sync)"})
+                "ours": f"{ours['throughput_vs_sync']:.2f}x (vs sync)"})
     out.append({"figure": "time per sample / physical limit", "paper": "-",
                 "same_policy": f"sync {by['sync']['ratio_to_limit']:.2f}x", "ours": f"{ours['ratio_to_limit']:.2f}x"})
     return out
@@ -136,7 +143,8 @@ def to_markdown(results: list[dict]) -> str:
              "RollPacker's 128 are assumptions (see each YAML).", ""]
     for res in results:
         lines += [f"## {res['scenario']} (`{res['config']}`)", "",
-                  "| figure | paper | our simulator, same policy | ours (twotier+HistoSpec) |", "|---|---|---|---|"]
+                  "| figure | paper | our simulator, same policy | ours (twotier+HistoSpec, tail migration, colocated "
+                  "stream training) |", "|---|---|---|---|"]
         lines += [f"| {c['figure']} | {c['paper']} | {c['same_policy']} | {c['ours']} |" for c in res["comparison"]]
         lines += ["", "| policy | worker bubble | slot bubble | x sync | x limit | rollout share |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['policy']} | {r['worker_bubble']:.1%} | {r['slot_bubble']:.1%} | {r['throughput_vs_sync']:.2f} | "

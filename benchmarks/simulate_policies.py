@@ -3,13 +3,21 @@ physical limit; figures committed to docs/benchmarks/.
 
     nice .venv/bin/python benchmarks/simulate_policies.py            # about five minutes on 2 CPU cores
     nice .venv/bin/python benchmarks/simulate_policies.py qwen32b_128gpu
+    nice .venv/bin/python benchmarks/simulate_policies.py paper_rollpacker_14b_16k   # a scenario not tuned for
 
-Scales: the 2-core CPU default (configs/sim_tiny_cpu.yaml) and Qwen2.5-32B on 128 GPUs with 32k-token
-tails (configs/sim_qwen32b_128gpu.yaml). Writes docs/benchmarks/simulation_<scale>.json and .png:
+Scales: the 2-core CPU default (configs/sim_tiny_cpu.yaml), Qwen2.5-32B on 128 GPUs with 32k-token
+tails (configs/sim_qwen32b_128gpu.yaml) and, only when named, RollPacker's 14B/16k setting on 64 GPUs with
+lookahead on (configs/sim_paper_rollpacker_14b_16k.yaml; nothing was tuned on it). Writes docs/benchmarks/simulation_<scale>.json and .png:
 
-- `rows`: one per policy, with `throughput_vs_sync` (samples/s over sync's, same run) and
+- `rows`: one per variant, with `throughput_vs_sync` (samples/s over sync's, same run) and
   `ratio_to_limit` (time per trained sample over the physical limit's, `scheduler/limit.py`, with the
-  scenario's speculation at its best acceptance, so a lower bound for every row);
+  scenario's speculation at its best acceptance, so a lower bound for every row; its any-placement form
+  for the disaggregated row). The plain policies run the scenario as is; `<policy>@<variant>` rows add the
+  round-tail mechanisms: `@migration` tail migration (`scheduler/tail_migration.py`), `@system` tail
+  migration + colocated stream training, `@disaggregated` tail migration + stream training on trainer GPUs
+  of their own (`TRAINER_SHARE` of the GPUs, whole nodes; `scheduler/stream_sim.py`). `sync@system` is the
+  baseline with the same mechanisms (`throughput_vs_sync_same_mechanisms`). `worker_idle_s_by_round`: idle
+  worker-seconds per round, the worker bubble's numerator, to show where it is;
 - `limit`: the bound with and without speculation, and its parts;
 - `speculation`: the model's calibration (`speculation:` of the scenario), tokens/s of one engine with and
   without HistoSpec by number of running sequences (where it pays: few sequences, the long tail), and
@@ -41,8 +49,33 @@ from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
 from scheduler.speculation_model import HistoSpecSim, SpeculationConfig, chain  # noqa: E402
 
-SCALES = {"tiny_cpu": "configs/sim_tiny_cpu.yaml", "qwen32b_128gpu": "configs/sim_qwen32b_128gpu.yaml"}
-POLICIES = ("sync", "sorted", "tail", "twotier", "sync+histospec", "twotier+histospec")
+SCALES = {"tiny_cpu": "configs/sim_tiny_cpu.yaml", "qwen32b_128gpu": "configs/sim_qwen32b_128gpu.yaml",
+          # Not tuned for: the RollPacker 14B/16k setting as its YAML has it, with the 32B scenario's lookahead.
+          "paper_rollpacker_14b_16k": "configs/sim_paper_rollpacker_14b_16k.yaml"}
+SCALE_OVERRIDES = {"paper_rollpacker_14b_16k": ["run.scheduler.lookahead=true"]}
+POLICIES = ("sync", "sorted", "tail", "twotier", "sync+histospec", "twotier+histospec",
+            "sync@system", "twotier+histospec@migration", "twotier+histospec@system", "twotier+histospec@disaggregated")
+# The round-tail mechanisms on top of a policy (`<policy>@<variant>` rows; the plain rows run the scenario as is):
+TRAINER_SHARE = 0.75  # disaggregated: trainer GPUs, rounded down to whole nodes (chosen on the 32B scenario, see docs)
+
+
+def variant_overrides(name: str, sim) -> list[str] | None:
+    """Config overrides of a `<policy>@<variant>` row (None: the scenario cannot form it)."""
+    variant = name.partition("@")[2]
+    if not variant:
+        return []
+    migrate, stream = ["cluster.tail_migration=true"], ["cluster.stream_training=true"]
+    if variant == "migration":  # tail migration only (scheduler/tail_migration.py)
+        return migrate
+    if variant == "system":  # tail migration + colocated stream training (scheduler/stream_sim.py)
+        return migrate + stream
+    if variant == "disaggregated":  # tail migration + stream training on trainer GPUs of their own
+        c = sim.cluster
+        trainer = int(c.gpus * TRAINER_SHARE) // c.gpus_per_node * c.gpus_per_node
+        if not 0 < trainer <= c.gpus - c.gpus_per_node:
+            return None
+        return migrate + stream + [f"cluster.trainer_gpus={trainer}"]
+    raise ValueError(f"unknown variant {variant!r}")
 
 
 def speedup_by_batch(sim, tp: int, ages: tuple[float, ...] = (0.0, 2.0, 8.0)) -> list[dict]:
@@ -61,6 +94,24 @@ def speedup_by_batch(sim, tp: int, ages: tuple[float, ...] = (0.0, 2.0, 8.0)) ->
             fast = b * rate / spec.step_s(sim.engine, tp, b, b * (1 + drafted), ctx)
             row[f"speedup_age{age:g}"] = fast / plain
         out.append(row)
+    return out
+
+
+def idle_by_round(result) -> list[float]:
+    """Idle worker-seconds of each round's rollout phase (the worker bubble's numerator, round by round): where the
+    bubble is, e.g. the last round, which has no next window to look ahead to."""
+    from megatron_sortedrl.telemetry.timeline import phase_window, worker_bubble_ratio
+
+    by: dict[int, list] = {}
+    for e in result.events:
+        by.setdefault(e.step, []).append(e)
+    out = []
+    for step in sorted(by):
+        w = phase_window(by[step], step, "rollout")
+        workers = {e.worker for e in by[step] if e.kind == "request" and e.worker is not None}
+        if w is None or not workers:
+            continue
+        out.append(round(worker_bubble_ratio(by[step], step) * len(workers) * (w[1] - w[0]), 1))
     return out
 
 
@@ -128,15 +179,26 @@ def main(argv: list[str]) -> int:
             doc["speculation"]["long_round_evidence"] = long_round_evidence(sim, run)
             f.write_text(json.dumps(doc, indent=1))
         return 0
+    scales = [a for a in argv if not a.startswith("--")]
     for scale, path in SCALES.items():
-        if argv and scale not in argv:
-            continue
-        sim, run = load_sim_config(ROOT / path)
+        if (scales and scale not in scales) or (not scales and scale in SCALE_OVERRIDES):
+            continue  # with no scale named: the two committed scales only
+        base_over = SCALE_OVERRIDES.get(scale, [])
+        sim, run = load_sim_config(ROOT / path, base_over)
         rows, results = [], []
         for name in POLICIES:
+            over = variant_overrides(name, sim)
+            if over is None:
+                continue
+            vsim, vrun = load_sim_config(ROOT / path, base_over + over) if over else (sim, run)
             t0 = time.time()
-            result = simulate(sim, run, name)
-            row = {**summarize(result), "sim_wall_s": round(time.time() - t0, 1), "rollout_s_by_kind": by_kind(result)}
+            result = simulate(vsim, vrun, name.partition("@")[0])
+            result.policy = name
+            row = {**summarize(result), "sim_wall_s": round(time.time() - t0, 1), "rollout_s_by_kind": by_kind(result),
+                   "overrides": over, "placement": "disaggregated" if vsim.cluster.trainer_gpus else "colocated",
+                   "trainer_gpus": vsim.cluster.trainer_gpus, "migrations": sum(r["migrations"] for r in result.rounds),
+                   "streamed_tokens": sum(r["streamed_tokens"] for r in result.rounds),
+                   "worker_idle_s_by_round": idle_by_round(result)}
             if "speculation" in result.policy_stats:
                 row["speculation"] = result.policy_stats["speculation"]
             rows.append(row)
@@ -147,7 +209,10 @@ def main(argv: list[str]) -> int:
         limit_plain = physical_limit(sim, run, speculation=False)
         add_limit(rows, limit)
         for r in rows:
-            r["ratio_to_limit_without_speculation"] = r["total_s"] / r["samples"] / limit_plain["s_per_sample"]
+            key = "any_placement_s_per_sample" if r["placement"] == "disaggregated" else "s_per_sample"
+            r["ratio_to_limit_without_speculation"] = r["total_s"] / r["samples"] / limit_plain[key]
+            same = [q["total_s"] for q in rows if q["policy"] == "sync@" + r["policy"].partition("@")[2]]
+            r["throughput_vs_sync_same_mechanisms"] = same[0] / r["total_s"] if same and r["total_s"] else None
         print(f"== {sim.name}  (limit {limit['s_per_sample'] * 1000:.1f} ms/sample with speculation, "
               f"{limit_plain['s_per_sample'] * 1000:.1f} without)")
         print(format_table(rows))
@@ -155,11 +220,14 @@ def main(argv: list[str]) -> int:
                       "calibration": "docs/benchmarks/histospec_sim_calibration.json",
                       "speedup_by_batch": {f"tp{tp}": speedup_by_batch(sim, tp) for tp in
                                            sorted({run.rollout.tensor_parallel_size, run.rollout.long_round_tensor_parallel_size})}}
-        spec_block["long_round_evidence"] = long_round_evidence(sim, run)
+        if "--no-evidence" not in argv:
+            spec_block["long_round_evidence"] = long_round_evidence(sim, run)
         doc = {"scenario": sim.name, "config": path, "rows": rows,
                "limit": {"with_speculation": limit, "without_speculation": limit_plain,
                          "definition": "scheduler/limit.py: max(throughput, longest response alone) + train + sync "
-                                       "for the fewest updates; ratio_to_limit uses the bound with speculation"},
+                                       "for the fewest updates; ratio_to_limit uses the bound with speculation (its "
+                                       "any-placement form, generation and token training overlapped, for the "
+                                       "disaggregated rows)"},
                "speculation": spec_block}
         (out / f"simulation_{scale}.json").write_text(json.dumps(doc, indent=1))
         plot(rows, results, str(out / f"simulation_{scale}.png"), title=sim.name)

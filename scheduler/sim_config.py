@@ -49,6 +49,12 @@ class ClusterCosts:
     stream_training: bool = help_field("Stream training, colocated (scheduler/stream_sim.py): GPUs of engines that have "
                                        "run out of the round's work compute the backward of finished samples the harvest "
                                        "will train, while the tail still generates.", False)
+    tail_migration: bool = help_field("Tail migration (scheduler/tail_migration.py): an engine with nothing left to run "
+                                      "takes over a running request of the engine running the most (abort there, "
+                                      "resubmit with its tokens, re-prefill).", False)
+    trainer_gpus: int = help_field("Disaggregated placement (scheduler/stream_sim.py): GPUs of `gpus` kept for the "
+                                   "trainer alone (it trains at train_tokens_per_s * trainer_gpus / gpus); the engines "
+                                   "get the rest. 0 = colocated.", 0)
 
     def __post_init__(self) -> None:
         if self.engine_jitter < 0:
@@ -60,6 +66,9 @@ class ClusterCosts:
         for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
+        if not 0 <= self.trainer_gpus <= self.gpus - self.gpus_per_node:
+            raise ConfigError("cluster.trainer_gpus", self.trainer_gpus,
+                              f"0 (colocated) or a number that leaves the engines at least a node of {self.gpus} GPUs")
         if any(k <= 0 for k in self.engine_slowdown):
             raise ConfigError("cluster.engine_slowdown", self.engine_slowdown, "positive multipliers")
 

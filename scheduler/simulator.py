@@ -31,8 +31,11 @@ positions per sequence; without it both are 1 and the engine is the plain decode
 Engines may differ in speed (`cluster.engine_slowdown`) and, round to round, by a random factor
 (`cluster.engine_jitter`, lognormal with mean 1): engines on shared cores, measured by `scheduler/calibrate.py`.
 
-Stream training, colocated (`cluster.stream_training`, `scheduler/stream_sim.py`): GPUs of engines with nothing
-left to run train the update's finished samples before the harvest; the train phase keeps the rest.
+Stream training (`cluster.stream_training`, `scheduler/stream_sim.py`): colocated, GPUs of engines with nothing
+left to run train the update's finished samples before the harvest; disaggregated (`cluster.trainer_gpus`), the
+trainer's own GPUs do, from the round's start; the train phase keeps the rest.
+Tail migration (`cluster.tail_migration`, `scheduler/tail_migration.py`): an engine that ran dry takes over a
+running request of the busiest engine.
 
 Left out: asynchronous RL (overlapping rollout and training across updates), stragglers and failures, and
 network contention during weight sync.
@@ -61,7 +64,8 @@ from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
-from scheduler.stream_sim import stream_round
+from scheduler.stream_sim import train_phase_s
+from scheduler.tail_migration import take_running
 from scheduler.workload import make_workload
 
 
@@ -172,8 +176,14 @@ class SimEngine:
                     # finds some (an engine that filled all its slots would leave the last ones nothing).
                     req, self.ahead = self.sim.ahead.popleft(), True
                 if req is None:
-                    break
-                self.preempted.append(self.sim.start(self, req))
+                    # Tail migration (scheduler/tail_migration.py): run dry, take a running request of the busiest.
+                    moved = (take_running(self.sim, self) if steal and self.sim.sim.cluster.tail_migration
+                             and not self.running else None)
+                    if moved is None:
+                        break
+                    self.preempted.append(moved)
+                else:
+                    self.preempted.append(self.sim.start(self, req))
             seq = self.preempted[0]
             if self.running and self.ctx + seq.context + len(self.running) + 1 > self.cap:
                 break  # no KV room yet: it waits inside the engine
@@ -243,6 +253,7 @@ class Simulator:
         self.where: dict[str, SimEngine] = {}
         self.step = 0
         self.preemptions = 0
+        self.migrations = 0  # running requests moved to an engine that ran dry (cluster.tail_migration)
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
         self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
@@ -354,7 +365,7 @@ class Simulator:
             self.spec.publish()  # the driver ships the last round's finished samples to the drafters
         t0 = self.clock.t
         self.emit("phase", "start", t0, phase="rollout")
-        self.preemptions = 0
+        self.preemptions = self.migrations = 0
         self.heap = []
         self.queues.add(rnd.requests)
         self.ahead = deque(rnd.lookahead)
@@ -416,9 +427,9 @@ class Simulator:
         update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
         streamed = 0.0
         if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
-            if c.stream_training:  # colocated stream training on the tail's idle GPUs (scheduler/stream_sim.py)
-                streamed = stream_round(self, h.batch, t_end)
-            self.phase("train", c.train_fixed_s + (tokens - streamed) / c.train_tokens_per_s)
+            # Stream training and the trainer's placement (scheduler/stream_sim.py): what is left after the harvest.
+            train_s, streamed = train_phase_s(self, h.batch, t0, t_end, tokens)
+            self.phase("train", train_s)
             self.phase("sync", c.weight_sync_s)
             self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
         groups: dict[str, set] = {}
@@ -426,7 +437,7 @@ class Simulator:
             groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
         return {"round": rnd.index, "kind": rnd.kind, "tp": rnd.layout.tp, "engines": rnd.layout.num_engines,
                 "requests": len(rnd.requests), "samples": len(h.batch), "rollout_s": t_end - t0,
-                "preemptions": self.preemptions, "moves": self.queues.moves, "tokens": tokens, "streamed_tokens": streamed,
+                "preemptions": self.preemptions, "moves": self.queues.moves, "migrations": self.migrations, "tokens": tokens, "streamed_tokens": streamed,
                 "trained": [f"{s.prompt_id}/e{s.epoch}" for s in h.batch], "deferred": list(rnd.deferred),
                 "deferred_at_harvest": list(h.stats.get("deferred", [])), "staleness": h.stats.get("staleness", []),
                 "round_prompts": list(rnd.prompts), "response_lengths": [s.response_length for s in h.batch],
@@ -479,7 +490,7 @@ def build_policy(sim: SimConfig, run: RunConfig, policy_name: str | None = None,
 
     cfg = replace(run.scheduler, policy=policy_name) if policy_name else run.scheduler
     workload = workload or make_workload(sim.workload, run.rollout.max_response_length)
-    planner = make_planner(cfg.layout_planner, gpus=sim.cluster.gpus, gpus_per_node=sim.cluster.gpus_per_node,
+    planner = make_planner(cfg.layout_planner, gpus=sim.cluster.gpus - sim.cluster.trainer_gpus, gpus_per_node=sim.cluster.gpus_per_node,
                            tp_short=run.rollout.tensor_parallel_size, tp_long=run.rollout.long_round_tensor_parallel_size,
                            model=sim.engine, relayout_s=sim.cluster.relayout_s)
     prompt_tokens = {pid: workload.prompt_tokens(pid) for pid in workload.prompt_ids}

@@ -120,15 +120,27 @@ def test_limit_is_never_above_any_policy(seed, sigma, prompts, share, alpha):
         assert result.total_s / samples >= limit["s_per_sample"]
         if "+" not in policy:
             assert result.total_s / samples >= plain_limit["s_per_sample"]
-    # The round-tail changes (lookahead, colocated stream training) stay above it too.
+    # The round-tail changes (lookahead, colocated stream training, tail migration) stay above it too.
     _, ahead_run = load_sim_config("configs/sim_tiny_cpu.yaml", [
         f"workload.seed={seed}", f"workload.sigma={sigma}", f"workload.num_prompts={prompts}", "workload.num_epochs=2",
         f"workload.prompt_share={share}", "run.scheduler.rollout_batch_size=4", "run.scheduler.update_batch_size=8",
         "run.scheduler.group_size=8", "run.scheduler.lookahead=true"])
-    streamed = replace(sim, cluster=replace(sim.cluster, stream_training=True))
+    streamed = replace(sim, cluster=replace(sim.cluster, stream_training=True, tail_migration=True))
     for policy in ("twotier", "twotier+histospec"):
         result = simulate(streamed, ahead_run, policy, record=False)
         assert result.total_s / sum(r["samples"] for r in result.rounds) >= limit["s_per_sample"]
+    # Disaggregated stream training (half the GPUs train) against the any-placement form of the bound.
+    dsim, drun = load_sim_config("configs/sim_tiny_cpu.yaml", [
+        f"workload.seed={seed}", f"workload.sigma={sigma}", f"workload.num_prompts={prompts}", "workload.num_epochs=2",
+        f"workload.prompt_share={share}", "run.scheduler.rollout_batch_size=4", "run.scheduler.update_batch_size=8",
+        "run.scheduler.group_size=8", "run.scheduler.lookahead=true", "cluster.gpus=4", "cluster.gpus_per_node=2",
+        "cluster.trainer_gpus=2", "cluster.stream_training=true", "cluster.tail_migration=true"])
+    dsim = replace(dsim, speculation=sim.speculation)
+    dlimit = physical_limit(dsim, drun)
+    assert dlimit["any_placement_total_s"] <= dlimit["total_s"] + 1e-9
+    for policy in ("sync", "twotier+histospec"):
+        result = simulate(dsim, drun, policy, record=False)
+        assert result.total_s / sum(r["samples"] for r in result.rounds) >= dlimit["any_placement_s_per_sample"]
 
 
 def test_simulate_command_takes_histospec_variants(tmp_path, capsys):
