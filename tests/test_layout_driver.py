@@ -126,3 +126,12 @@ def test_demo_model_switches_back_to_two_engines_past_the_break_even_of_short_ro
     assert all(_gain(p, SHORT_N, length, to_tp=1) > 0 for length in (1, 10, 100, 192))
     assert all(_decide(p, 1, SHORT_N, length) == 1 for length in range(1, max_len + 1))
 
+
+
+def test_a_round_without_predictions_keeps_the_layout(demo_planner):
+    """Before any length is recorded every prediction is 0 ("none"): the planner has nothing to choose by."""
+    p = demo_planner
+    p.current = None
+    assert p.plan("short", [0.0] * SHORT_N, PROMPT).tp == 1  # the first round: the fixed short-round layout
+    p.current = p.layout(2)
+    assert p.plan("short", [0.0] * SHORT_N, PROMPT).tp == 2  # later: stays where it is
