@@ -12,8 +12,9 @@ get the whole history again (`HistoryFeed.reset_engines`).
 On the timeline the switch is a `relayout` phase (between the previous step and this round's rollout);
 every rollout phase's start carries the layout it ran on (`layout`, e.g. "2xTP1"), which the run report's
 rollout Gantt prints per step. The layout metrics go into the step's row: `rollout/layout_engines`,
-`rollout/layout_tp`, `rollout/relayouts` (switches before this step's rounds) and `time/relayout_s`
-(the timeline's phase seconds).
+`rollout/layout_tp`, `rollout/relayouts` (switches before this step's rounds), `time/relayout_s` (the
+timeline's phase seconds), the round's `rollout/requests` and `rollout/predicted_longest`, and with the
+`cost_model` planner its estimate of the round's time per candidate TP (`rollout/estimate_tp<N>_s`).
 
 Left out: switching while requests run (the pool refuses; a round's layout is chosen before it starts),
 and keeping both layouts' engines resident to switch faster (vLLM sleep mode).
@@ -47,5 +48,14 @@ def apply_layout(d: Any, rnd: Any, row: dict[str, float]) -> None:
         d.events.append(d.timeline.record("phase", "end", d.step, phase="relayout", layout=layout_name(*want)))
         d.say(f"step {d.step}: layout {before} -> {layout_name(*want)} for round {rnd.index} ({rnd.kind}, "
               f"{len(rnd.requests)} requests) in {report['total_s']:.1f}s; engines at policy version {d.version}")
+    predicted = [r.predicted_length for r in rnd.requests]
     row.update({"rollout/layout_engines": want[0], "rollout/layout_tp": want[1],
-                "rollout/relayouts": row.get("rollout/relayouts", 0) + int(switched)})
+                "rollout/relayouts": row.get("rollout/relayouts", 0) + int(switched),
+                "rollout/requests": len(predicted), "rollout/predicted_longest": max(predicted, default=0.0)})
+    planner = d.policy.planner
+    if getattr(planner, "candidates", None) and planner.model is not None and any(predicted):
+        # What the cost_model planner compared (without the switch price): its estimate per candidate TP.
+        prompt_len = sum(len(r.sample.prompt_tokens) for r in rnd.requests) / len(predicted)
+        for tp in planner.candidates():
+            engines = planner.layout(tp).num_engines
+            row[f"rollout/estimate_tp{tp}_s"] = planner.model.estimate_round_s(tp, engines, predicted, prompt_len)

@@ -264,7 +264,11 @@ def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEP
     peak = max([1] + [peak_concurrency([(a, min(b, rollouts[s][1])) for a, b in iv])
                       for s in shown for iv in per_step[s].values()])
     alpha = max(0.08, min(0.9, 1.5 / peak))
-    for s in shown:
+    # Each layout switch named inside its relayout bar: the layout the next rollout runs on and the switch's seconds.
+    for e in (e for e in events if e.kind == "phase" and e.phase == "relayout" and e.event == "start" and e.step in shown):
+        end = next((b for st, p, a, b in spans if p == "relayout" and st == e.step and a == e.t), e.t)
+        ax.text((e.t + end) / 2, 0.5, f"relayout -> {e.layout} ({end - e.t:.0f} s)", ha="center", va="center", fontsize=7)
+    for i, s in enumerate(shown):
         t0, t1 = rollouts[s]
         for w, iv in per_step[s].items():
             row = 1 + workers.index(w)
@@ -276,14 +280,15 @@ def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEP
         ax.axvline(t0, color="#888", linewidth=0.6, linestyle=":")
         ax.axvline(t1, color="#888", linewidth=0.6, linestyle=":")
         layout = rollout_layouts(by_step[s]).get(s)
-        ax.text((t0 + t1) / 2, -0.15, f"step {s} rollout" + (f", {layout}" if layout else ""), ha="center",
-                va="bottom", fontsize=8)
+        # Alternate heights so that the labels of short neighbouring rollouts do not overlap.
+        ax.text((t0 + t1) / 2, -0.15 - 0.3 * (i % 2), f"step {s} rollout" + (f", {layout}" if layout else ""),
+                ha="center", va="bottom", fontsize=8)
     ax.broken_barh([], (0, 0), color="#4C72B0", label="request (darker: more at once)")
     ax.broken_barh([], (0, 0), facecolor=BUBBLE_COLOR, alpha=0.45, hatch="///", edgecolor=BUBBLE_COLOR,
                    label="bubble: idle while another worker runs")
     ax.set_yticks([0.5] + [1.5 + i for i in range(len(workers))], ["phases"] + [f"worker {w}" for w in workers],
                   fontsize=8)
-    ax.set_ylim(len(workers) + 1, -0.6)
+    ax.set_ylim(len(workers) + 1, -0.9)
     ax.set_xlim(lo, hi)
     ax.set_xlabel("run time (s)")
     ax.set_title(f"Rollout requests per worker, steps {shown[0]}-{shown[-1]}" if len(shown) > 1
