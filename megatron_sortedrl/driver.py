@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.preflight import preflight
+from megatron_sortedrl.relayout import apply_layout, layout_name
 from megatron_sortedrl.reward_stage import make_reward_stage
 from megatron_sortedrl.round_stream import compose_round, hand_over_rewards, stream_round
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
@@ -69,6 +70,7 @@ class Driver:
         self.ckpt_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.step, self.version = 0, 0
         self.events: list = []  # the current step's timeline events, for its bubble ratio
+        self.layout_row: dict[str, float] = {}  # the current step's engine layout metrics (relayout.py)
         self.stop_signal: str | None = None  # set by SIGTERM/SIGUSR1: checkpoint after this step and stop
         self.accuracy_before: float | None = None
         self._reward_fn = reward_fn
@@ -173,8 +175,8 @@ class Driver:
         return Sample(prompt_id=prompt_id, index=index, epoch=epoch, prompt_tokens=list(self._tokens(p)),
                       ground_truth=p.ground_truth, meta={"difficulty": p.difficulty})
 
-    def _phase(self, name: str, event: str) -> None:
-        self.events.append(self.timeline.record("phase", event, self.step, phase=name))
+    def _phase(self, name: str, event: str, **fields: Any) -> None:
+        self.events.append(self.timeline.record("phase", event, self.step, phase=name, **fields))
 
     # ------------------------------------------------------------------------------------------ phases
 
@@ -207,12 +209,12 @@ class Driver:
         return self.trainer
 
     def compose_round(self):
-        self._phase("rollout", "start")
         rnd = compose_round(self)  # hands the policy the rewards that arrived while the last step trained
+        if rnd is not None:  # the planner's layout for the round, on the engines (a relayout phase if it changed)
+            apply_layout(self, rnd, self.layout_row)
+        self._phase("rollout", "start", layout=layout_name(*self.pool.layout))
         if rnd is None:  # data used up: close the phase, or it would stretch over the final eval
             self._phase("rollout", "end")
-        elif (rnd.layout.num_engines, rnd.layout.tp) != tuple(self.pool.layout):
-            self.pool.set_layout(rnd.layout.num_engines, rnd.layout.tp)
         return rnd
 
     def _sampling(self, max_tokens: int, greedy: bool = False) -> dict[str, Any]:
@@ -301,6 +303,7 @@ class Driver:
     def rl_step(self) -> StepResult | None:
         t0 = time.monotonic()
         self.events = []  # the bubble ratio of a step needs only that step's events
+        self.layout_row = {}
         rnd = self.compose_round()
         harvest = self.generate(rnd) if rnd is not None else None
         while harvest is not None and harvest.stats.get("more"):  # dynamic sampling: another round before training
@@ -312,7 +315,7 @@ class Driver:
         spec = self.update_history(harvest.batch, rnd.kind)
         step_s = time.monotonic() - t0
         row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
-                       self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}))
+                       self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}), self.layout_row)
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:

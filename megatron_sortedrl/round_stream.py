@@ -101,6 +101,9 @@ def stream_round(d: Any, rnd: Any):
 
     def scored() -> None:
         for s in d.rewards.poll():
+            mine = live.get(s.sample_id)
+            if mine is not None and mine is not s and mine.submit_time != s.submit_time:
+                continue  # an earlier attempt of a restarted sample (tail's long round reuses the ids): void
             live.pop(s.sample_id, None)
             abort(d.policy.on_sample_finished(s, d.clock))
             if d.stream:  # backward of a finished group that will be trained, while the rest generates

@@ -251,6 +251,8 @@ class PolicyBase:
         st = self._state(sample)
         if st is None or sample.sample_id not in st.status:  # already dropped (e.g. a surplus response)
             return []
+        if self.stale_attempt(st, sample):
+            return []
         self._adopt(st, sample)
         st.mark(sample.sample_id, "finished")
         st.done_at[sample.sample_id] = clock.now()
@@ -269,6 +271,14 @@ class PolicyBase:
             self.reset_sample(st, s)
 
     restart_aborted = False  # tail batching restarts aborted samples from scratch even in partial mode
+
+    def stale_attempt(self, st: PromptState, sample: Sample) -> bool:
+        """Whether `sample` is an earlier attempt of a sample the policy has since restarted under the same id
+        (tail batching reopens a deferred prompt for its long round while the short round's finished
+        responses may still be in the reward stage): the driver stamps a sample's first submission
+        (`submit_time`), which a copy keeps and a restarted sample does not share. The simulator leaves it 0."""
+        mine = next((s for s in st.samples if s.sample_id == sample.sample_id), None)
+        return mine is not None and mine is not sample and mine.submit_time != sample.submit_time
 
     def _adopt(self, st: PromptState, sample: Sample) -> Sample:
         """The driver may hand back a copy (e.g. from another process): keep the one it returned."""

@@ -11,7 +11,7 @@
   weights, never above one node (a TP group does not span nodes).
 - `cost_model` (ours): for each candidate TP (powers of two up to a node) estimate the round's time with
   `EngineCostModel.estimate_round_s` from the predicted lengths, add the re-layout cost when it differs
-  from the current layout, and take the fastest.
+  from the current layout, and take the fastest. A round without predictions (all 0) keeps the layout.
 
 Left out: pipeline-parallel rollout engines and mixed layouts within one round.
 """
@@ -98,8 +98,10 @@ class CostModelPlanner(FixedPlanner):
         return tps or [self._clamp(self.tp_short)]
 
     def plan(self, kind: str, predicted: list[float], prompt_len: float) -> Layout:
-        if self.model is None or not predicted:
-            return super().plan(kind, predicted, prompt_len)
+        if self.model is None or not any(predicted):
+            # No prediction (a round before any length was recorded predicts 0): nothing to choose by, so no
+            # switch; the first round takes the fixed layout.
+            return self.current if self.current is not None else super().plan(kind, predicted, prompt_len)
 
         def total(tp: int) -> float:
             layout = self.layout(tp)

@@ -2,16 +2,16 @@
 
     from scheduler.layout_driver import driver_planner
     planner = driver_planner(cfg)        # the driver's `_setup`; the policy asks it for each round's layout
-    python -m megatron_sortedrl train configs/tiny_cpu.yaml scheduler.layout_planner=cost_model \
-        scheduler.layout_cost_model=configs/sim_tiny_cpu.yaml
+    python -m megatron_sortedrl train configs/elastic_cpu.yaml     # cost_model with configs/sim_elastic_cpu.yaml
 
 - `fixed`: `rollout.tensor_parallel_size` for sync and short rounds, `long_round_tensor_parallel_size` for
   long rounds (what the driver always did).
 - `cost_model`: the planner of `scheduler/layout.py` with the engine cost model of the simulator YAML named by
   `scheduler.layout_cost_model` (its `engine:` section, and `cluster.relayout_s` as the price of a switch):
   per round it takes the TP whose estimated round time, from the round's predicted lengths, is smallest.
-  The driver's `compose_round` rebuilds the engines (`RolloutPool.set_layout`) when the chosen layout
-  differs, and the pool records a `layout` event on the timeline. Calibrate the YAML from a run of the same
+  The driver's `compose_round` rebuilds the engines (`RolloutPool.set_layout`, via
+  `megatron_sortedrl/relayout.py`) when the chosen layout differs: a `relayout` phase on the run timeline,
+  the layout per step in the metrics and the run report (demo: `configs/elastic_cpu.yaml`). Calibrate the YAML from a run of the same
   engines (`scheduler/calibrate.py`) so its choice means something on them.
 - `preemption` is refused: it reacts to KV-cache preemption counts, which the real engines do not report to
   the driver yet.

@@ -31,8 +31,9 @@ class _UsedUp:
 
 def test_exhausted_rollout_phase_is_closed(tmp_path):
     writer = TimelineWriter(tmp_path / "timeline.jsonl")
-    d = SimpleNamespace(events=[], step=7, timeline=writer, rewards=_NoRewards(), policy=_UsedUp(), clock=writer.clock)
-    d._phase = lambda name, event: Driver._phase(d, name, event)
+    d = SimpleNamespace(events=[], step=7, timeline=writer, rewards=_NoRewards(), policy=_UsedUp(), clock=writer.clock,
+                        pool=SimpleNamespace(layout=(1, 1)), layout_row={})
+    d._phase = lambda name, event, **fields: Driver._phase(d, name, event, **fields)
     assert Driver.compose_round(d) is None
     d.step = 6  # the driver steps back; the final eval is charged to the last trained step
     Driver._phase(d, "eval", "start")

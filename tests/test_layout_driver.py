@@ -60,3 +60,78 @@ def test_refuses_what_it_cannot_honour_in_one_line(tmp_path, planner, model, mes
     with pytest.raises(ConfigError) as err:
         driver_planner(_cfg(tmp_path, planner, model))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------ the demo's engine model
+# configs/elastic_cpu.yaml with configs/sim_elastic_cpu.yaml: tail batching's short rounds run 3 prompts x 5
+# responses (15 sequences), its long rounds 2 prompts x 4 (8 sequences); prompts of the arithmetic task are
+# about 40 tokens.
+SHORT_N, LONG_N, PROMPT = 15, 8, 40.0
+
+
+@pytest.fixture(scope="module")
+def demo_planner():
+    return driver_planner(load_config("configs/elastic_cpu.yaml", []))
+
+
+def _gain(planner, n: int, length: float, to_tp: int) -> float:
+    """Seconds the model saves on a round of `n` sequences of `length` tokens by running it at `to_tp` rather
+    than at the other of the demo's two layouts (TP=1: two engines, TP=2: one)."""
+    m, other = planner.model, 3 - to_tp
+    return (m.estimate_round_s(other, 2 // other, [length] * n, PROMPT)
+            - m.estimate_round_s(to_tp, 2 // to_tp, [length] * n, PROMPT))
+
+
+def _break_even(planner, n: int, to_tp: int, max_len: int) -> int:
+    """Smallest whole length at which switching to `to_tp` saves more than the switch costs, by the model's
+    own round times (bisection: the saving grows with the length); max_len + 1 when none does."""
+    lo, hi = 1, max_len + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _gain(planner, n, mid, to_tp) > planner.relayout_s:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _decide(planner, start_tp: int, n: int, length: float) -> int:
+    planner.current = planner.layout(start_tp)
+    return planner.plan("short", [length] * n, PROMPT).tp
+
+
+def test_demo_model_switches_to_tp2_exactly_past_the_break_even_of_long_rounds(demo_planner):
+    p = demo_planner
+    assert (p.gpus, p.candidates(), p.relayout_s) == (2, [1, 2], 1.0)
+    assert p.model.max_num_seqs == load_config("configs/elastic_cpu.yaml", []).rollout.max_num_seqs  # same engines
+    max_len = 192
+    even = _break_even(p, LONG_N, to_tp=2, max_len=max_len)
+    # The demo needs a break-even its rounds can reach: well inside max_response_length.
+    assert 10 <= even <= max_len // 2, even
+    for length in range(1, max_len + 1):
+        assert _decide(p, 1, LONG_N, length) == (2 if length >= even else 1), length
+    # Once on TP=2, a long round never goes back: one TP=2 engine is faster at any length by the model.
+    assert all(_gain(p, LONG_N, length, to_tp=2) > 0 for length in (1, 10, 100, 192))
+    assert all(_decide(p, 2, LONG_N, length) == 2 for length in range(1, max_len + 1))
+
+
+def test_demo_model_switches_back_to_two_engines_past_the_break_even_of_short_rounds(demo_planner):
+    p = demo_planner
+    max_len = 192
+    even = _break_even(p, SHORT_N, to_tp=1, max_len=max_len)
+    assert 10 <= even <= max_len // 2, even
+    for length in range(1, max_len + 1):
+        assert _decide(p, 2, SHORT_N, length) == (1 if length >= even else 2), length
+    # From two TP=1 engines a short round never switches: 15 sequences need more than one engine's 8 slots.
+    assert all(_gain(p, SHORT_N, length, to_tp=1) > 0 for length in (1, 10, 100, 192))
+    assert all(_decide(p, 1, SHORT_N, length) == 1 for length in range(1, max_len + 1))
+
+
+
+def test_a_round_without_predictions_keeps_the_layout(demo_planner):
+    """Before any length is recorded every prediction is 0 ("none"): the planner has nothing to choose by."""
+    p = demo_planner
+    p.current = None
+    assert p.plan("short", [0.0] * SHORT_N, PROMPT).tp == 1  # the first round: the fixed short-round layout
+    p.current = p.layout(2)
+    assert p.plan("short", [0.0] * SHORT_N, PROMPT).tp == 2  # later: stays where it is

@@ -181,3 +181,44 @@ def test_state_dict_is_json_and_resumes(policy):
     second.clock.t = first.clock.t
     result = second.run_all()
     assert done + sum(r["samples"] for r in result.rounds) == 10 * 2 * 2  # prompts x epochs x n, none lost
+
+
+def test_tail_ignores_a_stale_attempt_of_a_restarted_prompt():
+    """tail reopens a deferred prompt for its long round under the same sample ids; a response of its short
+    round that is still being scored (the driver no longer waits for those) must not count for the restarted
+    sample. The driver stamps each attempt's first submission (`submit_time`); a copy keeps it."""
+    import copy
+
+    from scheduler.layout import FixedPlanner
+    from scheduler.policies import make_policy
+    from scheduler.protocol import ManualClock
+
+    sched = replace(BASE_RUN.scheduler, policy="tail", rollout_batch_size=1, update_batch_size=2, mode="on_policy")
+    policy = make_policy(sched, ["a", "b"], n_samples=2, max_response_length=16,
+                         planner=FixedPlanner(gpus=2, gpus_per_node=2, tp_short=1, tp_long=1))
+    clock = ManualClock()
+    short = policy.compose_round(clock)
+    assert short.kind == "short" and len(short.prompts) == 2  # ceil(1.25 * 1) prompts x ceil(1.25 * 2) responses
+    for i, r in enumerate(short.requests):
+        r.sample.submit_time = 1.0 + i
+    won = {r.sample.prompt_id for r in short.requests[:3]}.pop()
+    late = next(r.sample for r in short.requests if r.sample.prompt_id != won)  # finished, reward still pending
+    for r in short.requests:
+        if r.sample.prompt_id == won:
+            r.sample.append([1, 2], [0.0, 0.0], 0)
+            r.sample.finish_reason = "stop"
+            policy.on_sample_finished(r.sample, clock)
+    harvest = policy.harvest(clock)
+    assert harvest is not None and {s.prompt_id for s in harvest.batch} == {won}
+    for sid in harvest.abort:
+        s = next(r.sample for r in short.requests if r.sample.sample_id == sid)
+        if s is not late:
+            policy.on_sample_aborted(s, clock)
+    long = policy.compose_round(clock)
+    assert long.kind == "long" and {r.sample.sample_id for r in long.requests} >= {late.sample_id}
+    stale = copy.deepcopy(late)  # what the reward stage hands back during the long round
+    stale.append([3], [0.0], 0)
+    stale.finish_reason = "stop"
+    policy.on_sample_finished(stale, clock)
+    st = policy.live[next(iter(policy.live))]
+    assert st.status[late.sample_id] == "running" and policy.harvest(clock) is None

@@ -40,7 +40,7 @@ from megatron_sortedrl.telemetry.utilization import (  # noqa: E402
 # Fixed colours per phase so that every figure (and every run) reads the same way.
 PHASE_COLORS = {"rollout": "#4C72B0", "reward": "#DD8452", "logprob": "#55A868", "train": "#C44E52",
                 "sync": "#8172B3", "history": "#64B5CD", "checkpoint": "#937860", "eval": "#DA8BC3", "idle": "#CCCCCC",
-                "none": "#CCCCCC", "all": "#333333"}
+                "none": "#CCCCCC", "all": "#333333", "relayout": "#F2B701"}
 DPI = 110
 
 

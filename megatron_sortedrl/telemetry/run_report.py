@@ -212,23 +212,43 @@ def plot_rewards(run: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
+def relayout_steps(events: Sequence[Event]) -> list[int]:
+    """Steps whose rounds switched the engine layout (a `relayout` phase, megatron_sortedrl/relayout.py)."""
+    return sorted({e.step for e in events if e.kind == "phase" and e.phase == "relayout" and e.event == "start"})
+
+
+def rollout_layouts(events: Sequence[Event]) -> dict[int, str]:
+    """Step -> the engine layout its (last) rollout ran on, e.g. "1xTP2", from the rollout phase starts."""
+    return {e.step: e.layout for e in events
+            if e.kind == "phase" and e.phase == "rollout" and e.event == "start" and e.layout}
+
+
+def gantt_steps(steps: Sequence[int], switches: Sequence[int], last_steps: int) -> list[int]:
+    """The `last_steps` consecutive steps of `steps` the Gantt draws: the last ones, or, when the run switched
+    layout before them, those around its last switch (the step before it first), so the switch is seen."""
+    steps = sorted(steps)
+    end = len(steps)
+    seen = [i for i, s in enumerate(steps) if s in set(switches)]
+    if seen and seen[-1] < end - last_steps:
+        end = min(len(steps), max(seen[-1] - 1, 0) + last_steps)
+    return steps[max(0, end - last_steps):end]
+
+
 def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEPS) -> tuple[Path, list[int]] | None:
-    """Requests per rollout worker over time for the last `last_steps` steps with a rollout phase, the
-    bubble (idle while another worker still runs a request) shaded, and the phases of those steps on top.
-    Returns the path and the steps drawn, or None when no step has a rollout phase with requests."""
+    """Requests per rollout worker over time for the last `last_steps` steps with a rollout phase (or those
+    around the last layout switch, `gantt_steps`), the bubble (idle while another worker still runs a request)
+    shaded, each step's engine layout, and the phases of those steps on top (a `relayout` phase where the
+    engines were rebuilt). Returns the path and the steps drawn, or None when no step has a rollout phase
+    with requests."""
     # Grouped by step once: the timeline functions scan every event they are given, once per step.
     by_step: dict[int, list[Event]] = defaultdict(list)
     for ev in events:
         by_step[ev.step].append(ev)
     t_last = max(ev.t for ev in events)
     rollouts = {s: w for s in sorted(by_step) if (w := phase_window(by_step[s], s, "rollout", t_last))}
-    per_step: dict[int, dict[int, list[tuple[float, float]]]] = {}
-    for s in reversed(list(rollouts)):
-        if len(per_step) == last_steps:
-            break
-        if iv := request_intervals(by_step[s], s):
-            per_step[s] = iv
-    shown = sorted(per_step)
+    with_requests = {s: iv for s in rollouts if (iv := request_intervals(by_step[s], s))}
+    shown = gantt_steps(list(with_requests), relayout_steps(events), last_steps)
+    per_step = {s: with_requests[s] for s in shown}
     if not shown:
         return None
     windows = step_windows(events)
@@ -244,7 +264,11 @@ def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEP
     peak = max([1] + [peak_concurrency([(a, min(b, rollouts[s][1])) for a, b in iv])
                       for s in shown for iv in per_step[s].values()])
     alpha = max(0.08, min(0.9, 1.5 / peak))
-    for s in shown:
+    # Each layout switch named inside its relayout bar: the layout the next rollout runs on and the switch's seconds.
+    for e in (e for e in events if e.kind == "phase" and e.phase == "relayout" and e.event == "start" and e.step in shown):
+        end = next((b for st, p, a, b in spans if p == "relayout" and st == e.step and a == e.t), e.t)
+        ax.text((e.t + end) / 2, 0.5, f"relayout -> {e.layout} ({end - e.t:.0f} s)", ha="center", va="center", fontsize=7)
+    for i, s in enumerate(shown):
         t0, t1 = rollouts[s]
         for w, iv in per_step[s].items():
             row = 1 + workers.index(w)
@@ -255,13 +279,16 @@ def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEP
                            alpha=0.45, hatch="///", edgecolor=BUBBLE_COLOR, linewidth=0)
         ax.axvline(t0, color="#888", linewidth=0.6, linestyle=":")
         ax.axvline(t1, color="#888", linewidth=0.6, linestyle=":")
-        ax.text((t0 + t1) / 2, -0.15, f"step {s} rollout", ha="center", va="bottom", fontsize=8)
+        layout = rollout_layouts(by_step[s]).get(s)
+        # Alternate heights so that the labels of short neighbouring rollouts do not overlap.
+        ax.text((t0 + t1) / 2, -0.15 - 0.3 * (i % 2), f"step {s} rollout" + (f", {layout}" if layout else ""),
+                ha="center", va="bottom", fontsize=8)
     ax.broken_barh([], (0, 0), color="#4C72B0", label="request (darker: more at once)")
     ax.broken_barh([], (0, 0), facecolor=BUBBLE_COLOR, alpha=0.45, hatch="///", edgecolor=BUBBLE_COLOR,
                    label="bubble: idle while another worker runs")
     ax.set_yticks([0.5] + [1.5 + i for i in range(len(workers))], ["phases"] + [f"worker {w}" for w in workers],
                   fontsize=8)
-    ax.set_ylim(len(workers) + 1, -0.6)
+    ax.set_ylim(len(workers) + 1, -0.9)
     ax.set_xlim(lo, hi)
     ax.set_xlabel("run time (s)")
     ax.set_title(f"Rollout requests per worker, steps {shown[0]}-{shown[-1]}" if len(shown) > 1
@@ -384,7 +411,8 @@ _CAPTIONS = {
     "breakdown": "Seconds per phase per step from the timeline; idle is the step's wall time covered by no phase.",
     "gantt": "One row per rollout worker: each request is a bar from submit to finish or abort (overlapping "
              "requests darken the bar). Hatched red: the worker had nothing to run while another worker still "
-             "did, the bubble. The top row shows the phases of the same steps.",
+             "did, the bubble. The top row shows the phases of the same steps; a relayout phase is a switch of "
+             "the engine layout (engines x TP, printed under each step) chosen by scheduler.layout_planner.",
     "bubbles": "Worker bubble ratio per step: share of rollout worker-time between a worker's last finished "
                "request and the end of the rollout phase.",
     "acceptance": "Mean accepted draft length, tokens per target forward and acceptance rate of the drafter.",
@@ -409,6 +437,8 @@ _STEP_COLUMNS = (
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
     ("scheduler/carried", "carried in", "{:.0f}"), ("scheduler/trained", "prompts trained", "{:.0f}"),
     ("scheduler/carry_next", "carried out", "{:.0f}"),
+    ("rollout/layout_engines", "engines", "{:.0f}"), ("rollout/layout_tp", "engine TP", "{:.0f}"),
+    ("time/relayout_s", "relayout s", "{:.1f}"),
 )
 
 
@@ -465,6 +495,11 @@ def summary_items(run: RunData, bubbles: dict[int, float]) -> list[tuple[str, st
             items.append(("engine time idle on the driver, all steps", f"{idle / total:.1%} ({idle:.1f} engine-s)"))
     elif bubbles:
         items.append(("worker bubble ratio, mean of steps", f"{sum(bubbles.values()) / len(bubbles):.1%}"))
+    switches = relayout_steps(run.events)
+    if switches or any("rollout/layout_tp" in r for r in run.steps.values()):
+        layouts = rollout_layouts(run.events)
+        items.append(("engine layout switches", f"{len(switches)}" + (" (" + ", ".join(
+            f"step {s}: {layouts.get(s, '?')}" for s in switches) + ")" if switches else "")))
     spec = [r["spec/mean_accepted_length"] for r in run.steps.values() if "spec/mean_accepted_length" in r]
     items.append(("speculative decoding", f"on, mean accepted length {sum(spec) / len(spec):.2f}" if spec else "off"))
     tpf = tokens_per_forward_by_kind(run)
@@ -514,7 +549,9 @@ def write_run_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | No
     if gantt is not None:
         path, shown = gantt
         n_roll = len(bubbles) if bubble_source == "timeline" else len(shown)
-        span = f" Drawn: the last {len(shown)} of {n_roll} steps with a rollout (steps {shown[0]}-{shown[-1]})." \
+        last = max(bubbles) if bubbles and bubble_source == "timeline" else shown[-1]
+        which = "the last" if shown[-1] >= last else "around the last layout switch:"
+        span = f" Drawn: {which} {len(shown)} of {n_roll} steps with a rollout (steps {shown[0]}-{shown[-1]})." \
             if n_roll > len(shown) else f" Drawn: all {len(shown)} step(s) with a rollout."
         figure("gantt", path, span)
     else:

@@ -12,7 +12,8 @@ Fields: `t` float seconds on the run clock (see `RunClock`), `kind` ("request" |
 `step` (int, training step), and the optional `worker` (int, rollout worker index), `sample_id` (str),
 `tokens` (int, response tokens so far / in total; at `first_token`: the tokens that exist once decoding
 starts, i.e. those the request was submitted with plus the one a real engine's prefill step samples; the
-simulator decodes every token, so there it is the submitted count), `phase` (str, one of `PHASES` for phase events).
+simulator decodes every token, so there it is the submitted count), `phase` (str, one of `PHASES` for phase events),
+`layout` (str, on rollout phase starts and `relayout` phases: the engine layout, e.g. "2xTP1").
 
 Each process writes its own file (`timeline.jsonl` for the driver, `timeline.<name>.jsonl` for workers);
 `read_run_timeline(run_dir)` merges them by time. The metric functions also come as pure functions over
@@ -43,7 +44,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "worker": ("busy", "idle"),
 }
 # Phase names the driver uses; readers accept others too (a user's custom phase is still time spent).
-PHASES: tuple[str, ...] = ("rollout", "reward", "logprob", "train", "sync", "history", "checkpoint", "eval")
+PHASES: tuple[str, ...] = ("rollout", "reward", "logprob", "train", "sync", "history", "checkpoint", "eval", "relayout")
 TIMELINE_GLOB = "timeline*.jsonl"
 
 
@@ -63,6 +64,7 @@ class Event:
     sample_id: str | None = None  # request events: the Sample's id
     tokens: int | None = None  # request events: response tokens generated so far (finish: in total)
     phase: str | None = None  # phase events: one of PHASES
+    layout: str | None = None  # rollout start and relayout events: the engine layout, e.g. "2xTP1" (engines x TP)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -92,6 +94,7 @@ class Event:
             sample_id=None if obj.get("sample_id") is None else str(obj["sample_id"]),
             tokens=None if obj.get("tokens") is None else int(obj["tokens"]),
             phase=obj.get("phase"),
+            layout=None if obj.get("layout") is None else str(obj["layout"]),
         )
 
 

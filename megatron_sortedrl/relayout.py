@@ -1,0 +1,61 @@
+"""The driver's layout switch: executes the layout the planner chose for a round on the real engines.
+
+    apply_layout(driver, rnd, row)           # Driver.compose_round, after the policy composed `rnd`
+
+When the round's layout (`rnd.layout`, from `scheduler.layout_planner`, see scheduler/layout_driver.py)
+differs from the engines' (`RolloutPool.layout`), the pool stops every engine and starts the new ones
+(`RolloutPool.set_layout`), which load the weights of the last sync again, so the new engines serve the
+current policy version. That is checked here: an engine that reports another version fails the run, since
+its samples would carry a version they were not generated with. HistoSpec's drafters of the new engines
+get the whole history again (`HistoryFeed.reset_engines`).
+
+On the timeline the switch is a `relayout` phase (between the previous step and this round's rollout);
+every rollout phase's start carries the layout it ran on (`layout`, e.g. "2xTP1"), which the run report's
+rollout Gantt prints per step. The layout metrics go into the step's row: `rollout/layout_engines`,
+`rollout/layout_tp`, `rollout/relayouts` (switches before this step's rounds), `time/relayout_s` (the
+timeline's phase seconds), the round's `rollout/requests` and `rollout/predicted_longest`, and with the
+`cost_model` planner its estimate of the round's time per candidate TP (`rollout/estimate_tp<N>_s`).
+
+Left out: switching while requests run (the pool refuses; a round's layout is chosen before it starts),
+and keeping both layouts' engines resident to switch faster (vLLM sleep mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def layout_name(num_engines: int, tp: int) -> str:
+    """"2xTP1": engines x tensor-parallel size, as the timeline and the report print a layout."""
+    return f"{num_engines}xTP{tp}"
+
+
+def apply_layout(d: Any, rnd: Any, row: dict[str, float]) -> None:
+    """Switches `d.pool` to `rnd.layout` if it differs (a `relayout` phase on the timeline); puts the layout
+    metrics into the step's `row` (switches are counted over the step's rounds)."""
+    want = (rnd.layout.num_engines, rnd.layout.tp)
+    switched = want != tuple(d.pool.layout)
+    if switched:
+        before = layout_name(*d.pool.layout)
+        d.events.append(d.timeline.record("phase", "start", d.step, phase="relayout", layout=layout_name(*want)))
+        report = d.pool.set_layout(*want)
+        versions = sorted({w.version for w in d.pool.load()})
+        if versions != [d.version]:
+            raise RuntimeError(f"after the layout switch to {layout_name(*want)} the engines serve policy "
+                               f"version(s) {versions}, not the current {d.version}")
+        if d.cfg.speculative.enabled:
+            d.feed.reset_engines()  # the new engines' drafters start empty
+        d.events.append(d.timeline.record("phase", "end", d.step, phase="relayout", layout=layout_name(*want)))
+        d.say(f"step {d.step}: layout {before} -> {layout_name(*want)} for round {rnd.index} ({rnd.kind}, "
+              f"{len(rnd.requests)} requests) in {report['total_s']:.1f}s; engines at policy version {d.version}")
+    predicted = [r.predicted_length for r in rnd.requests]
+    row.update({"rollout/layout_engines": want[0], "rollout/layout_tp": want[1],
+                "rollout/relayouts": row.get("rollout/relayouts", 0) + int(switched),
+                "rollout/requests": len(predicted), "rollout/predicted_longest": max(predicted, default=0.0)})
+    planner = d.policy.planner
+    if getattr(planner, "candidates", None) and planner.model is not None and any(predicted):
+        # What the cost_model planner compared (without the switch price): its estimate per candidate TP.
+        prompt_len = sum(len(r.sample.prompt_tokens) for r in rnd.requests) / len(predicted)
+        for tp in planner.candidates():
+            engines = planner.layout(tp).num_engines
+            row[f"rollout/estimate_tp{tp}_s"] = planner.model.estimate_round_s(tp, engines, predicted, prompt_len)
