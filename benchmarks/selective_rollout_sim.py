@@ -8,6 +8,8 @@ DS with reward-history skip, on a DAPO-like pass-rate process; figures committed
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_paper_rollpacker_7b_8k.yaml --epochs 6 \
         --policies sync,twotier,sync_gen3x --name selective_rollout_sim_7b                  # the second workload
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_tiny_cpu.yaml --out /tmp/x
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,twotier,sync_gen3x \
+        --reuse sorted,tail         # rerun only what a change touches; the rest is taken from the committed JSON
 
 Scenario: configs/sim_qwen32b_128gpu.yaml (Qwen2.5-32B, 128 GPUs, 16 responses per prompt, 32k tails) with
 the workload's pass-rate process (scheduler/workload.py: per-prompt pass rates that persist across epochs and
@@ -22,6 +24,9 @@ skipped, prompts per round. `sync_gen3x` is sync + DS the way verl's DAPO recipe
 three updates' prompts (`gen_batch_size = 3 x train_batch_size`) and the update trains `rollout_batch_size`
 informative groups; the headline compares twotier + DS + skip with it too. Writes `--name`.{json,md,png}
 (default selective_rollout_sim); `--cache DIR` keeps each simulation's row, so a long grid runs in parts.
+`--reuse POLICIES` takes those policies' rows from the committed `--name`.json instead of simulating them (for a
+change that cannot affect them: sorted alone takes over 30 minutes); each such row is marked `reused_from` (the
+file and the commit it was last committed in) in the JSON and with * in the table.
 
 Left out: the learning effect of training only on informative groups (the simulator has no model); DAPO reports
 equal or better accuracy with the filter, GRESO with the skip.
@@ -33,6 +38,7 @@ import argparse
 import json
 import logging
 import multiprocessing
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,11 +99,32 @@ def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str], 
     return row
 
 
+def reused_rows(path: Path, reuse: list[str], simulated: set[str]) -> list[dict] | None:
+    """The rows of `reuse` policies from the committed JSON at `path`, each marked with the file and commit."""
+    if set(reuse) & simulated or set(reuse) - set(POLICIES + (GEN3X,)) or {"sync", "twotier"} & set(reuse):
+        print(f"error: --reuse takes policies not in --policies, other than sync and twotier: {','.join(reuse)}",
+              file=sys.stderr)
+        return None
+    rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+    commit = subprocess.run(["git", "log", "-1", "--format=%h", "--", str(rel)], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    if not path.is_file() or not commit:
+        print(f"error: --reuse needs {path} committed in git; run those policies instead", file=sys.stderr)
+        return None
+    rows = [dict(r, reused_from=f"{rel} at {commit}") for r in json.loads(path.read_text())["rows"]
+            if r["policy"] in reuse]
+    missing = set(reuse) - {r["policy"] for r in rows}
+    if missing:
+        print(f"error: {path} has no rows for {','.join(sorted(missing))}; run them instead", file=sys.stderr)
+        return None
+    return rows
+
+
 def markdown(rows: list[dict], head: str) -> str:
     lines = [head, "", "| policy | filter | prompts / round | s / informative group | vs sync+DS | gen tok / trained tok | "
              "informative groups | rounds | updates | skipped | worker bubble |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['filter']} | {r['prompts_per_round']} | {r['time_per_informative_group_s']:.1f} | "
+        lines.append(f"| {r['policy']}{'*' if r.get('reused_from') else ''} | {r['filter']} | {r['prompts_per_round']} | {r['time_per_informative_group_s']:.1f} | "
                      f"{r['time_per_informative_group_vs_sync_ds']:.3f} | {r['generated_tokens_per_trained_token']:.2f} | "
                      f"{r['informative_groups']} | {r['rounds']} | {r['updates']} | {r['skipped_prompts']} | "
                      f"{r['worker_bubble']:.1%} |")
@@ -141,13 +168,19 @@ def main() -> int:
                     help="keep each simulation's row here and reuse it (a long grid can run in parts: --policies)")
     ap.add_argument("--no-write", action="store_true", help="simulate (into --cache) without writing the outputs")
     ap.add_argument("--jobs", type=int, default=3, help="simulations run in parallel")
+    ap.add_argument("--reuse", default="", help="comma list of policies whose rows are taken from the committed "
+                    "--name.json instead of simulated (marked reused_from)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="extra sim overrides (key=value; run.* for the run config)")
     args = ap.parse_args()
     t_all = time.time()
     policies = [p for p in args.policies.split(",") if p]
+    reuse = [p for p in args.reuse.split(",") if p]
     if not (args.no_write or {"sync", "twotier"} <= set(policies)) or set(policies) - set(POLICIES + (GEN3X,)):
         print(f"error: --policies must include sync and twotier, from {', '.join(POLICIES + (GEN3X,))}", file=sys.stderr)
+        return 2
+    old_rows = reused_rows(args.out / f"{args.name}.json", reuse, set(policies)) if reuse else []
+    if old_rows is None:
         return 2
     if args.cache:
         args.cache.mkdir(parents=True, exist_ok=True)
@@ -157,6 +190,8 @@ def main() -> int:
         rows = pool.starmap(one, jobs, chunksize=1)
     if args.no_write:
         return 0
+    rows += old_rows
+    rows.sort(key=lambda r: ((POLICIES + (GEN3X,)).index(r["policy"]), list(FILTERS).index(r["filter"])))
     base = next(r for r in rows if r["policy"] == "sync" and r["filter"] == "ds")
     for r in rows:
         r["time_per_informative_group_vs_sync_ds"] = r["time_per_informative_group_s"] / base["time_per_informative_group_s"]
@@ -190,6 +225,11 @@ def main() -> int:
             + (f"; {headline['twotier_ds_skip_speedup_vs_sync_gen3x_ds']:.2f}x sync + DS generating 3 updates' "
                f"prompts per round ({GEN3X}, as verl's DAPO recipe)" if (GEN3X, "ds") in pick else "") + ".")
     table = markdown(rows, head)
+    sources = sorted({r["reused_from"] for r in rows if r.get("reused_from")})
+    if sources:  # honest about what was not rerun: its ratio divides by this run's sync + DS
+        table += (f"\n\n\\* Reused from {', '.join(sources)} (`--reuse`), not simulated in this run: the change since "
+                  "does not touch these policies, but their rows predate any simulator change made since that commit; "
+                  "their `vs sync+DS` divides by this run's sync + DS row.")
     (args.out / f"{args.name}.md").write_text(table + "\n")
     plot(rows, args.out / f"{args.name}.png", f"{sim.name}: selective rollout")
     print(table)

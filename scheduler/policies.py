@@ -28,6 +28,10 @@
   each round's requests by predicted length (history, `placement`). An update trains between
   `rollout_batch_size` and `group_size` prompts (the grid reports the number of updates). The group rule
   is replaced by a stronger per-prompt bound: a prompt is trained in the round it first runs or the next.
+  With dynamic sampling (`scheduler/selective.py`) two things change, both because a round may end without an
+  update: a prompt dropped by the filter counts as complete towards half the window (and towards what the
+  round consumes), and a carried prompt is due only once the policy version has moved since it first ran, so
+  the bound reads "in the update it first runs in or the next" (the same as above when every round updates).
   Per-round decisions are logged (`Harvest.stats["decision"]`).
   With `lookahead` (partial mode) the round also opens up to `target` prompts of the next window as
   `Round.lookahead`: an engine that has run out of the round's requests starts them while the round waits
@@ -147,7 +151,8 @@ class TwoTierPolicy(PolicyBase):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.carry: list[str] = []  # keys of prompts that ran in the last round and were not trained: due now
+        self.carry: list[str] = []  # keys of prompts that ran in the last round and were not trained
+        self.opened: dict[str, int] = {}  # key of a live prompt -> policy version when it first ran (due once older)
         self.target = 0  # prompts the current round trains at least
         self.ahead: list[str] = []  # keys of the lookahead prompts of the current round (trained next round)
         self.decision: dict[str, Any] = {}
@@ -168,6 +173,9 @@ class TwoTierPolicy(PolicyBase):
             ahead = [self.open_prompt(pid, epoch, self.n) for pid, epoch in self.cursor.take(self.target)]
             self.ahead = [st.key for st in ahead]
             rnd.lookahead = sorted(self.requests_for(ahead), key=lambda r: -r.predicted_length)
+        self.opened = {k: v for k, v in self.opened.items() if k in self.live}  # (trained or dropped ones leave)
+        for key in [st.key for st in fresh] + self.ahead:
+            self.opened[key] = self.version
         self.decision = {"round": self.round_index, "carried": len(carried), "fresh": len(fresh), "target": self.target,
                          "lookahead": len(self.ahead)}
         return rnd
@@ -175,31 +183,37 @@ class TwoTierPolicy(PolicyBase):
     def harvest(self, clock: Clock) -> Harvest | None:
         assert self.round is not None, "harvest before compose_round"
         states = self.states(self.round.prompts)  # (dynamic sampling may have dropped some)
-        due = {k for k in self.carry if k in self.live}
+        due = {k for k in self.carry if k in self.live and self.opened.get(k, -1) < self.version}
         if not all(self.complete(self.live[k]) for k in due):
             return None  # carried prompts hold tokens of the previous version: trained now, or they would go stale
         done = [st for st in states if self.complete(st)]
-        if len(done) < min(self.target, len(states)):
+        # A prompt of this round that left the live set was dropped by dynamic sampling: its group is complete
+        # (just not trained), so it counts towards the half of the window that must be complete, and towards
+        # what this round consumes. Without the filter `filtered` is 0 and the rule is unchanged.
+        filtered = len(self.round.prompts) - len(states)
+        if len(done) + filtered < min(self.target, len(self.round.prompts)):
             return None
         rest = sorted((st for st in done if st.key not in due), key=self.completed_at)
-        chosen = [st for st in done if st.key in due] + rest[: max(0, self.target - len(due))]
+        chosen = [st for st in done if st.key in due] + rest[: max(0, self.target - filtered - len(due))]
         chosen_keys = {st.key for st in chosen}
         # Lookahead prompts were started early by idle engines: due next round like the carried ones.
         self.carry = [st.key for st in states if st.key not in chosen_keys] + [k for k in self.ahead if k in self.live]
         for st in states:
             if st.key not in chosen_keys and st.ids("running"):
                 st.aborted_rounds += 1
-        decision = {**self.decision, "trained": len(chosen), "carry_next": len(self.carry),
+        decision = {**self.decision, "due": len(due), "trained": len(chosen), "filtered": filtered, "carry_next": len(self.carry),
                     "t_harvest": round(clock.now(), 3)}
         self.stats.setdefault("decisions", []).append(decision)
         return self.finish_harvest(self.take(chosen), self.running_ids(), decision=decision)
 
     def extra_state(self) -> dict[str, Any]:
-        return {"carry": list(self.carry), "target": self.target, "decision": dict(self.decision), "ahead": list(self.ahead)}
+        return {"carry": list(self.carry), "target": self.target, "decision": dict(self.decision), "ahead": list(self.ahead),
+                "opened": dict(self.opened)}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.carry, self.target, self.decision = list(state["carry"]), state["target"], dict(state["decision"])
         self.ahead = list(state.get("ahead", []))
+        self.opened = dict(state.get("opened", {}))  # (absent in older checkpoints: every carried prompt is due)
 
 
 class TailPolicy(PolicyBase):

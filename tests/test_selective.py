@@ -290,3 +290,82 @@ def test_overlong_filter_masks_the_truncated_response_out_of_the_trainer_items()
     samples[1].meta["loss_masked"] = True
     items = TrainerGroup._rl_items(fake, samples, [0.5, -0.5], None)
     assert items[0]["mask"] is None and items[1]["mask"] == [0.0, 0.0, 0.0]
+
+
+# -- twotier's harvest counts filtered groups as complete -----------------------------------------------------
+
+
+def _finish(pol, clock, key, rewards):
+    """Finishes the samples of prompt `key` with the given rewards (one per sample, in order)."""
+    for s, r in zip(list(pol.live[key].samples), rewards):
+        clock.t += 1.0
+        s.append([1, 2, 3, 4], [0.0] * 4, pol.version)
+        s.reward = r
+        pol.on_sample_finished(s, clock)
+
+
+def test_twotier_harvest_counts_filtered_groups_towards_half_the_window():
+    """A dropped (uninformative) group is complete: twotier harvests once half the window is complete counting it,
+    instead of waiting for the tail, trains at most target - filtered prompts and carries the rest."""
+    from scheduler.protocol import ManualClock
+
+    sim, run = with_sampling(*scenario(n=2, rollout_batch=2, update=4, group=8, prompts=8, epochs=1, mode="partial"),
+                             min_informative_groups=2)
+    pol, _ = build_policy(sim, run, "twotier")
+    clock = ManualClock()
+    keys = list(pol.compose_round(clock).prompts)
+    assert len(keys) == 8 and pol.inner.target == 4  # half the window
+    _finish(pol, clock, keys[0], [1.0, 1.0])
+    _finish(pol, clock, keys[1], [0.0, 1.0])
+    _finish(pol, clock, keys[2], [0.0, 0.0])
+    assert pol.harvest(clock) is None  # 2 filtered + 1 informative: 3 of the 4 needed
+    _finish(pol, clock, keys[3], [1.0, 1.0])
+    h = pol.harvest(clock)  # 3 filtered + 1 informative = half the window, the other four still running
+    assert h is not None and h.stats["more"] and h.batch == []  # one informative group pending, two needed
+    running = {s.sample_id for k in keys[4:] for s in pol.live[k].samples}
+    assert set(h.abort) == running and pol.inner.carry == keys[4:]
+    d = pol.inner.stats["decisions"][-1]
+    assert d["trained"] + d["filtered"] == d["target"] and d["due"] == 0
+    for k in keys[4:]:
+        for s in pol.live[k].samples:
+            pol.on_sample_aborted(s, clock)
+    assert list(pol.compose_round(clock).prompts) == keys[4:]  # carried, not due: no update since they first ran
+    _finish(pol, clock, keys[4], [0.0, 1.0])
+    _finish(pol, clock, keys[5], [1.0, 1.0])
+    h = pol.harvest(clock)  # 1 informative + 1 filtered = half of this round's 4; keys[6:] still running
+    assert h is not None and not h.stats.get("more")
+    assert sorted({s.prompt_id + "/e0" for s in h.batch}) == sorted([keys[1], keys[4]])
+    assert pol.inner.carry == keys[6:] and set(h.abort) == {s.sample_id for k in keys[6:] for s in pol.live[k].samples}
+    pol.on_update(1, clock)
+    for k in keys[6:]:
+        for s in pol.live[k].samples:
+            pol.on_sample_aborted(s, clock)
+    assert list(pol.compose_round(clock).prompts) == keys[6:]  # now due: they first ran before the update
+    _finish(pol, clock, keys[6], [1.0, 0.0])
+    assert pol.harvest(clock) is None  # half of the round is complete, but a due prompt is still running
+    _finish(pol, clock, keys[7], [0.0, 0.0])
+    h = pol.harvest(clock)
+    assert h is not None and {s.prompt_id + "/e0" for s in h.batch} == {keys[6]}
+    assert max(h.stats["staleness"]) <= 1
+    assert {e: dict(c) for e, c in pol.consumed.items()} == {0: {"trained": 3, "filtered": 5}}
+
+
+def test_twotier_ds_rounds_consume_half_the_window_and_never_more_than_the_target():
+    """Property over simulated runs: every twotier round with dynamic sampling was harvested with at least
+    min(target, its prompts) of them complete (trained or filtered) and trained at most max(due, target - filtered);
+    staleness stays within the bound (the version-based due rule)."""
+    for seed in range(4):
+        sim, run = with_sampling(*scenario(n=4, rollout_batch=2, update=8, group=8, prompts=20, epochs=3,
+                                           mode="partial", seed=seed), history_skip=seed % 2 == 1)
+        sim = replace(sim, workload=replace(sim.workload, seed=seed))
+        result = simulate(sim, run, "twotier")
+        decisions = result.policy_stats["decisions"]
+        assert decisions and any(d["filtered"] for d in decisions)
+        assert all(0 <= x <= run.scheduler.max_staleness for row in result.rounds for x in row["staleness"])
+        for d in decisions:
+            prompts = d["carried"] + d["fresh"]
+            assert d["trained"] + d["filtered"] >= min(d["target"], prompts)
+            assert d["due"] <= d["carried"] and d["trained"] <= max(d["due"], d["target"] - d["filtered"])
+        plain = simulate(*scenario(n=4, rollout_batch=2, update=8, group=8, prompts=20, epochs=3, mode="partial",
+                                   seed=seed), "twotier")
+        assert all(d["filtered"] == 0 for d in plain.policy_stats["decisions"])  # no filter: the rule is unchanged
