@@ -89,8 +89,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = help_field("arithmetic | long_addition | knights_knaves | code (procedural) | file (train_files/eval_files).",
-                           "arithmetic")
+    task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code (procedural) | "
+                           "file (train_files/eval_files).", "arithmetic")
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
     prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
@@ -114,8 +114,9 @@ class DataConfig:
     num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
 
     def __post_init__(self) -> None:
-        if self.task not in ("arithmetic", "long_addition", "knights_knaves", "code", "file"):
-            raise ConfigError("data.task", self.task, "one of arithmetic, long_addition, knights_knaves, code, file")
+        if self.task not in ("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"):
+            raise ConfigError("data.task", self.task,
+                              "one of arithmetic, long_addition, column_addition, knights_knaves, code, file")
         if self.on_bad_row not in ("error", "skip"):
             raise ConfigError("data.on_bad_row", self.on_bad_row, "one of error, skip")
         if self.task == "file" and not self.train_files:
@@ -128,6 +129,8 @@ class DataConfig:
             raise ConfigError(
                 "data.min_difficulty", (self.min_difficulty, self.max_difficulty), "2..7 people for knights_knaves"
             )
+        if self.task == "column_addition" and self.max_difficulty > 52:
+            raise ConfigError("data.max_difficulty", self.max_difficulty, "at most 52 digits for column_addition (one letter per column)")
         if self.reward_timeout_s <= 0:
             raise ConfigError("data.reward_timeout_s", self.reward_timeout_s, "a positive number of seconds")
         if self.reward_workers < 1:
@@ -299,6 +302,11 @@ class TrainerConfig:
         "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 512)
     warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
     warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3)
+    warmup_sft_batch: int = help_field("Worked solutions per supervised warm-start step.", 16)
+    warmup_sft_problems: int = help_field(
+        "Procedural tasks: warm start on this many fresh problems (another seed than train and eval) instead of "
+        "the training prompts, so it learns the procedure rather than the RL prompts' answers (0: the training "
+        "prompts).", 0)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10)
     stream: bool = help_field(
         "Stream training (trainer/stream.py): backward of each finished prompt group while the round still "
@@ -308,11 +316,13 @@ class TrainerConfig:
         for key in ("total_steps", "micro_batch_tokens", "logprob_chunk_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 1")
-        for key in ("warmup_sft_steps", "eval_interval"):
+        for key in ("warmup_sft_steps", "eval_interval", "warmup_sft_problems"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 0")
         if self.lr <= 0:
             raise ConfigError("trainer.lr", self.lr, "a positive float")
+        if self.warmup_sft_batch < 1:
+            raise ConfigError("trainer.warmup_sft_batch", self.warmup_sft_batch, "an integer >= 1")
         if self.lr_warmup_steps < 0:
             raise ConfigError("trainer.lr_warmup_steps", self.lr_warmup_steps, "an integer >= 0")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):

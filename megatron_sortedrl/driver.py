@@ -181,22 +181,10 @@ class Driver:
     # ------------------------------------------------------------------------------------------ phases
 
     def warm_start(self) -> dict[str, float]:
-        """Supervised steps on worked solutions, then the engines get the warmed-up weights (version 0)."""
-        steps, batch = self.cfg.trainer.warmup_sft_steps, 16
-        rng = random.Random(self.cfg.seed)
-        pool = list(self.prompts.values())
-        out: dict[str, float] = {}
-        t0 = time.monotonic()
-        for i in range(steps):
-            pairs = [(self._tokens(p), self.tok(p.solution)["input_ids"] + [self.eos])
-                     for p in rng.sample(pool, min(batch, len(pool)))]
-            out = self.trainer.sft_step(pairs)
-            if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
-                self.say(f"warm-up {i + 1}/{steps}: loss {out.get('loss', float('nan')):.3f} "
-                         f"({time.monotonic() - t0:.0f}s)")
-        if steps:
-            self.pool.sync_weights(self._weights(), version=0)
-        return out
+        """Supervised steps on worked solutions, then the engines get the warmed-up weights (warmup.py)."""
+        from megatron_sortedrl.warmup import warm_start
+
+        return warm_start(self)
 
     def restore_engines(self) -> None:
         """After a resume: the engines get the checkpoint's weights and version, the drafters its whole history."""

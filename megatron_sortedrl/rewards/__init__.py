@@ -21,6 +21,7 @@ RewardFn = Callable[..., float]
 DEFAULT_REWARD = {
     "arithmetic": "megatron_sortedrl.rewards.arithmetic.reward",
     "long_addition": "megatron_sortedrl.rewards.arithmetic.reward",
+    "column_addition": "megatron_sortedrl.rewards.column_addition.reward",
     "knights_knaves": "megatron_sortedrl.rewards.knights_knaves.reward",
     "code": "megatron_sortedrl.rewards.code.reward",
     "file": "megatron_sortedrl.rewards.math.reward",
