@@ -106,3 +106,19 @@ def random_rl_samples(n: int = 8, seed: int = 0) -> list:
         s.rollout_logprobs = (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()
         out.append(s)
     return out
+
+
+def round_tail_ratios(generate) -> tuple[list[float], int]:
+    """Long-tail check shared by the long-tail tasks: rounds of 16 prompts x 4 samples (the preset's sync round)
+    over 50 seeds of `generate(num, seed, min_difficulty, max_difficulty)`; returns each round's longest over
+    median solution length (+ EOS) and the longest solution seen."""
+    import statistics
+
+    ratios, longest = [], 0
+    for seed in range(50):
+        lengths = [len(p.solution) + 1 for p in generate(96, seed, 1, 48)]  # + EOS
+        longest = max(longest, *lengths)
+        for r in range(0, 96, 16):
+            chunk = lengths[r:r + 16] * 4
+            ratios.append(max(chunk) / statistics.median(chunk))
+    return ratios, longest

@@ -4,9 +4,8 @@ median, and the long-tail preset run with it (task, reward, fresh warm-start pro
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
+from helpers import round_tail_ratios
 
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.data import column_addition as ca
@@ -64,13 +63,7 @@ def test_deterministic_correct_and_rewarded():
 def test_rounds_have_a_long_tail():
     """Rounds of 16 prompts x 4 samples (the preset's sync round) over 50 seeds: the longest solution is at
     least 10x the median in at least 80% of rounds, and never over the preset's 512-token response limit."""
-    ratios, longest = [], 0
-    for seed in range(50):
-        lengths = [len(p.solution) + 1 for p in ca.generate(96, seed, 1, 48)]  # + EOS
-        longest = max(longest, *lengths)
-        for r in range(0, 96, 16):
-            chunk = lengths[r:r + 16] * 4
-            ratios.append(max(chunk) / statistics.median(chunk))
+    ratios, longest = round_tail_ratios(ca.generate)
     assert sum(x >= 10 for x in ratios) / len(ratios) >= 0.8
     assert 400 <= longest <= 512
 

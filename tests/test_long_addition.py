@@ -3,7 +3,7 @@ and rounds whose longest response is at least 10x the median (the property the p
 
 from __future__ import annotations
 
-import statistics
+from helpers import round_tail_ratios
 
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.data import load_prompts, long_addition
@@ -28,13 +28,7 @@ def test_deterministic_correct_and_rewarded():
 def test_rounds_have_a_long_tail():
     """Rounds of 16 prompts x 4 samples (the preset's sync round) over 50 seeds: the longest solution is at
     least 10x the median in at least 80% of rounds and never over the preset's 512-token response limit."""
-    ratios, longest = [], 0
-    for seed in range(50):
-        lengths = [len(p.solution) + 1 for p in long_addition.generate(96, seed, 1, 48)]  # + EOS
-        longest = max(longest, *lengths)
-        for r in range(0, 96, 16):
-            chunk = lengths[r:r + 16] * 4
-            ratios.append(max(chunk) / statistics.median(chunk))
+    ratios, longest = round_tail_ratios(long_addition.generate)
     assert sum(x >= 10 for x in ratios) / len(ratios) >= 0.8
     assert 400 <= longest <= 512
 
