@@ -37,7 +37,7 @@ def apply_layout(d: Any, rnd: Any, row: dict[str, float]) -> None:
     switched = want != tuple(d.pool.layout)
     if switched:
         before = layout_name(*d.pool.layout)
-        d.events.append(d.timeline.record("phase", "start", d.step, phase="relayout", layout=layout_name(*want)))
+        d._phase("relayout", "start", layout=layout_name(*want))
         report = d.pool.set_layout(*want)
         versions = sorted({w.version for w in d.pool.load()})
         if versions != [d.version]:
@@ -45,7 +45,7 @@ def apply_layout(d: Any, rnd: Any, row: dict[str, float]) -> None:
                                f"version(s) {versions}, not the current {d.version}")
         if d.cfg.speculative.enabled:
             d.feed.reset_engines()  # the new engines' drafters start empty
-        d.events.append(d.timeline.record("phase", "end", d.step, phase="relayout", layout=layout_name(*want)))
+        d._phase("relayout", "end", layout=layout_name(*want))
         d.say(f"step {d.step}: layout {before} -> {layout_name(*want)} for round {rnd.index} ({rnd.kind}, "
               f"{len(rnd.requests)} requests) in {report['total_s']:.1f}s; engines at policy version {d.version}")
     predicted = [r.predicted_length for r in rnd.requests]
