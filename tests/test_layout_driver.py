@@ -100,32 +100,27 @@ def _decide(planner, start_tp: int, n: int, length: float) -> int:
     return planner.plan("short", [length] * n, PROMPT).tp
 
 
-def test_demo_model_switches_to_tp2_exactly_past_the_break_even_of_long_rounds(demo_planner):
+def test_demo_model_is_the_run_config_engines(demo_planner):
     p = demo_planner
     assert (p.gpus, p.candidates(), p.relayout_s) == (2, [1, 2], 1.0)
     assert p.model.max_num_seqs == load_config("configs/elastic_cpu.yaml", []).rollout.max_num_seqs  # same engines
+
+
+# Long rounds (8 sequences) switch to one TP=2 engine, short rounds (15) back to two TP=1 engines, each exactly
+# past the break-even of the model's own round times; from the target layout neither ever switches away:
+# one TP=2 engine is faster for a long round at any length, and 15 sequences need more than one engine's
+# 8 slots.
+@pytest.mark.parametrize("n, from_tp, to_tp", [(LONG_N, 1, 2), (SHORT_N, 2, 1)], ids=["long-to-tp2", "short-to-tp1"])
+def test_demo_model_switches_exactly_past_the_break_even(demo_planner, n, from_tp, to_tp):
+    p = demo_planner
     max_len = 192
-    even = _break_even(p, LONG_N, to_tp=2, max_len=max_len)
+    even = _break_even(p, n, to_tp=to_tp, max_len=max_len)
     # The demo needs a break-even its rounds can reach: well inside max_response_length.
     assert 10 <= even <= max_len // 2, even
     for length in range(1, max_len + 1):
-        assert _decide(p, 1, LONG_N, length) == (2 if length >= even else 1), length
-    # Once on TP=2, a long round never goes back: one TP=2 engine is faster at any length by the model.
-    assert all(_gain(p, LONG_N, length, to_tp=2) > 0 for length in (1, 10, 100, 192))
-    assert all(_decide(p, 2, LONG_N, length) == 2 for length in range(1, max_len + 1))
-
-
-def test_demo_model_switches_back_to_two_engines_past_the_break_even_of_short_rounds(demo_planner):
-    p = demo_planner
-    max_len = 192
-    even = _break_even(p, SHORT_N, to_tp=1, max_len=max_len)
-    assert 10 <= even <= max_len // 2, even
-    for length in range(1, max_len + 1):
-        assert _decide(p, 2, SHORT_N, length) == (1 if length >= even else 2), length
-    # From two TP=1 engines a short round never switches: 15 sequences need more than one engine's 8 slots.
-    assert all(_gain(p, SHORT_N, length, to_tp=1) > 0 for length in (1, 10, 100, 192))
-    assert all(_decide(p, 1, SHORT_N, length) == 1 for length in range(1, max_len + 1))
-
+        assert _decide(p, from_tp, n, length) == (to_tp if length >= even else from_tp), length
+    assert all(_gain(p, n, length, to_tp=to_tp) > 0 for length in (1, 10, 100, 192))
+    assert all(_decide(p, to_tp, n, length) == to_tp for length in range(1, max_len + 1))
 
 
 def test_a_round_without_predictions_keeps_the_layout(demo_planner):
