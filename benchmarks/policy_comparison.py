@@ -141,7 +141,8 @@ class Session:
         from megatron_sortedrl.data import load_prompts
 
         d, steps = self.driver, self.cfg.trainer.warmup_sft_steps
-        pool = load_prompts(replace(self.cfg.data, num_train_prompts=self.args.sft_prompts,
+        problems = self.args.sft_prompts or self.cfg.trainer.warmup_sft_problems or 2048
+        pool = load_prompts(replace(self.cfg.data, num_train_prompts=problems,
                                     seed=self.cfg.data.seed + 2_000_003), "train")
         rng = random.Random(self.cfg.seed)
         t0, out = time.monotonic(), {}
@@ -473,7 +474,8 @@ def main() -> int:
     ap.add_argument("--max-difficulty", type=int, default=None, help="data.max_difficulty (default: the config's)")
     ap.add_argument("--max-response-length", type=int, default=None, help="default: the config's")
     ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (default: the preset's)")
-    ap.add_argument("--sft-prompts", type=int, default=2048, help="fresh problems of the warm-up")
+    ap.add_argument("--sft-prompts", type=int, default=0,
+                    help="fresh problems of the warm-up (default: the config's trainer.warmup_sft_problems, else 2048)")
     ap.add_argument("--seed", type=int, default=0, help="seed of repeat 0; repeat r uses seed + r")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every variant")
     ap.add_argument("--variants", default=None, help=f"comma list from {', '.join(VARIANTS)} (default: the preset's)")

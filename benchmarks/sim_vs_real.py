@@ -377,7 +377,8 @@ def main() -> int:
     ap.add_argument("--max-difficulty", type=int, default=None, help="default: the config's")
     ap.add_argument("--max-response-length", type=int, default=None, help="default: the config's")
     ap.add_argument("--warmup-steps", type=int, default=400)
-    ap.add_argument("--sft-prompts", type=int, default=2048, help="fresh problems of the supervised warm-up")
+    ap.add_argument("--sft-prompts", type=int, default=0,
+                    help="fresh problems of the supervised warm-up (default: the config's, else 2048)")
     ap.add_argument("--warm-ckpt", type=Path, default=None,
                     help="warm-start trainer checkpoint to reuse (made there first unless warm_start.json is beside it)")
     ap.add_argument("--seed", type=int, default=0, help="seed of repeat 0; repeat r uses seed + r")

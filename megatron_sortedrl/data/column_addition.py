@@ -24,10 +24,12 @@ line up; and the sum of three binary digits is an 8-entry table (a decimal colum
 the measured warm starts the decimal sums were what the model learned last). Errors still compound over
 columns, so long problems are solved less often than short ones, which leaves RL something to learn.
 
-The digit count is drawn as in `long_addition`: with probability `SHORT_SHARE` d is uniform in min..min+1
-(one or two digits), otherwise uniform in min+2..max. With difficulties 1..48, rounds of 16 prompts x 4
-samples have a median response of 11-21 tokens and a longest one 10x that or more in nine rounds out of
-ten (`tests/test_column_addition.py`), up to 481 tokens.
+The digit count is drawn as in `long_addition`, with a wider short range: with probability `SHORT_SHARE` d is
+uniform in min..min+2 (`SHORT_SPAN`; one to three digits: one or two binary digits leave only 5 distinct
+problems, three give 21; four would give 85 but put the round median at 31 tokens and the longest response
+under 10x it in a quarter of the rounds), otherwise uniform in min+3..max. With difficulties 1..48, rounds of
+16 prompts x 4 samples have a median response of 21-31 tokens and a longest one about 15x that (10x or more
+in 88% of rounds; `tests/test_column_addition.py`), up to 481 tokens.
 
 Left out: other bases as an option (binary is the learnable one; decimal is `long_addition`) and any
 curriculum (the distribution is fixed; the scheduler, not the data, must cope with the tail).
@@ -41,8 +43,9 @@ import re
 from megatron_sortedrl.data.long_addition import SHORT_SHARE, draw_digits
 from megatron_sortedrl.sample import Prompt
 
-__all__ = ["LABELS", "MAX_DIGITS", "SHORT_SHARE", "answer_of", "generate", "prompt_text", "solve"]
+__all__ = ["LABELS", "MAX_DIGITS", "SHORT_SHARE", "SHORT_SPAN", "answer_of", "generate", "prompt_text", "solve"]
 
+SHORT_SPAN = 3  # short problems have min..min+2 digits: 21 distinct binary problems of 1-3 digits, not 5 of 1-2
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # one per column: at most 52 digits
 MAX_DIGITS = len(LABELS)
 _LINE = re.compile(r"[A-Za-z]([01])\+([01])\+([01])=([01])([01])")
@@ -95,7 +98,7 @@ def generate(num: int, seed: int, min_difficulty: int, max_difficulty: int,
     rng = random.Random(seed)
     prompts = []
     for i in range(num):
-        d = draw_digits(rng, min_difficulty, max_difficulty)
+        d = draw_digits(rng, min_difficulty, max_difficulty, short_span=SHORT_SPAN)
         # d binary digits each, the leading one 1 (no leading zero)
         x, y = ("1" + "".join(rng.choice("01") for _ in range(d - 1)) for _ in range(2))
         prompts.append(Prompt(

@@ -28,9 +28,10 @@ from megatron_sortedrl.sample import Prompt
 SHORT_SHARE = 0.7  # share of one- or two-digit problems: they set the median
 
 
-def draw_digits(rng: random.Random, min_difficulty: int, max_difficulty: int) -> int:
-    """The digit count of one problem: short with probability SHORT_SHARE, else uniform up to the max."""
-    short_top = min(max_difficulty, min_difficulty + 1)
+def draw_digits(rng: random.Random, min_difficulty: int, max_difficulty: int, short_span: int = 2) -> int:
+    """The digit count of one problem: with probability SHORT_SHARE uniform over the `short_span` shortest
+    counts, else uniform over the rest up to the max."""
+    short_top = min(max_difficulty, min_difficulty + short_span - 1)
     if rng.random() < SHORT_SHARE or short_top == max_difficulty:
         return rng.randint(min_difficulty, short_top)
     return rng.randint(short_top + 1, max_difficulty)
