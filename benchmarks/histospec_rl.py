@@ -4,6 +4,14 @@ and `suffix` vs HistoSpec, same workload and seed, interleaved repeats.
     python benchmarks/histospec_rl.py                       # 12 driver runs (4 methods x 3 repeats) + one warm-up
     python benchmarks/histospec_rl.py --repeats 1 --epochs 2 --model-dir /tmp/hsrl_warm   # a quick look
     python benchmarks/histospec_rl.py --from-runs /tmp/hsrl/work/runs.json   # outputs of an interrupted run
+    python benchmarks/histospec_rl.py --preset longtail     # the long-tail preset under `tail`: long rounds too
+
+Presets (`--preset`): `arithmetic` (configs/tiny_cpu.yaml, twotier, short responses; every round is short)
+and `longtail` (configs/longtail_cpu.yaml, the binary column task with responses up to 481 tokens, under
+RollPacker's `tail` policy, whose long rounds run the prompts aborted from short rounds at full length with
+few sequences per engine: the rounds where a verified draft token is nearly free). twotier has no long rounds
+(it carries the slow half of a window into the next round instead), so the long-round figures need `tail`.
+Outputs are `<stem>.{json,md,png}`: `histospec_rl` for arithmetic, `histospec_rl_longtail` for longtail.
 
 What it does: starts one Ray head for all runs (a loaded machine can miss Ray's start-up window when
 every run starts its own), one supervised warm-up with the driver's own `warm_start`, exported to a HF
@@ -47,6 +55,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 BASE_CONFIG = "configs/tiny_cpu.yaml"
+PRESETS = {  # name -> workload defaults (flags given on the command line win)
+    "arithmetic": {"config": BASE_CONFIG, "task": "arithmetic", "policy": "twotier", "stem": "histospec_rl",
+                   "prompts": 32, "epochs": 4, "max_difficulty": 4, "max_response_length": 192, "warmup_steps": 200},
+    "longtail": {"config": "configs/longtail_cpu.yaml", "task": "column_addition", "policy": "tail",
+                 "stem": "histospec_rl_longtail", "prompts": 48, "epochs": 3, "max_difficulty": 48,
+                 "max_response_length": 512, "warmup_steps": 400},
+}
 METHODS = {  # name -> overrides
     "none": ["speculative.enabled=false"],
     "ngram": ["speculative.enabled=true", "speculative.method=ngram", "speculative.max_draft_tokens=5"],
@@ -75,7 +90,8 @@ DEFINITIONS = {
 
 
 def workload_overrides(args) -> list[str]:
-    return [f"seed={args.seed}", "data.task=arithmetic", f"data.num_train_prompts={args.prompts}",
+    return [f"seed={args.seed}", f"data.task={args.task}", f"scheduler.policy={args.policy}",
+            f"data.num_train_prompts={args.prompts}",
             f"data.num_eval_prompts={args.eval_prompts}", f"data.max_difficulty={args.max_difficulty}",
             f"rollout.max_response_length={args.max_response_length}",
             f"rollout.n_samples_per_prompt={args.n}", "logging.tensorboard=false",
@@ -125,24 +141,31 @@ def warm_start(args, model_dir: Path, work: Path) -> dict:
     from megatron_sortedrl.config import load_config
     from megatron_sortedrl.driver import Driver
 
-    cfg = load_config(ROOT / BASE_CONFIG, workload_overrides(args) + [
+    cfg = load_config(ROOT / args.config, workload_overrides(args) + [
         f"model.path={work / 'base_model'}", "model.build_tiny_if_missing=true", f"logging.run_dir={work / 'warmup'}",
         f"trainer.warmup_sft_steps={args.warmup_steps}", "checkpoint.resume=never", "speculative.enabled=false"])
     t0 = time.monotonic()
     driver = Driver(cfg, printer=lambda line: print(f"  [warm-up] {line}", flush=True))
     try:
-        out = driver.warm_start()
+        if args.warm_ckpt:  # another benchmark's warm start (policy_comparison's --warm-ckpt): same weights
+            driver.trainer.load_checkpoint(args.warm_ckpt)
+            out = json.loads((args.warm_ckpt.parent / "warm_start.json").read_text())
+            out["loss"] = out.get("final_loss")
+        else:
+            out = driver.warm_start()
         driver.trainer.export_hf_weights(model_dir)
     finally:
         driver.close()
-    info = {"steps": args.warmup_steps, "final_loss": out.get("loss"), "seconds": round(time.monotonic() - t0, 1)}
+    info = {"steps": out.get("steps", args.warmup_steps), "final_loss": out.get("loss"),
+            "seconds": out.get("seconds", round(time.monotonic() - t0, 1)),
+            **({"from_checkpoint": str(args.warm_ckpt)} if args.warm_ckpt else {})}
     (model_dir / "warm_start.json").write_text(json.dumps(info, indent=1))
     return info
 
 
 def run_one(method: str, repeat: int, args, model_dir: Path, work: Path) -> dict:
     run_dir = work / f"{method}_r{repeat}"
-    cmd = [sys.executable, "-m", "megatron_sortedrl", "train", BASE_CONFIG, *workload_overrides(args),
+    cmd = [sys.executable, "-m", "megatron_sortedrl", "train", args.config, *workload_overrides(args),
            f"model.path={model_dir}", "model.build_tiny_if_missing=false", "trainer.warmup_sft_steps=0",
            f"data.num_epochs={args.epochs}", f"trainer.total_steps={args.prompts * args.epochs}",
            "trainer.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.resume=never",
@@ -241,10 +264,10 @@ def write_markdown(result: dict, path: Path) -> None:
     s = result["setup"]
     lines = ["# HistoSpec on real RL runs (CPU)", "",
              f"Generated by `{s['command']}` ({s['machine']}, {s['date']}; {s['load_note']}). Figures in "
-             "[histospec_rl.json](histospec_rl.json), plot in [histospec_rl.png](histospec_rl.png). The frozen-weights "
+             f"[{s['stem']}.json]({s['stem']}.json), plot in [{s['stem']}.png]({s['stem']}.png). The frozen-weights "
              "upper bound is [histospec_benchmark.json](histospec_benchmark.json).", "",
-             f"Workload: arithmetic, {s['prompts']} prompts x {s['epochs']} epochs, n={s['n']}, max response "
-             f"{s['max_response_length']}, twotier scheduler, GRPO update and weight sync every round, from one "
+             f"Workload: {s['task']} ({s['config']}, difficulty up to {s['max_difficulty']}), {s['prompts']} prompts x "
+             f"{s['epochs']} epochs, n={s['n']}, max response {s['max_response_length']}, {s['policy']} scheduler, GRPO update and weight sync every round, from one "
              f"{s['warmup_steps']}-step supervised warm start; seed {s['seed']}; methods interleaved over "
              f"{s['repeats']} repeat(s); median [min, max] over repeats.", ""]
     for kind in KINDS:
@@ -312,15 +335,23 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=32, help="training prompts (data.num_train_prompts)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="arithmetic", help="workload defaults (see above)")
+    ap.add_argument("--config", default=None, help="base run config (default: the preset's)")
+    ap.add_argument("--task", default=None, help="data.task (default: the preset's)")
+    ap.add_argument("--policy", default=None, help="scheduler.policy (default: the preset's)")
+    ap.add_argument("--stem", default=None, help="output file stem (default: the preset's)")
+    ap.add_argument("--warm-ckpt", type=Path, default=None,
+                    help="a trainer checkpoint with warm_start.json beside it (policy_comparison's) to export "
+                         "instead of running the warm-up")
+    ap.add_argument("--prompts", type=int, default=None, help="training prompts (data.num_train_prompts)")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (evaluated before and after)")
-    ap.add_argument("--epochs", type=int, default=4, help="data.num_epochs: passes over the prompts")
+    ap.add_argument("--epochs", type=int, default=None, help="data.num_epochs: passes over the prompts")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--max-difficulty", type=int, default=4)
-    ap.add_argument("--max-response-length", type=int, default=192)
+    ap.add_argument("--max-difficulty", type=int, default=None)
+    ap.add_argument("--max-response-length", type=int, default=None)
     # 1000 steps memorise 32 prompts (reward 1.0 everywhere: zero GRPO advantages, a policy that never moves);
     # 200 leave a loss of about 0.15 and mixed rewards, so the updates move the policy between epochs.
-    ap.add_argument("--warmup-steps", type=int, default=200, help="supervised warm-up steps, run once")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps, run once")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -337,6 +368,9 @@ def main() -> int:
     ap.add_argument("--from-runs", type=Path, default=None,
                     help="only write the outputs from a work dir's runs.json (e.g. of an interrupted benchmark)")
     args = ap.parse_args()
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     methods = args.methods.split(",")
     if "none" not in methods or any(m not in METHODS for m in methods) or args.repeats < 1 or args.epochs < 2:
         print(f"error: --methods must include none and only {', '.join(METHODS)}; --repeats >= 1; --epochs >= 2",
@@ -410,16 +444,17 @@ def write_outputs(args, methods: list[str], runs: list[dict], warm: dict) -> int
     result = {"setup": {"command": "python benchmarks/histospec_rl.py " + shlex.join(sys.argv[1:]),
                         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
                         "load_average_at_run_starts": load, "load_note": args.load_note,
-                        "prompts": args.prompts, "epochs": args.epochs, "n": args.n,
+                        "preset": args.preset, "config": args.config, "task": args.task, "policy": args.policy,
+                        "stem": args.stem, "prompts": args.prompts, "epochs": args.epochs, "n": args.n,
                         "max_response_length": args.max_response_length, "max_difficulty": args.max_difficulty,
                         "warmup_steps": args.warmup_steps, "warm_start": warm, "seed": args.seed,
                         "repeats": len(done), "methods": {m: METHODS[m] for m in methods},
                         "definitions": DEFINITIONS},
               "rows": rows, "runs": [{k: v for k, v in r.items() if k != "summary"} for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "histospec_rl.json").write_text(json.dumps(result, indent=1))
-    write_markdown(result, args.out / "histospec_rl.md")
-    plot(result, args.out / "histospec_rl.png")
+    (args.out / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, args.out / f"{args.stem}.md")
+    plot(result, args.out / f"{args.stem}.png")
     for r in rows:
         print(f"{r['method']:>10}: tokens/forward {r['tokens_per_forward']}, rollout speed-up vs none "
               f"{r['rollout_speedup_vs_none']}", flush=True)
