@@ -297,6 +297,10 @@ class TrainerConfig:
     weight_decay: float = help_field("AdamW weight decay.", 0.0)
     grad_clip: float = help_field("Gradient norm clip (0 disables).", 1.0)
     micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096)
+    cpu_threads: int = help_field(
+        "CPU only: torch threads of each trainer rank (0: Ray's default, one per CPU the rank reserves). "
+        "Training and generation take turns, so a colocated trainer may use every core while the engines "
+        "wait, as a colocated GPU trainer uses every GPU; more threads than cores per rank only slow it down.", 0)
     logprob_chunk_tokens: int = help_field(
         "Tokens per chunk of the log-prob / entropy computation: bounds its float32 working set to "
         "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 512)
@@ -316,7 +320,7 @@ class TrainerConfig:
         for key in ("total_steps", "micro_batch_tokens", "logprob_chunk_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 1")
-        for key in ("warmup_sft_steps", "eval_interval", "warmup_sft_problems"):
+        for key in ("warmup_sft_steps", "eval_interval", "warmup_sft_problems", "cpu_threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}", getattr(self, key), "an integer >= 0")
         if self.lr <= 0:

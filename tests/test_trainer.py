@@ -67,6 +67,7 @@ def tp2(model_dir, local_ray, tmp_path_factory):
         res["after_logprobs"] = group.compute_logprobs(samples)
         res["ckpt"] = group.save_checkpoint(ckpt_root / "iter_0000001", extra={"cursor": 17})
         res["root"] = ckpt_root
+        res["info"] = group.info
     finally:
         group.shutdown()
     return res
@@ -76,7 +77,9 @@ def tp2(model_dir, local_ray, tmp_path_factory):
 def tp1(model_dir, local_ray, tp2):
     from megatron_sortedrl.trainer.group import TrainerGroup
 
-    group = TrainerGroup(_cfg(model_dir))
+    cfg = _cfg(model_dir)
+    cfg.trainer.cpu_threads = 2  # the whole machine while the engines wait (tp2's ranks keep Ray's one thread)
+    group = TrainerGroup(cfg)
     yield group
     group.shutdown()
 
@@ -108,6 +111,11 @@ def test_logprobs_match_transformers(tp1, tp2, model_dir):
     d2 = _max_diff(tp2["logprobs"], ref)
     print(f"\nmax |logprob - transformers|: TP=1 {d1:.2e}, TP=2 {d2:.2e}")
     assert d1 < 1e-4 and d2 < 1e-4
+
+
+def test_cpu_threads_reach_each_rank(tp1, tp2):
+    assert [i["cpu_threads"] for i in tp1.info] == [2]
+    assert [i["cpu_threads"] for i in tp2["info"]] == [1, 1]  # Ray's default: one thread per reserved CPU
 
 
 def test_tp2_matches_tp1_loss_and_grads(tp1, tp2):

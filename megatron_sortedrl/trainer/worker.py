@@ -73,6 +73,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         else:
             cpu_compat.activate()
             self.use_te = False
+            if cfg.trainer.cpu_threads:  # (Ray pins an actor to one thread per reserved CPU: OMP_NUM_THREADS)
+                torch.set_num_threads(cfg.trainer.cpu_threads)
         addr, port = self.master
         dist.init_process_group("nccl" if self.gpu else "gloo", init_method=f"tcp://{addr}:{port}",
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30))
@@ -108,7 +110,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         return {"rank": self.rank, "dp_rank": self.dp_rank, "reporter": self.reporter, "use_te": self.use_te,
-                "device": "cuda" if self.gpu else "cpu"}
+                "device": "cuda" if self.gpu else "cpu", "cpu_threads": torch.get_num_threads()}
 
     @property
     def module(self):
