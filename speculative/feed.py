@@ -45,7 +45,8 @@ def settings_of(cfg) -> dict[str, Any]:
             "max_draft_tokens": cfg.max_draft_tokens, "min_confidence": cfg.min_confidence,
             "adaptive_length": cfg.adaptive_draft_length,
             "epoch_weight": cfg.history_epoch_weight, "sources": list(cfg.sources),
-            "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget}
+            "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget,
+            "cost_gate": cfg.cost_gate, "cost_gate_prior": cfg.cost_gate_prior}
 
 
 class HistoryFeed:

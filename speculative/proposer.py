@@ -26,8 +26,11 @@ being accepted starts long, one whose drafts failed starts at the floor).
 Batch-size switch: verification widens every row's forward by its draft length, which is nearly free
 with a few rows (the long tail) and costs real compute with a full batch. With `max_batch_rows` set,
 a step with more running rows proposes nothing (plain decoding); with `step_draft_budget` set, the rows
-of a step share that many draft tokens. Both are per step, so speculation comes back on by itself as
-the batch drains. `benchmarks/histospec_benchmark.py --batch-sweep` measures where the switch pays.
+of a step share that many draft tokens. With `cost_gate` (the default) a step drafts only while its running
+rows are fewer than (a / b) p / (1 - p), from the engine's own step cost a + b tokens (fitted online on
+clean steps) and the drafts' recent acceptance p (`speculative.cost_gate`). All are per step, so
+speculation comes back on by itself as the batch drains. `benchmarks/histospec_benchmark.py --batch-sweep`
+measures where the switch pays.
 
 Deliberately left out: draft trees (vLLM verifies chains from custom proposers).
 """
@@ -39,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from speculative.cost_gate import StepCostGate
 from speculative.drafter import AdaptiveDraftLength, DraftSettings, FallbackDrafter, HistoryDrafter
 from speculative.history import HistoryDelta, HistoryReplica
 from speculative.metrics import RequestRecord, SpecStats, StepRecord
@@ -103,6 +107,9 @@ class HistoSpecProposer:
         self.runner: Any = None  # vLLM model runner, bound by the worker extension (request ids for metrics)
         self._rows: dict[int, _Row] = {}
         self._step = 0
+        self.gate = self._make_gate()
+        self._t_last: float | None = None  # start of the last propose call (one engine step ago)
+        self._last_tokens = 0  # tokens the engine processes in the step after the last call (rows + drafts)
 
     # -- vLLM interface ----------------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -118,8 +125,16 @@ class HistoSpecProposer:
         tokens = verified = accepted = n_drafts = forwards = drafted_rows = draft_tokens = 0
         live = sum(1 for sampled in sampled_token_ids if sampled)
         st = self.settings
-        # Batch-size switch (see module docstring): no drafts above max_batch_rows, a shared budget below.
+        # Batch-size switch (see module docstring): no drafts above max_batch_rows, a shared budget below,
+        # and (cost_gate) none where the measured step cost says verifying them costs more than they save.
         gate = self.enabled and not (st.max_batch_rows and live > st.max_batch_rows)
+        if gate and self.gate is not None and not self.gate.open(live):
+            gate = False
+            self.stats.totals["gated_steps"] = self.stats.totals.get("gated_steps", 0) + 1
+        # A step is clean (its duration measures the cost of what the last call proposed) unless a request
+        # started in it: its prefill is in the step. (A chunk of a long prompt's prefill that completes no
+        # request is not seen; rare in RL, where prompts are short next to the step's token budget.)
+        clean = self._t_last is not None
         row_cap = max(1, st.step_draft_budget // max(1, live)) if st.step_draft_budget else st.max_draft_tokens
         use_history = "history" in st.sources
         for i, sampled in enumerate(sampled_token_ids):
@@ -134,6 +149,7 @@ class HistoSpecProposer:
                 self._finish(state)
                 state = None
             fresh = state is None
+            clean = clean and not fresh  # a new request's prefill is in the step just done
             if fresh:
                 label = req_ids[i] if req_ids is not None and i < len(req_ids) else f"row{i}@{self._step}"
                 state = _Row(str(label), row[:min(n, self.FINGERPRINT)].tobytes(), self.settings)
@@ -190,6 +206,12 @@ class HistoSpecProposer:
         for state in self._rows.values():  # rows that left the batch: their requests finished
             self._finish(state)
         self._rows = rows
+        if self.gate is not None:
+            if clean:  # the step since the last call processed what that call proposed, and nothing else
+                self.gate.observe(self._last_tokens, t_start - self._t_last)
+            self.gate.observe_acceptance(verified, accepted)
+            self._t_last = t_start
+            self._last_tokens = sum(1 + len(d) for d, sampled in zip(drafts, sampled_token_ids) if sampled)
         elapsed = time.perf_counter() - t_start
         self.stats.on_step(StepRecord(self._step, forwards, tokens, verified, accepted, drafted_rows,
                                       draft_tokens, elapsed), forwards=forwards, drafts_verified=n_drafts)
@@ -232,10 +254,16 @@ class HistoSpecProposer:
             self.fallback = FallbackDrafter(self.settings)
             self._rows.clear()
             self._hint.clear()
+            if (self.gate is None) != (not self.settings.cost_gate):
+                self.gate = self._make_gate()  # (the engine's measured step cost is kept otherwise)
+            self._t_last = None
         return {"enabled": self.enabled, **{k: list(v) if isinstance(v, tuple) else v
                                              for k, v in self.settings.__dict__.items()}}
 
     # -- internals ----------------------------------------------------------------------------------
+    def _make_gate(self) -> StepCostGate | None:
+        return StepCostGate(prior_ratio=self.settings.cost_gate_prior) if self.settings.cost_gate else None
+
     def _continues(self, state: _Row, row: np.ndarray, n: int, emitted: int) -> bool:
         if state.n_last + emitted != n:
             return False
