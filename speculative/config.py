@@ -63,14 +63,10 @@ class SpeculativeConfig:
     )
     cost_gate: bool = field(
         default=True,
-        metadata={"help": "HistoSpec: draft in an engine step only while its running requests are fewer than "
-                          "(a/b) p/(1-p): a + b tokens is the engine's step cost, fitted online, p the drafts' "
-                          "recent acceptance (speculative/cost_gate.py): on in the tail's few-row steps (always with one "
-                          "row), off in a full batch where verifying costs more than it saves. HistoSpec only."},
-    )
-    cost_gate_prior: float = field(
-        default=64.0, metadata={"help": "The cost gate's a/b (tokens a step adds for the price of its fixed part) "
-                                        "until it has fitted the engine's own (32 clean steps)."}
+        metadata={"help": "HistoSpec: per engine step, draft only where the engine's measured time per generated "
+                          "token, for that many running requests, is lower with drafts than without "
+                          "(speculative/cost_gate.py): on in the tail, off in a full batch whose drafts do not "
+                          "pay. Always on with one running request."},
     )
 
     def __post_init__(self) -> None:
@@ -82,8 +78,6 @@ class SpeculativeConfig:
             raise ConfigError(
                 "speculative.max_draft_tokens", self.max_draft_tokens, f"an integer >= min_draft_tokens ({self.min_draft_tokens})"
             )
-        if self.cost_gate_prior <= 0:
-            raise ConfigError("speculative.cost_gate_prior", self.cost_gate_prior, "a positive float")
         if self.match_tokens < 1:
             raise ConfigError("speculative.match_tokens", self.match_tokens, "an integer >= 1")
         if not 0.0 <= self.min_confidence <= 1.0:

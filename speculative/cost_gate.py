@@ -1,31 +1,29 @@
-"""When does verifying a draft pay? A per-step gate from the engine's own step cost and the drafts' acceptance.
+"""When does verifying drafts pay? A per-step gate that measures it: time per generated token with and without
+drafts, per batch-size bucket, on the engine itself.
 
-    gate = StepCostGate(prior_ratio=64.0)
-    gate.observe(tokens=130, seconds=0.021)          # each clean engine step: tokens it processed, its duration
-    gate.observe_acceptance(verified=40, accepted=9)
-    if gate.open(rows=128): ...                       # propose drafts in this step, or decode plainly
+    gate = StepCostGate()
+    draft = gate.decide(rows=128)                     # propose drafts in this step, or decode plainly
+    ...                                               # the engine runs the step
+    gate.observe(rows=128, drafted=draft, tokens=131, seconds=0.021)   # what that step emitted, how long it took
 
-Model. An engine step that processes T tokens (one per running row plus the rows' draft tokens) takes
-a + b T seconds: a fixed part (kernel launches, scheduling, sampling, on CPU the Python around the forward)
-and a part per token. Without drafts a step of R rows costs a + b R and yields R tokens. With D draft tokens
-whose share p is accepted it costs a + b (R + D) and yields R + p D. Drafting lowers the cost per token iff
-
-    (a + b (R + D)) / (R + p D) < (a + b R) / R   <=>   R < (a / b) * p / (1 - p)
-
-whatever D is. So a step drafts while its running rows are fewer than that: a verified token is nearly free
-with a few rows (the long tail) and costs as much as a decoded one in a full batch. a / b (the tokens a step
-could add for the price of its fixed part) is fitted online, by least squares with exponential forgetting,
-on (T, duration) of clean steps (no request starting or prefilling); until enough steps are seen it is
-`prior_ratio`. p is the share of verified draft tokens accepted over recent steps. Measured here: the tiny CPU
-engine's a / b is about 20 tokens (3.1 ms at batch 1, 12.5 ms at batch 64); on a GPU it is hundreds. A step
-with a single row always drafts, so the acceptance keeps being measured (in the tail) even where the gate
-closed every full batch.
+Why measured and not modelled. Verification widens a step by its draft tokens: nearly free with a few rows
+(the long tail), a real cost in a full batch, and whether the accepted tokens repay it depends on the
+acceptance (which moves as the policy learns) and on how the engine's step time grows with its tokens. A
+linear cost model fitted online was tried first: on the tiny CPU engine the step time is flat at small
+batches and steep at large ones, so the slope fitted on the tail's steps said drafting paid at 64 rows, where
+a drafted step took 43 ms against 9 plain and rollout ran 2x slower. So the gate compares the two arms
+directly: for each bucket of running rows (1, 2-3, 4-7, ..., powers of two) it keeps an exponentially
+weighted mean of seconds per generated token for steps with drafts and for steps without, and drafts where
+the drafted mean is lower. Until a bucket has `min_samples` steps of each arm it alternates between them;
+afterwards every `explore_every`-th step of a bucket takes the other arm, so a change of acceptance (drift)
+or of the engine's load is noticed. A step with a single row always drafts (a verified token is nearly free
+there, and the acceptance keeps being measured).
 
 The gate only decides whether drafts are proposed; verification stays vLLM's rejection sampler, so the
 output distribution is unchanged (lossless) whichever way it decides.
 
-Written here: no library fits a step cost model inside a vLLM proposer. Left out: per-position acceptance
-(the marginal draft token of a long draft is accepted less often than the first; the gate uses the mean).
+Written here: no library measures this inside a vLLM proposer. Left out: choosing a draft length per bucket
+(the gate is on/off per step; HistoSpec's confidence still ends each draft).
 """
 
 from __future__ import annotations
@@ -33,67 +31,52 @@ from __future__ import annotations
 __all__ = ["StepCostGate"]
 
 
+def bucket(rows: int) -> int:
+    """0 for one row, 1 for 2-3, 2 for 4-7, ...: floor(log2(rows))."""
+    return max(rows, 1).bit_length() - 1
+
+
 class StepCostGate:
-    def __init__(self, prior_ratio: float = 64.0, decay: float = 0.99, min_steps: int = 32,
-                 prior_acceptance: float = 0.5, acceptance_decay: float = 0.9) -> None:
-        if prior_ratio <= 0 or not 0 < decay <= 1 or min_steps < 2 or not 0 < prior_acceptance < 1:
-            raise ValueError("need prior_ratio > 0, 0 < decay <= 1, min_steps >= 2, 0 < prior_acceptance < 1")
-        self.prior_ratio, self.decay, self.min_steps = prior_ratio, decay, min_steps
-        self.acceptance_decay = acceptance_decay
-        # exponentially weighted sums for y = a + b x
-        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self.steps = 0
-        self._verified, self._accepted = 1.0, prior_acceptance  # a prior worth one verified token
+    def __init__(self, min_samples: int = 4, explore_every: int = 32, decay: float = 0.9) -> None:
+        if min_samples < 1 or explore_every < 2 or not 0 < decay < 1:
+            raise ValueError("need min_samples >= 1, explore_every >= 2, 0 < decay < 1")
+        self.min_samples, self.explore_every, self.decay = min_samples, explore_every, decay
+        # bucket -> [EMA seconds per token, samples] for arm False (plain) and True (drafts)
+        self.cost: dict[int, dict[bool, list[float]]] = {}
+        self.decisions: dict[int, int] = {}  # bucket -> decisions taken (for the exploration schedule)
 
-    # -- measurements ---------------------------------------------------------------------------------
-    def observe(self, tokens: float, seconds: float) -> None:
-        """One clean engine step: `tokens` processed in `seconds`."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._sx = d * self._sx + tokens
-        self._sy = d * self._sy + seconds
-        self._sxx = d * self._sxx + tokens * tokens
-        self._sxy = d * self._sxy + tokens * seconds
-        self.steps += 1
+    def _arms(self, b: int) -> dict[bool, list[float]]:
+        return self.cost.setdefault(b, {False: [0.0, 0], True: [0.0, 0]})
 
-    def observe_acceptance(self, verified: float, accepted: float) -> None:
-        if verified <= 0:
-            return
-        d = self.acceptance_decay
-        self._verified = d * self._verified + verified
-        self._accepted = d * self._accepted + accepted
-
-    # -- estimates ------------------------------------------------------------------------------------
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b) in seconds and seconds per token, or None while too few or too alike steps were seen."""
-        if self.steps < self.min_steps:
+    def preferred(self, rows: int) -> bool | None:
+        """The cheaper arm in this bucket, or None while either arm has fewer than `min_samples` steps."""
+        arms = self._arms(bucket(rows))
+        if min(arms[False][1], arms[True][1]) < self.min_samples:
             return None
-        w = self._w
-        var = self._sxx / w - (self._sx / w) ** 2
-        if var <= 1e-9 * max(1.0, (self._sx / w) ** 2):
-            return None  # every step had the same size: the slope is unknown
-        b = (self._sxy / w - (self._sx / w) * (self._sy / w)) / var
-        a = self._sy / w - b * self._sx / w
-        if b <= 0:
-            return None  # noise bigger than the per-token cost: no evidence either way
-        return max(a, 0.0), b
+        return arms[True][0] < arms[False][0]
 
-    @property
-    def ratio(self) -> float:
-        """a / b: the tokens a step could add for the price of its fixed part."""
-        ab = self.fit()
-        return self.prior_ratio if ab is None else ab[0] / ab[1]
+    def decide(self, rows: int) -> bool:
+        if rows <= 1:
+            return True
+        b = bucket(rows)
+        k = self.decisions.get(b, 0)
+        self.decisions[b] = k + 1
+        best = self.preferred(rows)
+        if best is None:  # still learning this bucket: the arm with fewer samples
+            arms = self._arms(b)
+            return arms[True][1] < arms[False][1] if arms[True][1] != arms[False][1] else k % 2 == 0
+        return (not best) if k % self.explore_every == self.explore_every - 1 else best
 
-    @property
-    def acceptance(self) -> float:
-        return min(max(self._accepted / self._verified, 0.0), 1.0)
+    def observe(self, rows: int, drafted: bool, tokens: float, seconds: float) -> None:
+        """One clean engine step: it ran `rows` rows with or without drafts, emitted `tokens`, took `seconds`."""
+        if rows < 1 or tokens <= 0 or seconds <= 0:
+            return
+        arm = self._arms(bucket(rows))[bool(drafted)]
+        per_token = seconds / tokens
+        arm[0] = per_token if arm[1] == 0 else self.decay * arm[0] + (1 - self.decay) * per_token
+        arm[1] += 1
 
-    def max_rows(self) -> float:
-        """Running rows below which drafting pays: (a / b) p / (1 - p)."""
-        p = self.acceptance
-        return float("inf") if p >= 1.0 else self.ratio * p / (1.0 - p)
-
-    def open(self, rows: int) -> bool:
-        return rows <= 1 or rows < self.max_rows()
+    def state(self) -> dict[str, dict[str, float]]:
+        """Per bucket (its smallest row count): ms per token plain / drafted, and samples of each."""
+        return {str(1 << b): {"plain_ms": 1e3 * a[False][0], "drafted_ms": 1e3 * a[True][0],
+                              "plain_n": a[False][1], "drafted_n": a[True][1]} for b, a in sorted(self.cost.items())}

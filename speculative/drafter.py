@@ -61,7 +61,6 @@ class DraftSettings:
     max_batch_rows: int = 0  # no drafts in a step with more running rows than this (0: no limit)
     step_draft_budget: int = 0  # draft tokens per engine step, shared by its rows (0: no limit)
     cost_gate: bool = True  # no drafts in a step whose measured cost says they do not pay (speculative.cost_gate)
-    cost_gate_prior: float = 64.0  # the gate's a / b (tokens) until it has fitted the engine's step cost
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
@@ -70,8 +69,6 @@ class DraftSettings:
             raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor > 0")
         if self.epoch_weight < 1.0 or self.cross_requests < 1 or self.max_batch_rows < 0 or self.step_draft_budget < 0:
             raise ValueError("need epoch_weight >= 1, cross_requests >= 1, max_batch_rows >= 0, step_draft_budget >= 0")
-        if self.cost_gate_prior <= 0:
-            raise ValueError("need cost_gate_prior > 0")
         object.__setattr__(self, "sources", tuple(self.sources))
         unknown = set(self.sources) - set(SOURCES)
         if unknown:
@@ -87,8 +84,7 @@ class DraftSettings:
                    sources=tuple(getattr(cfg, "sources", SOURCES)),
                    max_batch_rows=getattr(cfg, "max_batch_rows", 0),
                    step_draft_budget=getattr(cfg, "step_draft_budget", 0),
-                   cost_gate=getattr(cfg, "cost_gate", True),
-                   cost_gate_prior=getattr(cfg, "cost_gate_prior", 64.0))
+                   cost_gate=getattr(cfg, "cost_gate", True))
 
 
 @dataclass

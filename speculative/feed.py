@@ -46,7 +46,7 @@ def settings_of(cfg) -> dict[str, Any]:
             "adaptive_length": cfg.adaptive_draft_length,
             "epoch_weight": cfg.history_epoch_weight, "sources": list(cfg.sources),
             "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget,
-            "cost_gate": cfg.cost_gate, "cost_gate_prior": cfg.cost_gate_prior}
+            "cost_gate": cfg.cost_gate}
 
 
 class HistoryFeed:
@@ -188,6 +188,7 @@ class HistoryFeed:
             if step.get("steps", 0) > 0:
                 out["spec/step/drafter_s"] = step.get("drafter_s", 0.0)
                 out["spec/step/drafter_ms_per_step"] = 1e3 * step.get("drafter_s", 0.0) / step["steps"]
+                out["spec/step/gated_steps"] = step.get("gated_steps", 0.0)  # steps the cost gate kept plain
                 for src in ("history", "own", "cross"):
                     if step.get(f"verified_{src}"):
                         out[f"spec/step/accepted_{src}"] = step.get(f"accepted_{src}", 0.0)

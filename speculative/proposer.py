@@ -26,9 +26,9 @@ being accepted starts long, one whose drafts failed starts at the floor).
 Batch-size switch: verification widens every row's forward by its draft length, which is nearly free
 with a few rows (the long tail) and costs real compute with a full batch. With `max_batch_rows` set,
 a step with more running rows proposes nothing (plain decoding); with `step_draft_budget` set, the rows
-of a step share that many draft tokens. With `cost_gate` (the default) a step drafts only while its running
-rows are fewer than (a / b) p / (1 - p), from the engine's own step cost a + b tokens (fitted online on
-clean steps) and the drafts' recent acceptance p (`speculative.cost_gate`). All are per step, so
+of a step share that many draft tokens. With `cost_gate` (the default) a step drafts only where the engine's
+own measured time per generated token, in that batch-size bucket, is lower with drafts than without
+(`speculative/cost_gate.py`). All are per step, so
 speculation comes back on by itself as the batch drains. `benchmarks/histospec_benchmark.py --batch-sweep`
 measures where the switch pays.
 
@@ -109,7 +109,7 @@ class HistoSpecProposer:
         self._step = 0
         self.gate = self._make_gate()
         self._t_last: float | None = None  # start of the last propose call (one engine step ago)
-        self._last_tokens = 0  # tokens the engine processes in the step after the last call (rows + drafts)
+        self._last_drafted = False  # whether the last call let its rows draft
 
     # -- vLLM interface ----------------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -128,7 +128,7 @@ class HistoSpecProposer:
         # Batch-size switch (see module docstring): no drafts above max_batch_rows, a shared budget below,
         # and (cost_gate) none where the measured step cost says verifying them costs more than they save.
         gate = self.enabled and not (st.max_batch_rows and live > st.max_batch_rows)
-        if gate and self.gate is not None and not self.gate.open(live):
+        if gate and self.gate is not None and not self.gate.decide(live):
             gate = False
             self.stats.totals["gated_steps"] = self.stats.totals.get("gated_steps", 0) + 1
         # A step is clean (its duration measures the cost of what the last call proposed) unless a request
@@ -207,11 +207,12 @@ class HistoSpecProposer:
             self._finish(state)
         self._rows = rows
         if self.gate is not None:
-            if clean:  # the step since the last call processed what that call proposed, and nothing else
-                self.gate.observe(self._last_tokens, t_start - self._t_last)
-            self.gate.observe_acceptance(verified, accepted)
+            # The step since the last call ran the rows that emitted now (a row that finished in the step
+            # before is gone), with or without drafts as that call decided; no prefill in it when clean.
+            if clean and live:
+                self.gate.observe(live, self._last_drafted, tokens, t_start - self._t_last)
             self._t_last = t_start
-            self._last_tokens = sum(1 + len(d) for d, sampled in zip(drafts, sampled_token_ids) if sampled)
+            self._last_drafted = gate
         elapsed = time.perf_counter() - t_start
         self.stats.on_step(StepRecord(self._step, forwards, tokens, verified, accepted, drafted_rows,
                                       draft_tokens, elapsed), forwards=forwards, drafts_verified=n_drafts)
@@ -262,7 +263,7 @@ class HistoSpecProposer:
 
     # -- internals ----------------------------------------------------------------------------------
     def _make_gate(self) -> StepCostGate | None:
-        return StepCostGate(prior_ratio=self.settings.cost_gate_prior) if self.settings.cost_gate else None
+        return StepCostGate() if self.settings.cost_gate else None
 
     def _continues(self, state: _Row, row: np.ndarray, n: int, emitted: int) -> bool:
         if state.n_last + emitted != n:

@@ -63,6 +63,8 @@ class HistoSpecWorkerMixin:
             return {"active": False}
         out: dict[str, Any] = {"active": True, "version": proposer.replica.version,
                                "totals": dict(proposer.stats.totals), "summary": proposer.stats.summary()}
+        if proposer.gate is not None:
+            out["cost_gate"] = proposer.gate.state()
         if drain:
             out["records"] = proposer.stats.drain()
         if reset:

@@ -91,6 +91,8 @@ def test_drafter_cost_is_microseconds():
     assert per_call < 200e-6, per_call  # a decode step of even the tiny CPU model is milliseconds
 
 
+# The proposers below run with cost_gate=False: the gate (tests/test_cost_gate.py) alternates drafting on and
+# off while it learns a batch size, which these tests of the drafting itself do not want.
 class _SimEngine:
     """vLLM's persistent batch as the proposer sees it, with a greedy verifier."""
 
@@ -139,7 +141,7 @@ class _SimEngine:
 def test_proposer_adapts_length_and_cuts_forwards():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
                                                         adaptive_length=True))
     assert proposer.apply_update(store.updates_since(0).to_bytes())["prompts"] == 1
     other = np.array([7, 7, 7, 7, 7, 7], dtype=np.int32)  # no history: never drafted
@@ -159,11 +161,11 @@ def test_proposer_adapts_length_and_cuts_forwards():
 def test_without_adaptive_length_drafts_reach_the_cap_at_once():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=2, max_draft_tokens=16, sources=("history",)))
     proposer.apply_update(store.snapshot())
     lengths = [n[0] for n in _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer) if n[0]]
     assert lengths[:2] == [16, 16]  # no ramp from the floor: the history's confidence alone ends a draft
-    adaptive = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
+    adaptive = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
                                                         adaptive_length=True))
     adaptive.apply_update(store.snapshot())
     ramp = _SimEngine([PROMPT], [RESPONSE], k=16).run(adaptive)
@@ -176,7 +178,7 @@ def test_proposer_halves_after_rejection_and_recovers():
     target = RESPONSE[:30] + [2] + [1] * 39  # one divergence in the middle
     store = HistoryStore()
     store.record(PROMPT, [history], epoch=0)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=8, sources=("history",),
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=2, max_draft_tokens=8, sources=("history",),
                                                         adaptive_length=True))
     proposer.apply_update(store.snapshot())
     lengths = [s[0] for s in _SimEngine([PROMPT], [target], k=8).run(proposer)]
@@ -220,7 +222,7 @@ def test_newer_epochs_outweigh_older_ones():
 def test_own_text_drafts_a_repeating_response_without_history():
     unit = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     target = unit * 6 + [0]
-    proposer = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("own",)))
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, max_draft_tokens=8, sources=("own",)))
     engine = _SimEngine([PROMPT], [target], k=8)
     engine.run(proposer)
     rec = proposer.stats.requests[-1]
@@ -230,7 +232,7 @@ def test_own_text_drafts_a_repeating_response_without_history():
 
 
 def test_cross_source_drafts_from_other_requests_responses():
-    proposer = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("cross",)))
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, max_draft_tokens=8, sources=("cross",)))
     _SimEngine([PROMPT], [RESPONSE], k=8).run(proposer)  # an earlier request on this engine
     other = np.array([90, 91, 92, 93, 94, 95, 96, 97], dtype=np.int32)  # another prompt, no history
     engine = _SimEngine([other], [RESPONSE], k=8)
@@ -238,7 +240,7 @@ def test_cross_source_drafts_from_other_requests_responses():
     assert proposer.stats.totals["accepted_cross"] >= len(RESPONSE) - 10
     assert engine.forwards <= len(RESPONSE) / 3
     # Without the cross source the same second request gets no draft at all.
-    alone = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("history",)))
+    alone = HistoSpecProposer(settings=DraftSettings(cost_gate=False, max_draft_tokens=8, sources=("history",)))
     assert _SimEngine([other], [RESPONSE], k=8).run(alone) and alone.stats.totals["draft_tokens"] == 0
 
 
@@ -256,7 +258,7 @@ def test_fallback_trees_grow_with_the_response():
 def test_new_request_starts_at_its_prompts_last_draft_length():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=2, max_draft_tokens=16, sources=("history",),
                                                         adaptive_length=True))
     proposer.apply_update(store.snapshot())
     _SimEngine([PROMPT], [RESPONSE], k=16).run(proposer)
@@ -268,7 +270,7 @@ def test_batch_size_switch_turns_drafts_off_and_back_on():
     store = HistoryStore()
     store.record(PROMPT, [RESPONSE], epoch=1)
     short = RESPONSE[:12]
-    proposer = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=4, max_draft_tokens=8, sources=("history",),
+    proposer = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=4, max_draft_tokens=8, sources=("history",),
                                                         max_batch_rows=1))
     proposer.apply_update(store.snapshot())
     lengths = _SimEngine([PROMPT, PROMPT], [RESPONSE, short], k=8).run(proposer)
@@ -276,7 +278,7 @@ def test_batch_size_switch_turns_drafts_off_and_back_on():
     first_alone = next(i for i, n in enumerate(lengths) if n[1] == 0 and i > 12)
     assert all(n == [0, 0] for n in lengths[:12])  # two rows running > max_batch_rows: plain decoding
     assert any(n[0] > 0 for n in lengths[first_alone:]) and both  # one row left: drafting again
-    budgeted = HistoSpecProposer(settings=DraftSettings(min_draft_tokens=8, max_draft_tokens=8, sources=("history",),
+    budgeted = HistoSpecProposer(settings=DraftSettings(cost_gate=False, min_draft_tokens=8, max_draft_tokens=8, sources=("history",),
                                                         step_draft_budget=6))
     budgeted.apply_update(store.snapshot())
     lengths = _SimEngine([PROMPT, PROMPT], [RESPONSE, RESPONSE], k=8).run(budgeted)
