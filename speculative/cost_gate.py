@@ -12,11 +12,13 @@ acceptance (which moves as the policy learns) and on how the engine's step time 
 linear cost model fitted online was tried first: on the tiny CPU engine the step time is flat at small
 batches and steep at large ones, so the slope fitted on the tail's steps said drafting paid at 64 rows, where
 a drafted step took 43 ms against 9 plain and rollout ran 2x slower. So the gate compares the two arms
-directly: for each bucket of running rows (1, 2-3, 4-7, ..., powers of two) it keeps an exponentially
-weighted mean of seconds per generated token for steps with drafts and for steps without, and drafts where
-the drafted mean is lower. Until a bucket has `min_samples` steps of each arm it alternates between them;
-afterwards every `explore_every`-th step of a bucket takes the other arm, so a change of acceptance (drift)
-or of the engine's load is noticed. A step with a single row always drafts (a verified token is nearly free
+directly: for each bucket of running rows (1, 2-3, 4-7, ..., powers of two) it keeps the seconds per
+generated token of the last `window` steps with drafts and of the last `window` without, and drafts where
+the drafted median is lower. Medians, because a step that also served a history shipment or shared the core
+with another process is an outlier, and a mean moved by one such step would keep the gate on the wrong arm
+until the other arm was sampled again. Until a bucket has `min_samples` steps of each arm it alternates
+between them; afterwards every `explore_every`-th step of a bucket takes the other arm, so a change of
+acceptance (drift) or of the engine's load is noticed. A step with a single row always drafts (a verified token is nearly free
 there, and the acceptance keeps being measured).
 
 The gate only decides whether drafts are proposed; verification stays vLLM's rejection sampler, so the
@@ -28,6 +30,9 @@ Written here: no library measures this inside a vLLM proposer. Left out: choosin
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 __all__ = ["StepCostGate"]
 
 
@@ -37,23 +42,23 @@ def bucket(rows: int) -> int:
 
 
 class StepCostGate:
-    def __init__(self, min_samples: int = 4, explore_every: int = 32, decay: float = 0.9) -> None:
-        if min_samples < 1 or explore_every < 2 or not 0 < decay < 1:
-            raise ValueError("need min_samples >= 1, explore_every >= 2, 0 < decay < 1")
-        self.min_samples, self.explore_every, self.decay = min_samples, explore_every, decay
-        # bucket -> [EMA seconds per token, samples] for arm False (plain) and True (drafts)
-        self.cost: dict[int, dict[bool, list[float]]] = {}
+    def __init__(self, min_samples: int = 4, explore_every: int = 16, window: int = 9) -> None:
+        if min_samples < 1 or explore_every < 2 or window < min_samples:
+            raise ValueError("need min_samples >= 1, explore_every >= 2, window >= min_samples")
+        self.min_samples, self.explore_every, self.window = min_samples, explore_every, window
+        # bucket -> recent seconds per token for arm False (plain) and True (drafts)
+        self.cost: dict[int, dict[bool, deque[float]]] = {}
         self.decisions: dict[int, int] = {}  # bucket -> decisions taken (for the exploration schedule)
 
-    def _arms(self, b: int) -> dict[bool, list[float]]:
-        return self.cost.setdefault(b, {False: [0.0, 0], True: [0.0, 0]})
+    def _arms(self, b: int) -> dict[bool, deque[float]]:
+        return self.cost.setdefault(b, {False: deque(maxlen=self.window), True: deque(maxlen=self.window)})
 
     def preferred(self, rows: int) -> bool | None:
         """The cheaper arm in this bucket, or None while either arm has fewer than `min_samples` steps."""
         arms = self._arms(bucket(rows))
-        if min(arms[False][1], arms[True][1]) < self.min_samples:
+        if min(len(arms[False]), len(arms[True])) < self.min_samples:
             return None
-        return arms[True][0] < arms[False][0]
+        return statistics.median(arms[True]) < statistics.median(arms[False])
 
     def decide(self, rows: int) -> bool:
         if rows <= 1:
@@ -64,19 +69,17 @@ class StepCostGate:
         best = self.preferred(rows)
         if best is None:  # still learning this bucket: the arm with fewer samples
             arms = self._arms(b)
-            return arms[True][1] < arms[False][1] if arms[True][1] != arms[False][1] else k % 2 == 0
+            return len(arms[True]) < len(arms[False]) if len(arms[True]) != len(arms[False]) else k % 2 == 0
         return (not best) if k % self.explore_every == self.explore_every - 1 else best
 
     def observe(self, rows: int, drafted: bool, tokens: float, seconds: float) -> None:
         """One clean engine step: it ran `rows` rows with or without drafts, emitted `tokens`, took `seconds`."""
         if rows < 1 or tokens <= 0 or seconds <= 0:
             return
-        arm = self._arms(bucket(rows))[bool(drafted)]
-        per_token = seconds / tokens
-        arm[0] = per_token if arm[1] == 0 else self.decay * arm[0] + (1 - self.decay) * per_token
-        arm[1] += 1
+        self._arms(bucket(rows))[bool(drafted)].append(seconds / tokens)
 
     def state(self) -> dict[str, dict[str, float]]:
-        """Per bucket (its smallest row count): ms per token plain / drafted, and samples of each."""
-        return {str(1 << b): {"plain_ms": 1e3 * a[False][0], "drafted_ms": 1e3 * a[True][0],
-                              "plain_n": a[False][1], "drafted_n": a[True][1]} for b, a in sorted(self.cost.items())}
+        """Per bucket (its smallest row count): median ms per token plain / drafted, and recent samples of each."""
+        med = lambda xs: 1e3 * statistics.median(xs) if xs else 0.0  # noqa: E731
+        return {str(1 << b): {"plain_ms": med(a[False]), "drafted_ms": med(a[True]), "plain_n": len(a[False]),
+                              "drafted_n": len(a[True])} for b, a in sorted(self.cost.items())}

@@ -220,6 +220,7 @@ class HistoSpecProposer:
 
     # -- history ------------------------------------------------------------------------------------
     def apply_update(self, payload: bytes | HistoryDelta) -> dict[str, int]:
+        self._t_last = None  # the engine step around this call also applied a shipment: not a clean measurement
         delta = payload if isinstance(payload, HistoryDelta) else HistoryDelta.from_bytes(payload)
         if not delta.full and delta.since > self.replica.version:
             # This worker missed shipments (it restarted): keep what it has and say so; the driver's feed
