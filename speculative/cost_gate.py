@@ -18,8 +18,8 @@ the drafted median is lower. Medians, because a step that also served a history 
 with another process is an outlier, and a mean moved by one such step would keep the gate on the wrong arm
 until the other arm was sampled again. Until a bucket has `min_samples` steps of each arm it alternates
 between them; afterwards every `explore_every`-th step of a bucket takes the other arm, so a change of
-acceptance (drift) or of the engine's load is noticed. A step with a single row always drafts (a verified token is nearly free
-there, and the acceptance keeps being measured).
+acceptance (drift) or of the engine's load is noticed. A step with a single row always drafts (a verified
+token is nearly free there, and the acceptance keeps being measured).
 
 The gate only decides whether drafts are proposed; verification stays vLLM's rejection sampler, so the
 output distribution is unchanged (lossless) whichever way it decides.

@@ -256,7 +256,7 @@ class HistoSpecProposer:
             self.fallback = FallbackDrafter(self.settings)
             self._rows.clear()
             self._hint.clear()
-            if (self.gate is None) != (not self.settings.cost_gate):
+            if (self.gate is not None) != self.settings.cost_gate:
                 self.gate = self._make_gate()  # (the engine's measured step cost is kept otherwise)
             self._t_last = None
         return {"enabled": self.enabled, **{k: list(v) if isinstance(v, tuple) else v
