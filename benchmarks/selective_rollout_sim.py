@@ -10,6 +10,8 @@ DS with reward-history skip, on a DAPO-like pass-rate process; figures committed
     .venv/bin/python benchmarks/selective_rollout_sim.py --config configs/sim_tiny_cpu.yaml --out /tmp/x
     .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,twotier,sync_gen3x \
         --reuse sorted,tail         # rerun only what a change touches; the rest is taken from the committed JSON
+    .venv/bin/python benchmarks/selective_rollout_sim.py --epochs 6 --policies sync,tail,twotier,sync_gen3x \
+        --reuse sorted --seeds 1,2  # and the headline ratios' spread over three workload seeds
 
 Scenario: configs/sim_qwen32b_128gpu.yaml (Qwen2.5-32B, 128 GPUs, 16 responses per prompt, 32k tails) with
 the workload's pass-rate process (scheduler/workload.py: per-prompt pass rates that persist across epochs and
@@ -35,9 +37,11 @@ equal or better accuracy with the filter, GRESO with the skip.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import multiprocessing
+import statistics
 import subprocess
 import sys
 import time
@@ -72,13 +76,19 @@ def row_of(result, policy: str, filt: str, wall: float) -> dict:
             "updates": sum(r["update"] for r in rounds), "rounds": len(rounds),
             "filtered_groups": stats.get("filtered", 0), "skipped_prompts": stats.get("skipped", 0),
             "worker_bubble": bubble_ratios(result.events, result.max_num_seqs)["worker_bubble"],
+            # per round: where the time goes (a round waiting on a 32k tail takes ~400-500 s) and what it yields
+            "per_round": [{"rollout_s": round(r["rollout_s"], 1), "update": r["update"],
+                           "informative_groups": r["informative_groups"],
+                           "longest_trained": max(r["response_lengths"] or [0]),
+                           "skip_probability": r["sampling"].get("sampling/skip_probability")} for r in rounds],
             "sim_wall_s": round(wall, 1)}
 
 
 def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str], cache: Path | None = None) -> dict:
     logging.disable(logging.WARNING)  # the per-update "cap hit" lines of dynamic sampling
     key = {"config": config, "epochs": epochs, "policy": policy, "filter": filt, "overrides": overrides}
-    path = cache / f"{policy}_{filt.replace('+', '_')}.json" if cache else None
+    tag = "_" + hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8] if overrides else ""  # (--seeds)
+    path = cache / f"{policy}_{filt.replace('+', '_')}{tag}.json" if cache else None
     if path and path.is_file() and json.loads(path.read_text())["key"] == key:  # a part run earlier (--cache)
         return json.loads(path.read_text())["row"]
     label, gen = policy, []
@@ -118,6 +128,30 @@ def reused_rows(path: Path, reuse: list[str], simulated: set[str]) -> list[dict]
         print(f"error: {path} has no rows for {','.join(sorted(missing))}; run them instead", file=sys.stderr)
         return None
     return rows
+
+
+# (policy, filter) simulated again per extra seed (--seeds): what the two headline ratios need
+SPREAD = (("sync", "ds"), ("twotier", "ds"), ("twotier", "ds+skip"))
+RATIOS = {"twotier_ds_skip_speedup_vs_sync_ds": ("sync", "ds"), "twotier_ds_skip_speedup_vs_twotier_ds": ("twotier", "ds")}
+
+
+def seed_spread(rows: list[dict], spread_rows: list[dict], seeds: list[int], sim_seed: int) -> dict:
+    """The headline ratios per workload seed (the rows' own seed first) and their median, min and max."""
+    per_seed = [rows] + [spread_rows[i * len(SPREAD):(i + 1) * len(SPREAD)] for i in range(len(seeds))]
+    out: dict = {"seeds": [sim_seed, *seeds]}
+    for name, base in RATIOS.items():
+        values = []
+        for group in per_seed:
+            pick = {(r["policy"], r["filter"]): r["time_per_informative_group_s"] for r in group}
+            values.append(pick[base] / pick[("twotier", "ds+skip")])
+        out[name] = {"per_seed": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def spread_text(spread: dict) -> str:
+    return "; ".join(f"{name.replace('twotier_ds_skip_speedup_', '').replace('_', ' ')} median "
+                     f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+                     for name, v in spread.items() if name != "seeds")
 
 
 def markdown(rows: list[dict], head: str) -> str:
@@ -170,6 +204,10 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=3, help="simulations run in parallel")
     ap.add_argument("--reuse", default="", help="comma list of policies whose rows are taken from the committed "
                     "--name.json instead of simulated (marked reused_from)")
+    ap.add_argument("--seeds", default="",
+                    help="comma list of further workload seeds: sync + DS, twotier + DS and twotier + DS + skip are "
+                    "simulated again on each, and the headline ratios' median, min and max over all seeds are "
+                    "written (`seed_spread`); the rows stay those of the config's own seed")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="extra sim overrides (key=value; run.* for the run config)")
     args = ap.parse_args()
@@ -186,8 +224,12 @@ def main() -> int:
         args.cache.mkdir(parents=True, exist_ok=True)
     jobs = [(args.config, args.epochs, policy, filt, args.overrides, args.cache) for policy in policies for filt in FILTERS
             if not (policy == GEN3X and filt == "none")]  # without the filter it is just a bigger sync batch
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    spread_jobs = [(args.config, args.epochs, policy, filt, [*args.overrides, f"workload.seed={seed}"], args.cache)
+                   for seed in seeds for policy, filt in SPREAD]
     with multiprocessing.Pool(args.jobs) as pool:  # independent simulations; each is single-threaded
-        rows = pool.starmap(one, jobs, chunksize=1)
+        done = pool.starmap(one, jobs + spread_jobs, chunksize=1)
+    rows, spread_rows = done[: len(jobs)], done[len(jobs):]
     if args.no_write:
         return 0
     rows += old_rows
@@ -205,6 +247,9 @@ def main() -> int:
                                                                / pick[("twotier", "ds+skip")]["time_per_informative_group_s"])
     headline["targets_met"] = (headline["twotier_ds_skip_speedup_vs_sync_ds"] >= 3.0
                                and headline["twotier_ds_skip_speedup_vs_twotier_ds"] >= 1.4)
+    if seeds:
+        headline["seed_spread"] = seed_spread(rows, spread_rows, seeds, sim_seed=load_sim_config(
+            ROOT / args.config, args.overrides)[0].workload.seed)
     sim, run = load_sim_config(ROOT / args.config, [f"workload.num_epochs={args.epochs}", *args.overrides])
     rates, n = PassRates(sim.workload), run.rollout.n_samples_per_prompt
     share = [sum(1 - r ** n - (1 - r) ** n for r in (rates.rate(p, e) for p in
@@ -222,6 +267,8 @@ def main() -> int:
             f"{headline['twotier_ds_skip_speedup_vs_sync_ds']:.2f}x sync + DS and "
             f"{headline['twotier_ds_skip_speedup_vs_twotier_ds']:.2f}x twotier + DS per trained informative group "
             f"(targets 3x and 1.4x: {'met' if headline['targets_met'] else 'NOT met'})"
+            + (f"; over workload seeds {headline['seed_spread']['seeds']}: {spread_text(headline['seed_spread'])}"
+               if seeds else "")
             + (f"; {headline['twotier_ds_skip_speedup_vs_sync_gen3x_ds']:.2f}x sync + DS generating 3 updates' "
                f"prompts per round ({GEN3X}, as verl's DAPO recipe)" if (GEN3X, "ds") in pick else "") + ".")
     table = markdown(rows, head)
