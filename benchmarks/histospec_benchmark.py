@@ -20,9 +20,15 @@ policy updates between epochs is benchmarks/histospec_rl.py.
     python benchmarks/histospec_benchmark.py --batch-sweep --model-dir /tmp/hs_model
 
 `--batch-sweep` instead measures rollout time against the number of requests in flight (1 .. the engine's
-`max_num_seqs`): a vanilla engine and a HistoSpec engine side by side, each batch size generated with the
-same seeds by no speculation, HistoSpec always on, and HistoSpec with the batch-size switch
-(`max_batch_rows`), interleaved over `--repeats`. Writes histospec_batch_sweep.{json,png}.
+`max_num_seqs`): each batch size generated with the same seeds by no speculation, HistoSpec always on
+(`cost_gate` off), HistoSpec with the fixed batch-size switch (`max_batch_rows`), and HistoSpec with the
+measured cost gate (`speculative.cost_gate`, the default), interleaved over `--repeats`. The gated mode has
+its own engine, so its per-batch-size cost estimates persist across calls as in a run; the other two share
+one engine. Every call of a HistoSpec mode starts with a configure, which clears the drafter's trees, so no
+mode drafts from responses it generated in earlier calls. Writes histospec_batch_sweep.{json,png}. With `--history-corrupt P` each
+history token is replaced, with probability P (seeded), by another token seen in the history: drafts that
+are often rejected, the regime of a policy that moved since the history was written (the sweep's own
+history is as good as it gets) and the one the gate is for. Writes histospec_batch_sweep_corrupt.{json,png}.
 
 Left out: a policy that changes between epochs (here epoch 2 samples the same weights; an RL update
 makes responses drift, which lowers acceptance for every history-based method alike) and GPU runs.
@@ -34,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -103,11 +110,12 @@ def run_method(method: str, model_dir: Path, prompts: list[list[int]], args) -> 
             "drafter_ms_per_step": drafter.get("summary", {}).get("spec/drafter_ms_per_step")}
 
 
-SWEEP_MODES = ("none", "histospec", "histospec+switch")
+SWEEP_MODES = ("none", "histospec", "histospec+switch", "histospec+gate")
 
 
 def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
-    """Rollout time per batch size: no speculation vs HistoSpec (always on, and with the batch-size switch)."""
+    """Rollout time per batch size: no speculation vs HistoSpec (always on, with the batch-size switch, and with
+    the cost gate)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -120,7 +128,9 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
                    speculative_config=speculative_config(method, args.k), worker_extension_cls=EXTENSION,
                    disable_log_stats=False)
 
-    llms = {"none": engine("none"), "histospec": engine("histospec")}
+    llms = {"none": engine("none"), "histospec": engine("histospec"), "histospec+gate": engine("histospec")}
+    llms["histospec+gate"].collective_rpc("histospec_configure", kwargs={
+        "adaptive_length": args.adaptive_length, "max_batch_rows": 0, "cost_gate": True})
     try:
         def gen(llm, reqs, seed):
             params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, detokenize=False,
@@ -130,28 +140,43 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
             outs = llm.generate(reqs, params, use_tqdm=False)
             return outs, time.perf_counter() - t, from_vllm_metrics(llm.get_metrics(), before=before)
 
+        def proposer_totals(llm) -> dict:
+            stats = llm.collective_rpc("histospec_stats")[0]
+            return dict(stats.get("totals", {})) if stats.get("active") else {}
+
         everyone = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(args.n)]
         outs, _, _ = gen(llms["histospec"], everyone, 0)  # epoch 1: the history
         history = HistoryStore(max_responses_per_prompt=args.n)
+        seen = sorted({t for o in outs for t in o.outputs[0].token_ids})
+        rng = random.Random(0)
         for i, p in enumerate(prompts):
-            history.record(p, [list(o.outputs[0].token_ids) for o in outs[i * args.n:(i + 1) * args.n]], epoch=1)
-        llms["histospec"].collective_rpc("histospec_update", args=(history.updates_since(0).to_bytes(),))
+            responses = [[t if rng.random() >= args.history_corrupt else rng.choice(seen) for t in o.outputs[0].token_ids]
+                         for o in outs[i * args.n:(i + 1) * args.n]]
+            history.record(p, responses, epoch=1)
+        for name in ("histospec", "histospec+gate"):
+            llms[name].collective_rpc("histospec_update", args=(history.updates_since(0).to_bytes(),))
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs]
         cells: dict = {m: {b: [] for b in sizes} for m in SWEEP_MODES}
         for r in range(args.repeats):
             for b in sizes:
                 reqs = [everyone[(r * 7 + i) % len(everyone)] for i in range(b)]
-                modes = SWEEP_MODES[r % 3:] + SWEEP_MODES[:r % 3]  # rotate the order per repeat
-                for mode in modes:
-                    llm = llms["none" if mode == "none" else "histospec"]
-                    if mode != "none":
+                shift = r % len(SWEEP_MODES)
+                for mode in SWEEP_MODES[shift:] + SWEEP_MODES[:shift]:  # rotate the order per repeat
+                    llm = llms["histospec" if mode == "histospec+switch" else mode]
+                    if mode != "none":  # (a configure starts the drafter's trees afresh, so no mode drafts
+                        # from responses of earlier calls; the gate's step-cost estimates are kept)
                         llm.collective_rpc("histospec_configure", kwargs={
-                            "adaptive_length": args.adaptive_length,
+                            "adaptive_length": args.adaptive_length, "cost_gate": mode == "histospec+gate",
                             "max_batch_rows": args.switch_rows if mode.endswith("switch") else 0})
+                    own = proposer_totals(llm) if mode != "none" else {}
                     outs, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
                     # Tokens from the outputs: vLLM's counters can lag a small batch's last step (then 0).
                     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                     tpf = fig["spec/tokens_per_forward"] if fig["tokens"] and fig["forwards"] else None
+                    if own:  # the proposer's own counters: vLLM's are not kept apart for two spec engines in one process
+                        after = proposer_totals(llm)
+                        fig = {k: after.get(k, 0.0) - own.get(k, 0.0) for k in ("tokens", "forwards")}
+                        tpf = fig["tokens"] / fig["forwards"] if fig["forwards"] else None
                     cells[mode][b].append({"wall_s": wall, "tokens": tokens, "counter_tokens": fig["tokens"],
                                            "forwards": fig["forwards"], "tokens_per_forward": tpf})
             print(f"batch sweep: repeat {r + 1}/{args.repeats} done", flush=True)
@@ -174,6 +199,7 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
             row[mode]["no_worse_than_none"] = row[mode]["ms_per_token_min"] <= row["none"]["ms_per_token_max"]
         rows.append(row)
     return {"setup": {"prompts": len(prompts), "n": args.n, "k": args.k, "adaptive_length": args.adaptive_length,
+                      "history_corrupt": args.history_corrupt,
                       "temperature": args.temperature, "max_tokens": args.max_tokens,
                       "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "switch_rows": args.switch_rows,
                       "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
@@ -214,7 +240,7 @@ def plot_sweep(result: dict, path: Path) -> None:
     rows = result["rows"]
     xs = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, color in zip(SWEEP_MODES, ("#999999", "#e6550d", "#3182bd")):
+    for mode, color in zip(SWEEP_MODES, ("#999999", "#e6550d", "#3182bd", "#31a354")):
         med = [r[mode]["ms_per_token_median"] for r in rows]
         ax.errorbar(xs, med, yerr=[[m - r[mode]["ms_per_token_min"] for m, r in zip(med, rows)],
                                    [r[mode]["ms_per_token_max"] - m for m, r in zip(med, rows)]],
@@ -223,8 +249,9 @@ def plot_sweep(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("requests in flight (batch size)")
     ax.set_ylabel("rollout ms per generated token")
-    ax.set_title(f"Rollout time vs batch size (switch: no drafts above {result['setup']['switch_rows']} rows)",
-                 fontsize=10)
+    corrupt = result["setup"].get("history_corrupt") or 0
+    ax.set_title(f"Rollout time vs batch size (switch: no drafts above {result['setup']['switch_rows']} rows)"
+                 + (f"\nhistory tokens corrupted: {corrupt:.0%}" if corrupt else ""), fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -274,6 +301,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     parser.add_argument("--batch-sweep", action="store_true", help="rollout time vs batch size instead (see above)")
     parser.add_argument("--switch-rows", type=int, default=16, help="max_batch_rows of the switched mode (sweep)")
+    parser.add_argument("--history-corrupt", type=float, default=0.0,
+                        help="sweep: share of history tokens replaced at random (drafts often rejected, as under drift)")
     parser.add_argument("--adaptive-length", action="store_true",
                         help="HistoSpec with the per-request adaptive draft length in the sweep (default: off, as "
                              "speculative.adaptive_draft_length)")
@@ -295,8 +324,9 @@ def main() -> int:
     if args.batch_sweep:
         result = batch_sweep(model_dir, prompts, args)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "histospec_batch_sweep.json").write_text(json.dumps(result, indent=2) + "\n")
-        plot_sweep(result, args.out / "histospec_batch_sweep.png")
+        stem = "histospec_batch_sweep" + ("_corrupt" if args.history_corrupt else "")
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_sweep(result, args.out / f"{stem}.png")
         for r in result["rows"]:
             print(f"batch {r['batch']:4d}: " + "  ".join(f"{m} {r[m]['ms_per_token_median']:.3f} ms/tok "
                                                          f"(x{r[m]['tokens_per_forward'] or 0:.2f})" for m in SWEEP_MODES))
