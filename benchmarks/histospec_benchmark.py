@@ -25,10 +25,11 @@ policy updates between epochs is benchmarks/histospec_rl.py.
 measured cost gate (`speculative.cost_gate`, the default), interleaved over `--repeats`. The gated mode has
 its own engine, so its per-batch-size cost estimates persist across calls as in a run; the other two share
 one engine. Every call of a HistoSpec mode starts with a configure, which clears the drafter's trees, so no
-mode drafts from responses it generated in earlier calls. Writes histospec_batch_sweep.{json,png}. With `--history-corrupt P` each
-history token is replaced, with probability P (seeded), by another token seen in the history: drafts that
-are often rejected, the regime of a policy that moved since the history was written (the sweep's own
-history is as good as it gets) and the one the gate is for. Writes histospec_batch_sweep_corrupt.{json,png}.
+mode drafts from responses it generated in earlier calls. Writes histospec_batch_sweep.{json,png}.
+With `--history-corrupt P` each history token is replaced, with probability P (seeded), by another token
+seen in the history: drafts that are often rejected, the regime of a policy that moved since the history
+was written (the sweep's own history is as good as it gets) and the one the gate is for. Writes
+histospec_batch_sweep_corrupt.{json,png}.
 
 Left out: a policy that changes between epochs (here epoch 2 samples the same weights; an RL update
 makes responses drift, which lowers acceptance for every history-based method alike) and GPU runs.
@@ -153,8 +154,9 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
             responses = [[t if rng.random() >= args.history_corrupt else rng.choice(seen) for t in o.outputs[0].token_ids]
                          for o in outs[i * args.n:(i + 1) * args.n]]
             history.record(p, responses, epoch=1)
+        payload = history.updates_since(0).to_bytes()
         for name in ("histospec", "histospec+gate"):
-            llms[name].collective_rpc("histospec_update", args=(history.updates_since(0).to_bytes(),))
+            llms[name].collective_rpc("histospec_update", args=(payload,))
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= args.max_num_seqs]
         cells: dict = {m: {b: [] for b in sizes} for m in SWEEP_MODES}
         for r in range(args.repeats):
@@ -172,11 +174,10 @@ def batch_sweep(model_dir: Path, prompts: list[list[int]], args) -> dict:
                     outs, wall, fig = gen(llm, reqs, 10_000 * (r + 1))
                     # Tokens from the outputs: vLLM's counters can lag a small batch's last step (then 0).
                     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                    tpf = fig["spec/tokens_per_forward"] if fig["tokens"] and fig["forwards"] else None
                     if own:  # the proposer's own counters: vLLM's are not kept apart for two spec engines in one process
                         after = proposer_totals(llm)
                         fig = {k: after.get(k, 0.0) - own.get(k, 0.0) for k in ("tokens", "forwards")}
-                        tpf = fig["tokens"] / fig["forwards"] if fig["forwards"] else None
+                    tpf = fig["tokens"] / fig["forwards"] if fig["tokens"] and fig["forwards"] else None
                     cells[mode][b].append({"wall_s": wall, "tokens": tokens, "counter_tokens": fig["tokens"],
                                            "forwards": fig["forwards"], "tokens_per_forward": tpf})
             print(f"batch sweep: repeat {r + 1}/{args.repeats} done", flush=True)

@@ -247,10 +247,9 @@ def main() -> int:
                                                                / pick[("twotier", "ds+skip")]["time_per_informative_group_s"])
     headline["targets_met"] = (headline["twotier_ds_skip_speedup_vs_sync_ds"] >= 3.0
                                and headline["twotier_ds_skip_speedup_vs_twotier_ds"] >= 1.4)
-    if seeds:
-        headline["seed_spread"] = seed_spread(rows, spread_rows, seeds, sim_seed=load_sim_config(
-            ROOT / args.config, args.overrides)[0].workload.seed)
     sim, run = load_sim_config(ROOT / args.config, [f"workload.num_epochs={args.epochs}", *args.overrides])
+    if seeds:
+        headline["seed_spread"] = seed_spread(rows, spread_rows, seeds, sim_seed=sim.workload.seed)
     rates, n = PassRates(sim.workload), run.rollout.n_samples_per_prompt
     share = [sum(1 - r ** n - (1 - r) ** n for r in (rates.rate(p, e) for p in
                  (f"p{i}" for i in range(sim.workload.num_prompts)))) / sim.workload.num_prompts
