@@ -71,6 +71,10 @@ METHODS = {  # name -> overrides
     # min_draft_tokens=16 (the adaptive rule pinned at the cap), which is the same drafting.
     "histospec": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
                   "speculative.adaptive_draft_length=false"],
+    # The same drafting with the step cost gate off: drafts proposed in every step, full batches included
+    # (`histospec` runs with the gate on, the default, which decodes a step plainly where drafting measured slower).
+    "histospec_nogate": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
+                         "speculative.adaptive_draft_length=false", "speculative.cost_gate=false"],
     # The adaptive length rule (start at 2, x2 after a full accept, /2 after a miss) on top of the confidence.
     "histospec_adaptive": ["speculative.enabled=true", "speculative.method=histospec",
                            "speculative.max_draft_tokens=16", "speculative.adaptive_draft_length=true",
