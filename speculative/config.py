@@ -30,6 +30,11 @@ class SpeculativeConfig:
     min_confidence: float = field(
         default=0.1, metadata={"help": "Drop draft tokens whose history frequency falls below this fraction."}
     )
+    fallback_spec_factor: float = field(
+        default=1.0,
+        metadata={"help": "HistoSpec's own and cross sources (cold prompts, first epoch): a match of m tokens drafts "
+                          "at most m x this (vLLM's suffix_decoding_max_spec_factor; the history source allows 4)."},
+    )
     history_max_prompts: int = field(
         default=100_000, metadata={"help": "Prompts kept in the draft history store (least recently updated evicted)."}
     )
@@ -82,6 +87,8 @@ class SpeculativeConfig:
             raise ConfigError("speculative.match_tokens", self.match_tokens, "an integer >= 1")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ConfigError("speculative.min_confidence", self.min_confidence, "a float in [0, 1]")
+        if self.fallback_spec_factor <= 0:
+            raise ConfigError("speculative.fallback_spec_factor", self.fallback_spec_factor, "a float > 0")
         if self.history_max_prompts < 1:
             raise ConfigError("speculative.history_max_prompts", self.history_max_prompts, "an integer >= 1")
         if self.history_max_responses < 1:

@@ -54,7 +54,8 @@ class DraftSettings:
     max_draft_tokens: int = 16  # longest draft (the adaptive length's cap)
     adaptive_length: bool = False  # per-request length rule; off: up to max_draft_tokens, confidence decides
     min_confidence: float = 0.1  # stop drafting where the history path frequency falls below this
-    max_spec_factor: float = 4.0  # a match of m tokens may draft at most m * factor tokens
+    max_spec_factor: float = 4.0  # history source: a match of m tokens may draft at most m * factor tokens
+    fallback_spec_factor: float = 1.0  # own and cross sources: the same bound (vLLM's suffix default, 1.0)
     epoch_weight: float = 2.0  # a response of a newer epoch counts this many times one of the epoch before
     sources: tuple[str, ...] = ("history", "own", "cross")  # draft sources tried (see SOURCES)
     cross_requests: int = 1024  # responses kept in the cross-prompt tree (oldest dropped first)
@@ -65,8 +66,10 @@ class DraftSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
             raise ValueError("need 1 <= min_draft_tokens <= max_draft_tokens")
-        if self.match_tokens < 1 or not 0.0 <= self.min_confidence <= 1.0 or self.max_spec_factor <= 0:
-            raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor > 0")
+        if self.match_tokens < 1 or not 0.0 <= self.min_confidence <= 1.0 or min(self.max_spec_factor,
+                                                                                 self.fallback_spec_factor) <= 0:
+            raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor and "
+                             "fallback_spec_factor > 0")
         if self.epoch_weight < 1.0 or self.cross_requests < 1 or self.max_batch_rows < 0 or self.step_draft_budget < 0:
             raise ValueError("need epoch_weight >= 1, cross_requests >= 1, max_batch_rows >= 0, step_draft_budget >= 0")
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -79,6 +82,7 @@ class DraftSettings:
         """From `speculative.config.SpeculativeConfig` (or anything with the same attributes)."""
         return cls(match_tokens=cfg.match_tokens, min_draft_tokens=cfg.min_draft_tokens,
                    max_draft_tokens=cfg.max_draft_tokens, min_confidence=cfg.min_confidence,
+                   fallback_spec_factor=getattr(cfg, "fallback_spec_factor", 1.0),
                    adaptive_length=getattr(cfg, "adaptive_draft_length", False),
                    epoch_weight=getattr(cfg, "history_epoch_weight", 2.0),
                    sources=tuple(getattr(cfg, "sources", SOURCES)),
@@ -290,11 +294,15 @@ class FallbackDrafter:
         best = Draft()
         if max_tokens <= 0 or len(tokens) == 0:
             return best
-        context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
+        # As vLLM's `suffix` method: the whole tree depth is matched, and a match of m tokens drafts at most
+        # m * fallback_spec_factor. These trees hold other prompts' text and the request's own, weaker
+        # predictors than the prompt's history, so a short match must not start a long draft.
+        context = np.ascontiguousarray(tokens[-self.depth:], dtype=np.int32)
         for source, tree in (("own", self._local.get(label)), ("cross", self._global)):
             if tree is None:
                 continue
-            found = tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0, s.min_confidence, False)
+            found = tree.speculate_ndarray(context, int(max_tokens), s.fallback_spec_factor, 0.0, s.min_confidence,
+                                           False)
             if found.token_ids and found.score > best.score:
                 best = Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
                              float(found.score), source)

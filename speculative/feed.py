@@ -3,13 +3,14 @@ and turn the engines' counters into per-step metrics (per round kind).
 
     feed = HistoryFeed(cfg.speculative, pool)     # owns the HistoryStore (feed.store)
     feed.on_finished(sample)                      # rollout: a response finished (siblings may still run)
-    feed.maybe_ship()                             # rollout loop: ships if something new and the interval passed
+    feed.maybe_ship()                             # rollout loop: ships (without waiting) if something new arrived
     metrics = feed.end_step(batch, kind="long")   # after the step: records the batch, ships, reads counters
 
 Sibling drafts: the n samples of a prompt run at the same time and finish at different times. With
 `sibling_drafts` each finished response is recorded at once (same epoch: it joins the prompt's history)
 and shipped at most every `sibling_ship_interval_s`, so the siblings still running (the long tail) draft
-from the freshest responses there are. A sample is recorded once, whether it is seen finishing or only
+from the freshest responses there are. These shipments do not block the driver: it sends one and goes on
+(completions, rewards, harvest), and reads the engines' answers before it sends the next. A sample is recorded once, whether it is seen finishing or only
 in the trained batch (carried partial rollouts, runs without sibling drafts).
 
 Shipping is idempotent and self-healing: every engine answers the history version it holds; when one
@@ -29,12 +30,14 @@ Left out: pushing history to engines of other methods (ngram/suffix answer "inac
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterable
 
 from speculative.history import HistoryStore
 from speculative.metrics import summarize
 
+log = logging.getLogger(__name__)
 COUNTERS = ("steps", "forwards", "tokens", "verified_draft_tokens", "accepted_tokens", "drafts", "draft_tokens",
             "drafter_s")
 
@@ -43,6 +46,7 @@ def settings_of(cfg) -> dict[str, Any]:
     """The drafter settings (`DraftSettings` fields) that a `SpeculativeConfig` sets."""
     return {"match_tokens": cfg.match_tokens, "min_draft_tokens": cfg.min_draft_tokens,
             "max_draft_tokens": cfg.max_draft_tokens, "min_confidence": cfg.min_confidence,
+            "fallback_spec_factor": cfg.fallback_spec_factor,
             "adaptive_length": cfg.adaptive_draft_length,
             "epoch_weight": cfg.history_epoch_weight, "sources": list(cfg.sources),
             "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget,
@@ -60,6 +64,8 @@ class HistoryFeed:
         self._configured = False
         self._recorded: dict[str, None] = {}  # sample ids recorded while finishing, not yet seen in a batch
         self._last_ship = 0.0
+        self._inflight: tuple[list[Any], int] | None = None  # (call references, version) of an unanswered shipment
+        self._resend = False  # the next shipment sends the full history (a shipment was lost)
         self._before: dict[str, float] = {}
         self.ship_s = 0.0  # driver time spent shipping (reported per step)
         self.shipments = 0
@@ -85,33 +91,63 @@ class HistoryFeed:
 
     # -- shipping -----------------------------------------------------------------------------------
     def maybe_ship(self) -> None:
+        """During a round: ships what finished since the last shipment without waiting for the engines (they
+        apply it between two steps). At most one such shipment is in flight; while it is, this returns."""
         if (self.active and self.cfg.sibling_drafts and self.store.version != self.shipped
-                and time.monotonic() - self._last_ship >= self.cfg.sibling_ship_interval_s):
-            self.ship()
+                and time.monotonic() - self._last_ship >= self.cfg.sibling_ship_interval_s
+                and self._settle(block=False)):
+            self.ship(wait=False)
 
-    def ship(self, full: bool = False) -> None:
-        """Sends what changed since the last shipment (everything when `full`) to every engine."""
+    def ship(self, full: bool = False, wait: bool = True) -> None:
+        """Sends what changed since the last shipment (everything when `full`) to every engine. With `wait`
+        false (and a pool that can) the call returns once sent; `_settle` reads the engines' answers later."""
         if not self.active:
             return
         t0 = time.monotonic()
+        self._settle(block=True)  # one shipment at a time: the engines apply them in order
         if not self._configured:
             self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg))
             self._configured = True
+        full, self._resend = full or self._resend, False
         delta = self.store.snapshot() if full else self.store.updates_since(self.shipped)
-        answers = [a for per in self.pool.collective_rpc("histospec_update", delta.to_bytes()) for a in per
-                   if isinstance(a, dict) and a.get("active")]
-        if not full and any(a.get("version") != delta.version for a in answers):
-            # An engine missed earlier shipments (restarted, or new): resend settings and everything.
-            self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg))
-            self.pool.collective_rpc("histospec_update", self.store.snapshot().to_bytes())
+        if wait or not hasattr(self.pool, "collective_rpc_async"):
+            self._check(self.pool.collective_rpc("histospec_update", delta.to_bytes()), delta.version, full)
+        else:
+            self._inflight = (self.pool.collective_rpc_async("histospec_update", delta.to_bytes()), delta.version)
         self.shipped = delta.version
         self._last_ship = time.monotonic()
         self.ship_s += self._last_ship - t0
         self.shipments += 1
 
+    def _settle(self, block: bool) -> bool:
+        """Reads the answers of the shipment in flight, if any. False while it is still being applied (only
+        without `block`)."""
+        if self._inflight is None:
+            return True
+        refs, version = self._inflight
+        try:
+            answers = self.pool.rpc_results(refs, timeout=None if block else 0.0)
+        except Exception as exc:  # an engine died meanwhile: the pool restarts it; everyone gets everything again
+            log.warning("a history shipment was not answered (%s); the next one sends the full history", exc)
+            self._inflight, self._configured, self._resend = None, False, True
+            return True
+        if answers is None:
+            return False
+        self._inflight = None
+        self._check(answers, version, False)
+        return True
+
+    def _check(self, answers: list[list[Any]], version: int, full: bool) -> None:
+        """Every engine must now hold `version`; one that holds another (it restarted, or is new) missed
+        earlier shipments: every engine gets the settings and a full snapshot again."""
+        active = [a for per in answers for a in per if isinstance(a, dict) and a.get("active")]
+        if not full and any(a.get("version") != version for a in active):
+            self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg))
+            self.pool.collective_rpc("histospec_update", self.store.snapshot().to_bytes())
+
     def reset_engines(self) -> None:
         """After a resume or an engine restart: the next shipment configures and sends everything."""
-        self._configured = False
+        self._configured, self._inflight = False, None  # (an unanswered shipment no longer matters)
         self.ship(full=True)
 
     # -- metrics ------------------------------------------------------------------------------------

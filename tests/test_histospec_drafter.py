@@ -245,7 +245,7 @@ def test_cross_source_drafts_from_other_requests_responses():
 
 
 def test_fallback_trees_grow_with_the_response():
-    fb = FallbackDrafter(DraftSettings(sources=("own", "cross")))
+    fb = FallbackDrafter(DraftSettings(sources=("own", "cross"), fallback_spec_factor=4.0))  # (the bound: below)
     fb.start("a", np.array([5, 6, 7, 8, 5, 6], dtype=np.int32), prompt_len=6)
     assert fb.draft("a", np.array([5, 6], dtype=np.int32), 2).token_ids == [7, 8]
     fb.extend("a", np.array([7, 8, 9, 10, 11], dtype=np.int32))
@@ -253,6 +253,19 @@ def test_fallback_trees_grow_with_the_response():
     d = fb.draft("b", np.array([3, 9], dtype=np.int32), 4)
     assert d.source == "cross" and d.token_ids == [10, 11]
     assert fb.draft("a", np.array([5, 6], dtype=np.int32), 2).source == "cross"  # no own tree any more
+
+
+def test_fallback_draft_is_bounded_by_its_match_as_in_vllm_suffix():
+    # A request whose text holds 1..20 once: a context ending in "3 4" matches 2 tokens (plus the new 99 before
+    # them, which breaks a longer match), so factor 1 drafts 2 tokens and factor 4 drafts 8.
+    seq = np.arange(1, 21, dtype=np.int32)
+    for factor, expect in ((1.0, [5, 6]), (4.0, [5, 6, 7, 8, 9, 10, 11, 12])):
+        fb = FallbackDrafter(DraftSettings(sources=("own",), fallback_spec_factor=factor, min_confidence=0.0))
+        fb.start("a", seq, prompt_len=20)
+        d = fb.draft("a", np.array([99, 3, 4], dtype=np.int32), 16)
+        assert d.source == "own" and d.match_len == 2 and d.token_ids == expect
+    with pytest.raises(ValueError, match="fallback_spec_factor"):
+        DraftSettings(fallback_spec_factor=0.0)
 
 
 def test_new_request_starts_at_its_prompts_last_draft_length():
@@ -329,3 +342,53 @@ def test_feed_ships_siblings_once_and_heals_a_restarted_engine():
     assert all(p.replica.version == feed.store.version for p in pool.proposers)
     assert pool.proposers[1].settings.min_confidence == 0.3
     assert pool.proposers[1].replica.entries[prompt_key(PROMPT)].epochs() == [1, 1, 2]
+
+
+class _DeferringPool(_RecordingPool):
+    """Also stands in for the pool's `collective_rpc_async`/`rpc_results`: an engine applies an unwaited call only
+    when `release` says it got to it (between two of its steps)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.pending, self.answers = [], {}
+
+    def collective_rpc_async(self, method, *args, **kwargs):
+        ref = len(self.answers) + len(self.pending)
+        self.pending.append((ref, method, args, kwargs))
+        return [ref]
+
+    def release(self):
+        for ref, method, args, kwargs in self.pending:
+            self.answers[ref] = self.collective_rpc(method, *args, **kwargs)
+        self.pending = []
+
+    def rpc_results(self, refs, timeout=0.0):
+        if any(r not in self.answers for r in refs):
+            if timeout is None:  # a blocking read: the engines get to it
+                self.release()
+            else:
+                return None
+        return self.answers[refs[0]]
+
+
+def test_feed_ships_siblings_without_waiting_one_at_a_time_and_in_order():
+    from speculative.feed import HistoryFeed
+
+    cfg = SpeculativeConfig(sibling_ship_interval_s=0.0, history_epochs=2)
+    pool = _DeferringPool(2)
+    feed = HistoryFeed(cfg, pool)
+    feed.on_finished(_Sample("p/e1/0", list(PROMPT), RESPONSE, 1))
+    feed.maybe_ship()  # sent, not yet applied: the driver goes on
+    assert pool.calls == ["histospec_configure"] and len(pool.pending) == 1
+    assert all(len(p.drafter) == 0 for p in pool.proposers)
+    feed.on_finished(_Sample("p/e1/1", list(PROMPT), RESPONSE[:9], 1))
+    feed.maybe_ship()  # the first is still in flight: nothing more is sent
+    assert len(pool.pending) == 1
+    pool.release()
+    feed.maybe_ship()  # answered: the second goes
+    assert len(pool.pending) == 1 and all(p.replica.version == 1 for p in pool.proposers)
+    pool.proposers[1] = HistoSpecProposer()  # an engine restarts before it applies the second
+    pool.release()
+    feed.ship()  # the step's end: reads the answers, finds the restarted engine, heals it
+    assert all(p.replica.version == feed.store.version for p in pool.proposers)
+    assert pool.proposers[1].replica.entries[prompt_key(PROMPT)].epochs() == [1, 1]

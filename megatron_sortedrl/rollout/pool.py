@@ -561,6 +561,20 @@ class RolloutPool:
 
         return ray.get([s.actor.rpc.remote(method, args, kwargs) for s in self.slots if s.state == "ready"])
 
+    def collective_rpc_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """As `collective_rpc`, without waiting: the calls' references, one per ready engine (`rpc_results`)."""
+        return [s.actor.rpc.remote(method, args, kwargs) for s in self.slots if s.state == "ready"]
+
+    def rpc_results(self, refs: list[Any], timeout: float | None = 0.0) -> list[list[Any]] | None:
+        """The answers of `collective_rpc_async`'s calls, or None while one is still running after `timeout`
+        seconds (None: wait for all)."""
+        import ray
+
+        if not refs:
+            return []
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        return None if pending else ray.get(list(refs))
+
     def weights_digests(self) -> list[list[str]]:
         import ray
 
