@@ -2,6 +2,7 @@
 and `suffix` vs HistoSpec, same workload and seed, interleaved repeats.
 
     python benchmarks/histospec_rl.py                       # 12 driver runs (4 methods x 3 repeats) + one warm-up
+    python benchmarks/histospec_rl.py --methods none,suffix,histospec,histospec_nogate   # the gate on and off
     python benchmarks/histospec_rl.py --repeats 1 --epochs 2 --model-dir /tmp/hsrl_warm   # a quick look
     python benchmarks/histospec_rl.py --from-runs /tmp/hsrl/work/runs.json   # outputs of an interrupted run
     python benchmarks/histospec_rl.py --preset longtail     # the long-tail preset under `tail`: long rounds too
@@ -75,6 +76,10 @@ METHODS = {  # name -> overrides
     # (`histospec` runs with the gate on, the default, which decodes a step plainly where drafting measured slower).
     "histospec_nogate": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
                          "speculative.adaptive_draft_length=false", "speculative.cost_gate=false"],
+    # Gated, but a step the gate keeps plain still drafts the tokens the history is near-certain of (path
+    # frequency >= 0.8) instead of none.
+    "histospec_confident": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
+                            "speculative.adaptive_draft_length=false", "speculative.gated_min_confidence=0.8"],
     # The adaptive length rule (start at 2, x2 after a full accept, /2 after a miss) on top of the confidence.
     "histospec_adaptive": ["speculative.enabled=true", "speculative.method=histospec",
                            "speculative.max_draft_tokens=16", "speculative.adaptive_draft_length=true",

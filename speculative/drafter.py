@@ -62,6 +62,7 @@ class DraftSettings:
     max_batch_rows: int = 0  # no drafts in a step with more running rows than this (0: no limit)
     step_draft_budget: int = 0  # draft tokens per engine step, shared by its rows (0: no limit)
     cost_gate: bool = True  # no drafts in a step whose measured cost says they do not pay (speculative.cost_gate)
+    gated_min_confidence: float = 0.0  # in such a step, still draft the tokens at least this confident (0: none)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
@@ -70,6 +71,8 @@ class DraftSettings:
                                                                                  self.fallback_spec_factor) <= 0:
             raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor and "
                              "fallback_spec_factor > 0")
+        if not 0.0 <= self.gated_min_confidence <= 1.0:
+            raise ValueError("need 0 <= gated_min_confidence <= 1")
         if self.epoch_weight < 1.0 or self.cross_requests < 1 or self.max_batch_rows < 0 or self.step_draft_budget < 0:
             raise ValueError("need epoch_weight >= 1, cross_requests >= 1, max_batch_rows >= 0, step_draft_budget >= 0")
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -88,7 +91,8 @@ class DraftSettings:
                    sources=tuple(getattr(cfg, "sources", SOURCES)),
                    max_batch_rows=getattr(cfg, "max_batch_rows", 0),
                    step_draft_budget=getattr(cfg, "step_draft_budget", 0),
-                   cost_gate=getattr(cfg, "cost_gate", True))
+                   cost_gate=getattr(cfg, "cost_gate", True),
+                   gated_min_confidence=getattr(cfg, "gated_min_confidence", 0.0))
 
 
 @dataclass
@@ -218,15 +222,17 @@ class HistoryDrafter:
                     return key, length
         return None
 
-    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False) -> Draft:
-        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history."""
+    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False,
+              min_confidence: float | None = None) -> Draft:
+        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history; it ends where
+        the path frequency falls below `min_confidence` (default: the settings')."""
         index = self._index.get(key)
         if index is None or max_tokens <= 0 or len(tokens) == 0:
             return Draft()
         s = self.settings
+        floor = s.min_confidence if min_confidence is None else min_confidence
         context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
-        found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0,
-                                             s.min_confidence, tree)
+        found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0, floor, tree)
         return Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
                      float(found.score), "history")
 
@@ -288,9 +294,10 @@ class FallbackDrafter:
     def stop(self, label: str) -> None:
         self._local.pop(label, None)  # its response stays in the global tree until pushed out
 
-    def draft(self, label: str, tokens: np.ndarray, max_tokens: int) -> Draft:
+    def draft(self, label: str, tokens: np.ndarray, max_tokens: int, min_confidence: float | None = None) -> Draft:
         """Best of the own and cross drafts continuing `tokens` (the request's sequence so far)."""
         s = self.settings
+        floor = s.min_confidence if min_confidence is None else min_confidence
         best = Draft()
         if max_tokens <= 0 or len(tokens) == 0:
             return best
@@ -301,8 +308,7 @@ class FallbackDrafter:
         for source, tree in (("own", self._local.get(label)), ("cross", self._global)):
             if tree is None:
                 continue
-            found = tree.speculate_ndarray(context, int(max_tokens), s.fallback_spec_factor, 0.0, s.min_confidence,
-                                           False)
+            found = tree.speculate_ndarray(context, int(max_tokens), s.fallback_spec_factor, 0.0, floor, False)
             if found.token_ids and found.score > best.score:
                 best = Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
                              float(found.score), source)

@@ -50,7 +50,7 @@ def settings_of(cfg) -> dict[str, Any]:
             "adaptive_length": cfg.adaptive_draft_length,
             "epoch_weight": cfg.history_epoch_weight, "sources": list(cfg.sources),
             "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget,
-            "cost_gate": cfg.cost_gate}
+            "cost_gate": cfg.cost_gate, "gated_min_confidence": cfg.gated_min_confidence}
 
 
 class HistoryFeed:
