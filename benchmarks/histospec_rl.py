@@ -76,10 +76,6 @@ METHODS = {  # name -> overrides
     # (`histospec` runs with the gate on, the default, which decodes a step plainly where drafting measured slower).
     "histospec_nogate": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
                          "speculative.adaptive_draft_length=false", "speculative.cost_gate=false"],
-    # Gated, but a step the gate keeps plain still drafts the tokens the history is near-certain of (path
-    # frequency >= 0.8) instead of none.
-    "histospec_confident": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
-                            "speculative.adaptive_draft_length=false", "speculative.gated_min_confidence=0.8"],
     # The adaptive length rule (start at 2, x2 after a full accept, /2 after a miss) on top of the confidence.
     "histospec_adaptive": ["speculative.enabled=true", "speculative.method=histospec",
                            "speculative.max_draft_tokens=16", "speculative.adaptive_draft_length=true",

@@ -30,11 +30,6 @@ class SpeculativeConfig:
     min_confidence: float = field(
         default=0.1, metadata={"help": "Drop draft tokens whose history frequency falls below this fraction."}
     )
-    fallback_spec_factor: float = field(
-        default=1.0,
-        metadata={"help": "HistoSpec's own and cross sources (cold prompts, first epoch): a match of m tokens drafts "
-                          "at most m x this (vLLM's suffix_decoding_max_spec_factor; the history source allows 4)."},
-    )
     history_max_prompts: int = field(
         default=100_000, metadata={"help": "Prompts kept in the draft history store (least recently updated evicted)."}
     )
@@ -73,11 +68,6 @@ class SpeculativeConfig:
                           "(speculative/cost_gate.py): on in the tail, off in a full batch whose drafts do not "
                           "pay. Always on with one running request."},
     )
-    gated_min_confidence: float = field(
-        default=0.0,
-        metadata={"help": "HistoSpec with cost_gate: in a step the gate keeps from drafting, still draft the tokens "
-                          "whose path frequency is at least this (near-certain ones), instead of none (0: none)."},
-    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -92,10 +82,6 @@ class SpeculativeConfig:
             raise ConfigError("speculative.match_tokens", self.match_tokens, "an integer >= 1")
         if not 0.0 <= self.min_confidence <= 1.0:
             raise ConfigError("speculative.min_confidence", self.min_confidence, "a float in [0, 1]")
-        if self.fallback_spec_factor <= 0:
-            raise ConfigError("speculative.fallback_spec_factor", self.fallback_spec_factor, "a float > 0")
-        if not 0.0 <= self.gated_min_confidence <= 1.0:
-            raise ConfigError("speculative.gated_min_confidence", self.gated_min_confidence, "a float in [0, 1]")
         if self.history_max_prompts < 1:
             raise ConfigError("speculative.history_max_prompts", self.history_max_prompts, "an integer >= 1")
         if self.history_max_responses < 1:

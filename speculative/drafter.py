@@ -54,25 +54,19 @@ class DraftSettings:
     max_draft_tokens: int = 16  # longest draft (the adaptive length's cap)
     adaptive_length: bool = False  # per-request length rule; off: up to max_draft_tokens, confidence decides
     min_confidence: float = 0.1  # stop drafting where the history path frequency falls below this
-    max_spec_factor: float = 4.0  # history source: a match of m tokens may draft at most m * factor tokens
-    fallback_spec_factor: float = 1.0  # own and cross sources: the same bound (vLLM's suffix default, 1.0)
+    max_spec_factor: float = 4.0  # a match of m tokens may draft at most m * factor tokens
     epoch_weight: float = 2.0  # a response of a newer epoch counts this many times one of the epoch before
     sources: tuple[str, ...] = ("history", "own", "cross")  # draft sources tried (see SOURCES)
     cross_requests: int = 1024  # responses kept in the cross-prompt tree (oldest dropped first)
     max_batch_rows: int = 0  # no drafts in a step with more running rows than this (0: no limit)
     step_draft_budget: int = 0  # draft tokens per engine step, shared by its rows (0: no limit)
     cost_gate: bool = True  # no drafts in a step whose measured cost says they do not pay (speculative.cost_gate)
-    gated_min_confidence: float = 0.0  # in such a step, still draft the tokens at least this confident (0: none)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
             raise ValueError("need 1 <= min_draft_tokens <= max_draft_tokens")
-        if self.match_tokens < 1 or not 0.0 <= self.min_confidence <= 1.0 or min(self.max_spec_factor,
-                                                                                 self.fallback_spec_factor) <= 0:
-            raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor and "
-                             "fallback_spec_factor > 0")
-        if not 0.0 <= self.gated_min_confidence <= 1.0:
-            raise ValueError("need 0 <= gated_min_confidence <= 1")
+        if self.match_tokens < 1 or not 0.0 <= self.min_confidence <= 1.0 or self.max_spec_factor <= 0:
+            raise ValueError("need match_tokens >= 1, 0 <= min_confidence <= 1, max_spec_factor > 0")
         if self.epoch_weight < 1.0 or self.cross_requests < 1 or self.max_batch_rows < 0 or self.step_draft_budget < 0:
             raise ValueError("need epoch_weight >= 1, cross_requests >= 1, max_batch_rows >= 0, step_draft_budget >= 0")
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -85,14 +79,12 @@ class DraftSettings:
         """From `speculative.config.SpeculativeConfig` (or anything with the same attributes)."""
         return cls(match_tokens=cfg.match_tokens, min_draft_tokens=cfg.min_draft_tokens,
                    max_draft_tokens=cfg.max_draft_tokens, min_confidence=cfg.min_confidence,
-                   fallback_spec_factor=getattr(cfg, "fallback_spec_factor", 1.0),
                    adaptive_length=getattr(cfg, "adaptive_draft_length", False),
                    epoch_weight=getattr(cfg, "history_epoch_weight", 2.0),
                    sources=tuple(getattr(cfg, "sources", SOURCES)),
                    max_batch_rows=getattr(cfg, "max_batch_rows", 0),
                    step_draft_budget=getattr(cfg, "step_draft_budget", 0),
-                   cost_gate=getattr(cfg, "cost_gate", True),
-                   gated_min_confidence=getattr(cfg, "gated_min_confidence", 0.0))
+                   cost_gate=getattr(cfg, "cost_gate", True))
 
 
 @dataclass
@@ -222,17 +214,15 @@ class HistoryDrafter:
                     return key, length
         return None
 
-    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False,
-              min_confidence: float | None = None) -> Draft:
-        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history; it ends where
-        the path frequency falls below `min_confidence` (default: the settings')."""
+    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False) -> Draft:
+        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history."""
         index = self._index.get(key)
         if index is None or max_tokens <= 0 or len(tokens) == 0:
             return Draft()
         s = self.settings
-        floor = s.min_confidence if min_confidence is None else min_confidence
         context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
-        found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0, floor, tree)
+        found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0,
+                                             s.min_confidence, tree)
         return Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
                      float(found.score), "history")
 
@@ -294,21 +284,17 @@ class FallbackDrafter:
     def stop(self, label: str) -> None:
         self._local.pop(label, None)  # its response stays in the global tree until pushed out
 
-    def draft(self, label: str, tokens: np.ndarray, max_tokens: int, min_confidence: float | None = None) -> Draft:
+    def draft(self, label: str, tokens: np.ndarray, max_tokens: int) -> Draft:
         """Best of the own and cross drafts continuing `tokens` (the request's sequence so far)."""
         s = self.settings
-        floor = s.min_confidence if min_confidence is None else min_confidence
         best = Draft()
         if max_tokens <= 0 or len(tokens) == 0:
             return best
-        # As vLLM's `suffix` method: the whole tree depth is matched, and a match of m tokens drafts at most
-        # m * fallback_spec_factor. These trees hold other prompts' text and the request's own, weaker
-        # predictors than the prompt's history, so a short match must not start a long draft.
-        context = np.ascontiguousarray(tokens[-self.depth:], dtype=np.int32)
+        context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
         for source, tree in (("own", self._local.get(label)), ("cross", self._global)):
             if tree is None:
                 continue
-            found = tree.speculate_ndarray(context, int(max_tokens), s.fallback_spec_factor, 0.0, floor, False)
+            found = tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0, s.min_confidence, False)
             if found.token_ids and found.score > best.score:
                 best = Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
                              float(found.score), source)

@@ -10,8 +10,9 @@ Sibling drafts: the n samples of a prompt run at the same time and finish at dif
 `sibling_drafts` each finished response is recorded at once (same epoch: it joins the prompt's history)
 and shipped at most every `sibling_ship_interval_s`, so the siblings still running (the long tail) draft
 from the freshest responses there are. These shipments do not block the driver: it sends one and goes on
-(completions, rewards, harvest), and reads the engines' answers before it sends the next. A sample is recorded once, whether it is seen finishing or only
-in the trained batch (carried partial rollouts, runs without sibling drafts).
+(completions, rewards, harvest), and reads the engines' answers before it sends the next. A sample is
+recorded once, whether it is seen finishing or only in the trained batch (carried partial rollouts, runs
+without sibling drafts).
 
 Shipping is idempotent and self-healing: every engine answers the history version it holds; when one
 holds another version than the store shipped (an engine restarted, a new layout), everyone gets a full
@@ -46,11 +47,10 @@ def settings_of(cfg) -> dict[str, Any]:
     """The drafter settings (`DraftSettings` fields) that a `SpeculativeConfig` sets."""
     return {"match_tokens": cfg.match_tokens, "min_draft_tokens": cfg.min_draft_tokens,
             "max_draft_tokens": cfg.max_draft_tokens, "min_confidence": cfg.min_confidence,
-            "fallback_spec_factor": cfg.fallback_spec_factor,
             "adaptive_length": cfg.adaptive_draft_length,
             "epoch_weight": cfg.history_epoch_weight, "sources": list(cfg.sources),
             "max_batch_rows": cfg.max_batch_rows, "step_draft_budget": cfg.step_draft_budget,
-            "cost_gate": cfg.cost_gate, "gated_min_confidence": cfg.gated_min_confidence}
+            "cost_gate": cfg.cost_gate}
 
 
 class HistoryFeed:

@@ -28,9 +28,7 @@ with a few rows (the long tail) and costs real compute with a full batch. With `
 a step with more running rows proposes nothing (plain decoding); with `step_draft_budget` set, the rows
 of a step share that many draft tokens. With `cost_gate` (the default) a step drafts only where the engine's
 own measured time per generated token, in that batch-size bucket, is lower with drafts than without
-(`speculative/cost_gate.py`); with `gated_min_confidence` such a step still drafts, but only the tokens whose
-history path frequency is at least that (the low arm the gate compares against is then this one). All are
-per step, so
+(`speculative/cost_gate.py`). All are per step, so
 speculation comes back on by itself as the batch drains. `benchmarks/histospec_benchmark.py --batch-sweep`
 measures where the switch pays.
 
@@ -130,12 +128,9 @@ class HistoSpecProposer:
         # Batch-size switch (see module docstring): no drafts above max_batch_rows, a shared budget below,
         # and (cost_gate) none where the measured step cost says verifying them costs more than they save.
         gate = self.enabled and not (st.max_batch_rows and live > st.max_batch_rows)
-        floor = None  # drafts end at the settings' min_confidence
         if gate and self.gate is not None and not self.gate.decide(live):
             gate = False
             self.stats.totals["gated_steps"] = self.stats.totals.get("gated_steps", 0) + 1
-            if st.gated_min_confidence > 0:  # the step's low arm: only the drafts near-certain to be accepted
-                gate, floor = True, st.gated_min_confidence
         # A step is clean (its duration measures the cost of what the last call proposed) unless a request
         # started in it: its prefill is in the step. (A chunk of a long prompt's prefill that completes no
         # request is not seen; rare in RL, where prompts are short next to the step's token budget.)
@@ -193,9 +188,9 @@ class HistoSpecProposer:
             if gate and budget > 0:
                 context = row[:n]
                 if use_history and state.key:
-                    best = self.drafter.draft(state.key, context, budget, min_confidence=floor)
+                    best = self.drafter.draft(state.key, context, budget)
                 if self.fallback.active:
-                    other = self.fallback.draft(state.label, context, budget, min_confidence=floor)
+                    other = self.fallback.draft(state.label, context, budget)
                     if other.token_ids and (best is None or other.score > best.score):
                         best = other
             draft = best.token_ids if best is not None else []
@@ -217,7 +212,7 @@ class HistoSpecProposer:
             if clean and live:
                 self.gate.observe(live, self._last_drafted, tokens, t_start - self._t_last)
             self._t_last = t_start
-            self._last_drafted = gate and floor is None  # (a gated step's confident drafts are its low arm)
+            self._last_drafted = gate
         elapsed = time.perf_counter() - t_start
         self.stats.on_step(StepRecord(self._step, forwards, tokens, verified, accepted, drafted_rows,
                                       draft_tokens, elapsed), forwards=forwards, drafts_verified=n_drafts)

@@ -128,29 +128,3 @@ def test_one_outlier_step_does_not_flip_the_gate():
     assert gate.preferred(64) is False
     gate.observe(64, False, 64, 5.0)  # a plain step that also waited 5 s on something else
     assert gate.preferred(64) is False  # the median of the recent plain steps is unmoved
-
-
-def test_a_gated_step_with_a_confidence_floor_drafts_only_what_the_history_is_sure_of():
-    # History: the target response once, and twice a variant that leaves it at token 6. A draft through the
-    # fork follows the variant (2 of 3), which the target rejects; below the fork every path is certain.
-    variant = RESPONSE[:6] + [t + 1 for t in RESPONSE[6:]]
-    store = HistoryStore()
-    store.record(PROMPT, [RESPONSE, variant, variant], epoch=1)
-
-    class Never(StepCostGate):  # a gate that has measured that drafts never pay at any batch size
-        def decide(self, rows: int) -> bool:
-            return False
-
-    def run(**kw):
-        p = HistoSpecProposer(settings=DraftSettings(max_draft_tokens=8, sources=("history",), **kw))
-        p.apply_update(store.snapshot())
-        if p.gate is not None:
-            p.gate = Never()
-        _SimEngine([PROMPT] * 16, [RESPONSE] * 16, k=8).run(p)
-        return p.stats.totals.get("verified_history", 0), p.stats.totals.get("accepted_history", 0)
-
-    assert run() == (0, 0)  # gated, no floor: plain decoding
-    verified, accepted = run(gated_min_confidence=0.9)
-    assert verified > 0 and accepted == verified  # near-certain drafts only, every one accepted
-    verified, accepted = run(cost_gate=False)  # ungated at min_confidence 0.1: the fork's drafts fail
-    assert accepted < verified

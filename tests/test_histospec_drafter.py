@@ -245,7 +245,7 @@ def test_cross_source_drafts_from_other_requests_responses():
 
 
 def test_fallback_trees_grow_with_the_response():
-    fb = FallbackDrafter(DraftSettings(sources=("own", "cross"), fallback_spec_factor=4.0))  # (the bound: below)
+    fb = FallbackDrafter(DraftSettings(sources=("own", "cross")))
     fb.start("a", np.array([5, 6, 7, 8, 5, 6], dtype=np.int32), prompt_len=6)
     assert fb.draft("a", np.array([5, 6], dtype=np.int32), 2).token_ids == [7, 8]
     fb.extend("a", np.array([7, 8, 9, 10, 11], dtype=np.int32))
@@ -253,19 +253,6 @@ def test_fallback_trees_grow_with_the_response():
     d = fb.draft("b", np.array([3, 9], dtype=np.int32), 4)
     assert d.source == "cross" and d.token_ids == [10, 11]
     assert fb.draft("a", np.array([5, 6], dtype=np.int32), 2).source == "cross"  # no own tree any more
-
-
-def test_fallback_draft_is_bounded_by_its_match_as_in_vllm_suffix():
-    # A request whose text holds 1..20 once: a context ending in "3 4" matches 2 tokens (plus the new 99 before
-    # them, which breaks a longer match), so factor 1 drafts 2 tokens and factor 4 drafts 8.
-    seq = np.arange(1, 21, dtype=np.int32)
-    for factor, expect in ((1.0, [5, 6]), (4.0, [5, 6, 7, 8, 9, 10, 11, 12])):
-        fb = FallbackDrafter(DraftSettings(sources=("own",), fallback_spec_factor=factor, min_confidence=0.0))
-        fb.start("a", seq, prompt_len=20)
-        d = fb.draft("a", np.array([99, 3, 4], dtype=np.int32), 16)
-        assert d.source == "own" and d.match_len == 2 and d.token_ids == expect
-    with pytest.raises(ValueError, match="fallback_spec_factor"):
-        DraftSettings(fallback_spec_factor=0.0)
 
 
 def test_new_request_starts_at_its_prompts_last_draft_length():
