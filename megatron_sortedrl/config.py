@@ -380,8 +380,15 @@ class ClusterConfig:
     host_memory_gib: float = help_field(
         "Host memory of one node in GiB for the launch planner; 0: this machine's RAM (right when the check runs "
         "on a node of the allocation, as `train` does under Slurm).", 0.0)
+    worker_niceness: int = help_field(
+        "Niceness of the Ray workers (trainer ranks, engines) of the local Ray instance a run starts (no "
+        "ray_address); -1: Ray's default, 15, under which they lose the CPU to the driver, its reward workers and "
+        "anything else at 0. The CPU presets set 0: there they share a few cores with the driver.", -1)
 
     def __post_init__(self) -> None:
+        if not -1 <= self.worker_niceness <= 19:
+            raise ConfigError("cluster.worker_niceness", self.worker_niceness,
+                              "an integer from 0 to 19, or -1 for Ray's default")
         if self.device not in ("auto", "cpu", "gpu"):
             raise ConfigError("cluster.device", self.device, "one of auto, cpu, gpu")
         if self.gpu_memory_gib <= 0:

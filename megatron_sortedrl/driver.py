@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_sortedrl.errors import CheckpointError
+from megatron_sortedrl.placement import local_ray_env
 from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.relayout import apply_layout, layout_name
 from megatron_sortedrl.reward_stage import make_reward_stage
@@ -114,6 +115,7 @@ class Driver:
         # other Ray running on this machine (another user's run, a test) and share its CPUs.
         if not ray.is_initialized():
             need = cfg.parallel.world_size + cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
+            os.environ.update(local_ray_env(cfg.cluster))  # (worker niceness: read by the raylet ray.init starts)
             ray.init(address=cfg.cluster.ray_address or "local", include_dashboard=False, log_to_driver=False,
                      num_cpus=None if cfg.cluster.ray_address else max(need, os.cpu_count() or 1))
             self._owns_ray = True

@@ -321,3 +321,12 @@ def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+def local_ray_env(cluster: Any) -> dict[str, str]:
+    """Environment for the local Ray instance a run starts (`cluster`: `ClusterConfig`): the workers' niceness
+    (`cluster.worker_niceness`), read by the raylet when it starts them. Empty for Ray's default or for a
+    cluster given by `cluster.ray_address` (started elsewhere, with its own environment)."""
+    if cluster.ray_address or cluster.worker_niceness < 0:
+        return {}
+    return {"RAY_worker_niceness": str(cluster.worker_niceness)}

@@ -109,3 +109,15 @@ def test_cli_prints_resolved_config_with_override():
     assert result.returncode == 0
     assert load_config(None, ["rollout.num_workers=7"]).rollout.num_workers == 7
     assert "num_workers: 7" in result.stdout
+
+
+def test_worker_niceness_reaches_the_local_ray_only_and_is_bounded():
+    from megatron_sortedrl.config import ClusterConfig
+    from megatron_sortedrl.placement import local_ray_env
+
+    assert local_ray_env(ClusterConfig()) == {}  # -1: Ray's own default
+    assert local_ray_env(ClusterConfig(worker_niceness=0)) == {"RAY_worker_niceness": "0"}
+    assert local_ray_env(ClusterConfig(worker_niceness=0, ray_address="10.0.0.1:6379")) == {}  # not ours to start
+    assert local_ray_env(load_config("configs/tiny_cpu.yaml").cluster) == {"RAY_worker_niceness": "0"}
+    with pytest.raises(ConfigError, match="worker_niceness"):
+        ClusterConfig(worker_niceness=20)
