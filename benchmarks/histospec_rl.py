@@ -104,9 +104,12 @@ def workload_overrides(args) -> list[str]:
 
 
 def ray_env() -> dict:
-    """The environment of the head and of every run: Ray's token authentication off. `ray start` turns it on
-    when a token file exists on the machine, and the runs' `ray.init` (auth disabled) are then refused."""
-    return {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    """The environment of the head and of every run: Ray's token authentication off (`ray start` turns it on
+    when a token file exists on the machine, and the runs' `ray.init` (auth disabled) are then refused), and
+    the workers' niceness."""
+    # Workers at niceness 0, as the CPU presets' own local Ray would start them (`cluster.worker_niceness`);
+    # the runs attach to this head, so the preset's setting does not reach them.
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
 
 
 def start_ray_head(work: Path, tries: int = 10) -> tuple[subprocess.Popen, str]:
