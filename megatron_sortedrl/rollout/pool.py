@@ -559,7 +559,7 @@ class RolloutPool:
         """Calls a worker-extension method on every TP rank of every ready engine (e.g. "histospec_update")."""
         import ray
 
-        return ray.get([s.actor.rpc.remote(method, args, kwargs) for s in self.slots if s.state == "ready"])
+        return ray.get(self.collective_rpc_async(method, *args, **kwargs))
 
     def collective_rpc_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """As `collective_rpc`, without waiting: the calls' references, one per ready engine (`rpc_results`)."""
