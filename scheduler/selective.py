@@ -145,6 +145,7 @@ class SelectivePolicy:
         self.round_counts: Counter = Counter()  # outcomes since the last harvested round (the skip's feedback)
         self.step_tokens = Counter()  # generated / trained response tokens this update
         self._wasted_seen = 0
+        self._late: set[str] = set()  # sample ids of late-skipped instances, aborted but not yet handed back
         self.totals: Counter = Counter()  # whole run: outcomes, tokens
         inner.stats["sampling"] = self.totals
 
@@ -175,6 +176,7 @@ class SelectivePolicy:
     # -- protocol -----------------------------------------------------------------------------------------
 
     def compose_round(self, clock: Clock) -> Round | None:
+        self._late.clear()  # (a late skip between rounds had nothing running to hand back)
         rnd = self.inner.compose_round(clock)
         if rnd is None and (self.pending or self.extra_rounds):  # data used up mid-update: an empty round ends it
             self.flush = True
@@ -192,9 +194,43 @@ class SelectivePolicy:
                 self.step_tokens["filtered"] += sum(s.response_length for s in st.samples)
                 abort = sorted(set(abort) | set(self.inner.drop(st)))
                 self.account(st.key, "filtered", rewards)
+                abort += self._decide_again(st.prompt_id, st.epoch)
+        return abort
+
+    def _decide_again(self, prompt_id: str, epoch: int) -> list[str]:
+        """Late binding of the skip. A later instance of `prompt_id` that was let through before this group
+        completed (a window holding most of the dataset, or a lookahead, starts the next epoch's instances of
+        prompts still running) was decided on older history. With the streak this group just extended, the same
+        seeded draw decides it again: if it now says skip and none of the instance's responses has finished, the
+        instance leaves the live set, counted as skipped. The ids returned are aborted; whatever it had generated
+        counts as wasted (`generated_tokens`). A skip is never undone, so the outcome is the decision on the
+        freshest history available before the group was generated, or a skip on older history.
+        Measured in the 32B simulation (docs/benchmarks/selective_rollout_sim.md): without it, a third of the
+        first epoch after the start and most later decisions read a history one to four epochs old."""
+        if not self.cfg.history_skip:
+            return []
+        abort: list[str] = []
+        for later in range(epoch + 1, self.inner.cursor.epoch + 1):
+            st = self.inner.live.get(prompt_key(prompt_id, later))
+            if st is None or st.n_finished or self.gate.tried(prompt_id, later):
+                continue
+            # responses not running now (carried partials) are waste at once; running ones when handed back
+            self.inner.stats["wasted_tokens"] += sum(s.response_length for s in st.samples
+                                                     if st.status[s.sample_id] != "running")
+            running = self.inner.drop(st)
+            self._late.update(running)
+            abort += running
+            self.predicted.pop(st.key, None)
+            self.account(st.key, "skipped")
+            self.step_counts["skipped_late"] += 1
+            self.totals["skipped_late"] += 1
         return abort
 
     def on_sample_aborted(self, sample: Sample, clock: Clock) -> None:
+        if sample.sample_id in self._late:  # a late skip: what it had generated is waste
+            self._late.discard(sample.sample_id)
+            self.inner.stats["wasted_tokens"] += sample.response_length
+            return
         self.inner.on_sample_aborted(sample, clock)
 
     def harvest(self, clock: Clock) -> Harvest | None:
@@ -241,7 +277,7 @@ class SelectivePolicy:
         metrics = {
             "sampling/trained_groups": c["trained"], "sampling/filtered_groups": c["filtered"],
             "sampling/skipped_prompts": c["skipped"], "sampling/extra_rounds": self.extra_rounds,
-            "sampling/cap_hit": c["cap_hit"], "sampling/informative_share": c["trained"] / groups if groups else 0.0,
+            "sampling/skipped_late": c["skipped_late"], "sampling/cap_hit": c["cap_hit"], "sampling/informative_share": c["trained"] / groups if groups else 0.0,
             "sampling/predicted_informative": c["predicted_informative"],
             "sampling/actual_informative": c["actual_informative"],
             "sampling/prediction_accuracy": c["prediction_correct"] / groups if groups else 0.0,

@@ -171,6 +171,37 @@ def test_skip_saves_generation_and_is_deterministic_under_the_seed():
     assert a["generated_tokens"] / a["trained_tokens"] < d["generated_tokens"] / d["trained_tokens"]
 
 
+def test_a_late_skip_follows_the_streak_the_previous_group_just_extended():
+    """The whole dataset fits one twotier window and the lookahead starts the next epoch's instances while the
+    previous ones run, so their first decision reads no or older history. When a group completes uninformative,
+    a later live instance of its prompt with no finished response is decided again with the same seeded draw:
+    it leaves exactly when the gate, reading the extended streak, says skip."""
+    sim, run = with_sampling(*scenario(n=4, rollout_batch=4, update=16, group=12, prompts=12, epochs=5, mode="partial"),
+                             history_skip=True, skip_initial_probability=0.9, skip_floor=0.1)
+    run = replace(run, scheduler=replace(run.scheduler, lookahead=True))
+    policy, workload = build_policy(sim, run, "twotier")
+    rec = Recorder(policy)
+    checked = []
+    decide_again = policy._decide_again
+
+    def spy(prompt_id, epoch):
+        later = {st.key: st for st in policy.inner.live.values() if st.prompt_id == prompt_id and st.epoch > epoch}
+        expect = {k for k, st in later.items() if not st.n_finished and not policy.gate.tried(prompt_id, st.epoch)}
+        before = set(rec.outcomes)
+        abort = decide_again(prompt_id, epoch)
+        assert informative(rec.outcomes[f"{prompt_id}/e{epoch}"][1]) is False  # only an uninformative group extends it
+        assert set(rec.outcomes) - before == expect  # exactly the instances the fresher streak skips
+        assert all(rec.outcomes[k] == ("skipped", None) and k not in policy.inner.live for k in expect)
+        assert set(abort) <= {s.sample_id for k in expect for s in later[k].samples}
+        checked.extend(expect)
+        return abort
+
+    policy._decide_again = spy  # type: ignore[method-assign]
+    Simulator(sim, run, policy, workload).run_all()
+    assert checked and policy.totals["skipped_late"] == len(checked)
+    assert set(rec.outcomes) == {f"p{i}/e{e}" for i in range(12) for e in range(5)}  # nothing lost or counted twice
+
+
 @pytest.mark.parametrize("policy", ["sync", "twotier"])
 def test_resume_restores_reward_history_and_decisions_exactly(policy):
     sim, run = with_sampling(*scenario(n=8, rollout_batch=3, update=8, group=6, prompts=30, epochs=3, mode="partial"),
