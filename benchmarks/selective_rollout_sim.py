@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scheduler.report import bubble_ratios  # noqa: E402
+from scheduler.selective import SkipGate  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
 from scheduler.workload import PassRates  # noqa: E402
@@ -61,6 +62,33 @@ POLICIES = ("sync", "sorted", "tail", "twotier")
 GEN3X = "sync_gen3x"
 FILTERS = {"none": [], "ds": ["run.sampling.dynamic=true"],
            "ds+skip": ["run.sampling.dynamic=true", "run.sampling.history_skip=true"]}
+# Upper bounds for the skip (`--bounds`, twotier only; diagnostics, not policies: both read the workload's rewards).
+# `skip_fresh`: the same streak rule, floor, adaptive probability and seeded draws, but the streak is read from the
+# prompt's rewards in every earlier epoch as if each group had completed before the decision (the causal rule can
+# only read groups that have completed). `skip_oracle`: a prompt is generated exactly when its group will be
+# informative.
+BOUNDS = {"ds+skip_fresh": FILTERS["ds+skip"], "ds+skip_oracle": FILTERS["ds+skip"]}
+
+
+def bound_gate(filt: str, sim, n: int):
+    """A replacement for `SkipGate.tried` that decides with knowledge of the workload (see BOUNDS)."""
+    import random
+
+    rates = PassRates(sim.workload)
+
+    def uninformative(pid: str, epoch: int) -> bool:
+        return len({rates.reward(pid, epoch, i) for i in range(n)}) == 1
+
+    def tried(gate, pid: str, epoch: int) -> bool:
+        if filt == "ds+skip_oracle":
+            return not uninformative(pid, epoch)
+        streak = 0
+        while streak < epoch and uninformative(pid, epoch - 1 - streak):
+            streak += 1
+        prob = 1.0 if streak == 0 else max(gate.cfg.skip_floor, (1.0 - gate.p) ** streak)
+        return random.Random(f"{gate.seed}:skip:{pid}:{epoch}").random() < prob
+
+    return tried
 
 
 def row_of(result, policy: str, filt: str, wall: float) -> dict:
@@ -97,9 +125,15 @@ def one(config: str, epochs: int, policy: str, filt: str, overrides: list[str], 
         update = run0.scheduler.rollout_batch_size
         policy, gen = "sync", [f"run.scheduler.rollout_batch_size={3 * update}",
                                f"run.sampling.min_informative_groups={update}"]
-    sim, run = load_sim_config(ROOT / config, [f"workload.num_epochs={epochs}", *FILTERS[filt], *overrides, *gen])
+    sim, run = load_sim_config(ROOT / config, [f"workload.num_epochs={epochs}", *{**FILTERS, **BOUNDS}[filt], *overrides, *gen])
     t0 = time.time()
-    row = row_of(simulate(sim, run, policy), label, filt, time.time() - t0)
+    gate_tried = SkipGate.tried
+    if filt in BOUNDS:  # (restored below: a pool worker runs other simulations after this one)
+        SkipGate.tried = bound_gate(filt, sim, run.rollout.n_samples_per_prompt)  # type: ignore[method-assign]
+    try:
+        row = row_of(simulate(sim, run, policy), label, filt, time.time() - t0)
+    finally:
+        SkipGate.tried = gate_tried  # type: ignore[method-assign]
     row["prompts_per_round"] = run.scheduler.group_size if policy in ("sorted", "twotier") else run.scheduler.rollout_batch_size
     if path:
         path.write_text(json.dumps({"key": key, "row": row}))
@@ -208,6 +242,9 @@ def main() -> int:
                     help="comma list of further workload seeds: sync + DS, twotier + DS and twotier + DS + skip are "
                     "simulated again on each, and the headline ratios' median, min and max over all seeds are "
                     "written (`seed_spread`); the rows stay those of the config's own seed")
+    ap.add_argument("--bounds", action="store_true",
+                    help="also simulate twotier with two upper bounds of the skip that read the workload's rewards "
+                    "(fresh history; an oracle) and write them as `bounds` (not rows)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="extra sim overrides (key=value; run.* for the run config)")
     args = ap.parse_args()
@@ -227,9 +264,12 @@ def main() -> int:
     seeds = [int(x) for x in args.seeds.split(",") if x]
     spread_jobs = [(args.config, args.epochs, policy, filt, [*args.overrides, f"workload.seed={seed}"], args.cache)
                    for seed in seeds for policy, filt in SPREAD]
+    bound_jobs = [(args.config, args.epochs, "twotier", filt, args.overrides, args.cache) for filt in BOUNDS] \
+        if args.bounds else []
     with multiprocessing.Pool(args.jobs) as pool:  # independent simulations; each is single-threaded
-        done = pool.starmap(one, jobs + spread_jobs, chunksize=1)
-    rows, spread_rows = done[: len(jobs)], done[len(jobs):]
+        done = pool.starmap(one, jobs + spread_jobs + bound_jobs, chunksize=1)
+    rows, spread_rows = done[: len(jobs)], done[len(jobs): len(jobs) + len(spread_jobs)]
+    bounds = done[len(jobs) + len(spread_jobs):]
     if args.no_write:
         return 0
     rows += old_rows
@@ -258,6 +298,10 @@ def main() -> int:
               "command": "python benchmarks/selective_rollout_sim.py " + " ".join(sys.argv[1:]),
               "expected_informative_share_per_epoch": share, "headline": headline,
               "bench_wall_s": round(time.time() - t_all, 1), "rows": rows}
+    if bounds:
+        for b in bounds:
+            b["speedup_vs_twotier_ds"] = pick[("twotier", "ds")]["time_per_informative_group_s"] / b["time_per_informative_group_s"]
+        result["bounds"] = bounds
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     head = (f"# Selective rollout in the simulator: {sim.name}, {args.epochs} epochs\n\n`{result['command']}`. "
@@ -271,6 +315,15 @@ def main() -> int:
             + (f"; {headline['twotier_ds_skip_speedup_vs_sync_gen3x_ds']:.2f}x sync + DS generating 3 updates' "
                f"prompts per round ({GEN3X}, as verl's DAPO recipe)" if (GEN3X, "ds") in pick else "") + ".")
     table = markdown(rows, head)
+    if bounds:
+        table += ("\n\nUpper bounds of the skip (`--bounds`; they read the workload's rewards, so no policy can run them): "
+                  "`skip_fresh` is the same rule reading every earlier epoch's rewards as if each group had completed "
+                  "before the decision; `skip_oracle` generates exactly the prompts whose group will be informative.\n\n"
+                  "| policy | bound | s / informative group | vs twotier + DS | informative groups | rounds | skipped |\n"
+                  "|---|---|---|---|---|---|---|\n" + "\n".join(
+                      f"| {b['policy']} | {b['filter']} | {b['time_per_informative_group_s']:.2f} | "
+                      f"{b['speedup_vs_twotier_ds']:.2f}x | {b['informative_groups']} | {b['rounds']} | {b['skipped_prompts']} |"
+                      for b in bounds))
     sources = sorted({r["reused_from"] for r in rows if r.get("reused_from")})
     if sources:  # honest about what was not rerun: its ratio divides by this run's sync + DS
         table += (f"\n\n\\* Reused from {', '.join(sources)} (`--reuse`), not simulated in this run: the change since "
