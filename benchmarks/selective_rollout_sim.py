@@ -64,9 +64,9 @@ FILTERS = {"none": [], "ds": ["run.sampling.dynamic=true"],
            "ds+skip": ["run.sampling.dynamic=true", "run.sampling.history_skip=true"]}
 # Upper bounds for the skip (`--bounds`, twotier only; diagnostics, not policies: both read the workload's rewards).
 # `skip_fresh`: the same streak rule, floor, adaptive probability and seeded draws, but the streak is read from the
-# prompt's rewards in every earlier epoch as if each group had completed before the decision (the causal rule can
-# only read groups that have completed). `skip_oracle`: a prompt is generated exactly when its group will be
-# informative.
+# prompt's earlier *generated* groups as if each had completed before the decision (the causal rule can only read
+# groups that have completed; epochs in which the prompt was skipped add nothing, as in the real history).
+# `skip_oracle`: a prompt is generated exactly when its group will be informative.
 BOUNDS = {"ds+skip_fresh": FILTERS["ds+skip"], "ds+skip_oracle": FILTERS["ds+skip"]}
 
 
@@ -79,14 +79,25 @@ def bound_gate(filt: str, sim, n: int):
     def uninformative(pid: str, epoch: int) -> bool:
         return len({rates.reward(pid, epoch, i) for i in range(n)}) == 1
 
+    decided: dict[tuple[str, int], bool] = {}  # (prompt, epoch) -> generated; a decision stands once taken
+
     def tried(gate, pid: str, epoch: int) -> bool:
+        if (pid, epoch) in decided:
+            return decided[(pid, epoch)]
         if filt == "ds+skip_oracle":
-            return not uninformative(pid, epoch)
-        streak = 0
-        while streak < epoch and uninformative(pid, epoch - 1 - streak):
-            streak += 1
-        prob = 1.0 if streak == 0 else max(gate.cfg.skip_floor, (1.0 - gate.p) ** streak)
-        return random.Random(f"{gate.seed}:skip:{pid}:{epoch}").random() < prob
+            go = not uninformative(pid, epoch)
+        else:
+            streak = 0
+            for earlier in range(epoch - 1, -1, -1):
+                if not decided.get((pid, earlier), True):
+                    continue  # skipped then: no group, the history did not change
+                if not uninformative(pid, earlier):
+                    break
+                streak += 1
+            prob = 1.0 if streak == 0 else max(gate.cfg.skip_floor, (1.0 - gate.p) ** streak)
+            go = random.Random(f"{gate.seed}:skip:{pid}:{epoch}").random() < prob
+        decided[(pid, epoch)] = go
+        return go
 
     return tried
 
