@@ -328,8 +328,9 @@ def main() -> int:
     table = markdown(rows, head)
     if bounds:
         table += ("\n\nUpper bounds of the skip (`--bounds`; they read the workload's rewards, so no policy can run them): "
-                  "`skip_fresh` is the same rule reading every earlier epoch's rewards as if each group had completed "
-                  "before the decision; `skip_oracle` generates exactly the prompts whose group will be informative.\n\n"
+                  "`skip_fresh` is the same rule reading the prompt's earlier generated groups as if each had completed "
+                  "before the decision (no latency); `skip_oracle` generates exactly the prompts whose group will be "
+                  "informative.\n\n"
                   "| policy | bound | s / informative group | vs twotier + DS | informative groups | rounds | skipped |\n"
                   "|---|---|---|---|---|---|---|\n" + "\n".join(
                       f"| {b['policy']} | {b['filter']} | {b['time_per_informative_group_s']:.2f} | "
