@@ -171,8 +171,7 @@ class HistoryFeed:
                 out[k] = out.get(k, 0.0) + float(got.get(k, 0.0))
         return out
 
-    def summary(self) -> dict[str, float]:
-        """Tokens per target forward of this run (this process), overall and per round kind, for summary.json."""
+    def _tokens_per_forward(self) -> dict[str, float]:
         if not self.cfg.enabled or not self._by_kind:
             return {}
         tok = sum(t for t, _ in self._by_kind.values())
@@ -181,9 +180,28 @@ class HistoryFeed:
         out.update({f"spec_tokens_per_forward_{k}": t / f for k, (t, f) in self._by_kind.items() if f})
         return out
 
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: tokens per target forward of this run (this process), overall and per round kind,
+        and with HistoSpec's cost gate its per-engine state (`spec_cost_gate`, see `gate_states`)."""
+        out: dict[str, Any] = dict(self._tokens_per_forward())
+        if out and self.active and self.cfg.cost_gate:
+            out["spec_cost_gate"] = self.gate_states()
+        return out
+
+    def gate_states(self) -> list[dict[str, Any]]:
+        """Per engine, what its cost gate last based its decisions on: per bucket of running requests (keyed by
+        the bucket's smallest count), the median ms per generated token of recent plain and drafted steps and how
+        many of each it holds (`speculative/cost_gate.py`). docs/speculative.md explains how to read it."""
+        out = []
+        for per in self.pool.collective_rpc("histospec_stats"):
+            first = next((r for r in per if isinstance(r, dict) and r.get("active")), None)
+            if first and "cost_gate" in first:
+                out.append(first["cost_gate"])
+        return out
+
     def describe(self) -> str:
         """One line for the end of a run ("" without speculation)."""
-        sm = self.summary()
+        sm = self._tokens_per_forward()
         if not sm:
             return ""
         kinds = ", ".join(f"{k} rounds {sm[f'spec_tokens_per_forward_{k}']:.2f}" for k in ("short", "long")

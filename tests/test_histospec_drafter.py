@@ -306,7 +306,32 @@ class _RecordingPool:
             return [[{"active": True, **p.apply_update(args[0])}] for p in self.proposers]
         if method == "histospec_configure":
             return [[{"active": True, **p.configure(**kwargs)}] for p in self.proposers]
-        return [[{"active": True, "totals": dict(p.stats.totals)}] for p in self.proposers]
+        gate = lambda p: {"cost_gate": p.gate.state()} if p.gate is not None else {}  # noqa: E731 (as the extension)
+        return [[{"active": True, "totals": dict(p.stats.totals), **gate(p)}] for p in self.proposers]
+
+
+def test_run_summary_carries_each_engines_cost_gate_medians():
+    """summary.json's `spec_cost_gate`: per engine, per bucket of running requests, the median ms per generated
+    token of the plain and the drafted steps its gate holds; absent without the gate or without HistoSpec."""
+    from speculative.feed import HistoryFeed
+
+    pool = _RecordingPool(2)
+    for k, p in enumerate(pool.proposers):
+        for seconds in (0.010, 0.012, 0.016):  # 64 rows, 64 tokens: plain steps at 0.156, 0.1875, 0.25 ms/token
+            p.gate.observe(rows=64, drafted=False, tokens=64, seconds=seconds * (k + 1))
+        p.gate.observe(rows=5, drafted=True, tokens=20, seconds=0.004)  # 4-7 rows: 0.2 ms/token
+    feed = HistoryFeed(SpeculativeConfig(), pool)
+    feed._by_kind = {"short": [300.0, 100.0]}  # (what `end_step` accumulates from the engines' counters)
+    got = feed.summary()
+    assert got["spec_tokens_per_forward"] == 3.0
+    assert [g["64"]["plain_ms"] for g in got["spec_cost_gate"]] == pytest.approx([0.1875, 0.375])
+    assert [(g["64"]["plain_n"], g["64"]["drafted_n"], g["4"]["drafted_ms"]) for g in got["spec_cost_gate"]] == \
+        [(3, 0, pytest.approx(0.2))] * 2
+    for cfg in (SpeculativeConfig(cost_gate=False), SpeculativeConfig(method="suffix")):
+        other = HistoryFeed(cfg, pool)
+        other._by_kind = {"short": [300.0, 100.0]}
+        assert other.summary() == {"spec_tokens_per_forward": 3.0, "spec_tokens_per_forward_short": 3.0}
+    assert HistoryFeed(SpeculativeConfig(), pool).summary() == {}  # nothing generated yet: no figures at all
 
 
 def test_feed_ships_siblings_once_and_heals_a_restarted_engine():
