@@ -128,6 +128,9 @@ class PolicyBase:
         self.by_sample: dict[str, str] = {}  # sample_id -> prompt key
         self.round: Round | None = None
         self.stats: dict[str, Any] = {"staleness": Counter(), "wasted_tokens": 0, "resumed": 0, "reset_stale": 0}
+        # sample id -> tokens already counted, for responses still running when their prompt left the live set
+        # (taken with its group complete, or dropped): what they generate until handed back is waste too
+        self._gone: dict[str, int] = {}
 
     # -- helpers for subclasses ---------------------------------------------------------------------------
 
@@ -163,6 +166,7 @@ class PolicyBase:
 
     def make_round(self, kind: str, states: list[PromptState], deferred: Sequence[str] = ()) -> Round:
         """Refreshes, builds and places the requests for every queued sample of `states`."""
+        self._gone.clear()  # (the last round's aborts were all handed back before this one is composed)
         requests = self.requests_for(states)
         prompt_len = sum(len(r.sample.prompt_tokens) for r in requests) / max(1, len(requests))
         layout = self.planner.plan(kind, [r.predicted_length for r in requests], prompt_len)
@@ -210,6 +214,8 @@ class PolicyBase:
         for s in st.samples:
             self.by_sample.pop(s.sample_id, None)
             self.stats["filtered_tokens"] = self.stats.get("filtered_tokens", 0) + s.response_length
+            if s.sample_id in running:
+                self._gone[s.sample_id] = s.response_length
         del self.live[st.key]
         for name in ("queue", "carry"):  # the policies' own key lists (long-tail queue, carried prompts)
             keys = getattr(self, name, None)
@@ -230,6 +236,8 @@ class PolicyBase:
                 self.by_sample.pop(s.sample_id, None)
                 if s.sample_id not in kept_ids:
                     self.stats["wasted_tokens"] += s.response_length
+                    if st.status[s.sample_id] == "running":
+                        self._gone[s.sample_id] = s.response_length
             batch.extend(kept)
             del self.live[st.key]
         for s in batch:
@@ -247,7 +255,17 @@ class PolicyBase:
         key = self.by_sample.get(sample.sample_id)
         return self.live.get(key) if key else None
 
+    def _count_gone(self, sample: Sample) -> bool:
+        """A response handed back (finished or aborted) after its prompt left the live set while it ran: what it
+        generated since counts as waste. Returns whether it was one."""
+        if sample.sample_id not in self._gone:
+            return False
+        self.stats["wasted_tokens"] += max(0, sample.response_length - self._gone.pop(sample.sample_id))
+        return True
+
     def on_sample_finished(self, sample: Sample, clock: Clock) -> list[str]:
+        if self._count_gone(sample):
+            return []
         st = self._state(sample)
         if st is None or sample.sample_id not in st.status:  # already dropped (e.g. a surplus response)
             return []
@@ -260,6 +278,8 @@ class PolicyBase:
         return []
 
     def on_sample_aborted(self, sample: Sample, clock: Clock) -> None:
+        if self._count_gone(sample):
+            return
         st = self._state(sample)
         if st is None or sample.sample_id not in st.status:
             return

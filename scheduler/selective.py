@@ -145,7 +145,6 @@ class SelectivePolicy:
         self.round_counts: Counter = Counter()  # outcomes since the last harvested round (the skip's feedback)
         self.step_tokens = Counter()  # generated / trained response tokens this update
         self._wasted_seen = 0
-        self._late: set[str] = set()  # sample ids of late-skipped instances, aborted but not yet handed back
         self.totals: Counter = Counter()  # whole run: outcomes, tokens
         inner.stats["sampling"] = self.totals
 
@@ -176,7 +175,6 @@ class SelectivePolicy:
     # -- protocol -----------------------------------------------------------------------------------------
 
     def compose_round(self, clock: Clock) -> Round | None:
-        self._late.clear()  # (a late skip between rounds had nothing running to hand back)
         rnd = self.inner.compose_round(clock)
         if rnd is None and (self.pending or self.extra_rounds):  # data used up mid-update: an empty round ends it
             self.flush = True
@@ -192,7 +190,7 @@ class SelectivePolicy:
             rewards = self._group_rewards(st)
             if not informative(rewards):
                 self.step_tokens["filtered"] += sum(s.response_length for s in st.samples)
-                abort = sorted(set(abort) | set(self.inner.drop(st)))
+                abort = sorted(set(abort) | set(self.inner.drop(st)))  # (its surplus: counted when handed back)
                 self.account(st.key, "filtered", rewards)
                 abort += self._decide_again(st.prompt_id, st.epoch)
         return abort
@@ -214,12 +212,9 @@ class SelectivePolicy:
             st = self.inner.live.get(prompt_key(prompt_id, later))
             if st is None or st.n_finished or self.gate.tried(prompt_id, later):
                 continue
-            # responses not running now (carried partials) are waste at once; running ones when handed back
-            self.inner.stats["wasted_tokens"] += sum(s.response_length for s in st.samples
-                                                     if st.status[s.sample_id] != "running")
-            running = self.inner.drop(st)
-            self._late.update(running)
-            abort += running
+            # what it holds is waste now (carried partials); what its running responses add, when handed back
+            self.inner.stats["wasted_tokens"] += sum(s.response_length for s in st.samples)
+            abort += self.inner.drop(st)
             self.predicted.pop(st.key, None)
             self.account(st.key, "skipped")
             self.step_counts["skipped_late"] += 1
@@ -227,10 +222,6 @@ class SelectivePolicy:
         return abort
 
     def on_sample_aborted(self, sample: Sample, clock: Clock) -> None:
-        if sample.sample_id in self._late:  # a late skip: what it had generated is waste
-            self._late.discard(sample.sample_id)
-            self.inner.stats["wasted_tokens"] += sample.response_length
-            return
         self.inner.on_sample_aborted(sample, clock)
 
     def harvest(self, clock: Clock) -> Harvest | None:
