@@ -333,6 +333,14 @@ def test_run_summary_carries_each_engines_cost_gate_medians():
         assert other.summary() == {"spec_tokens_per_forward": 3.0, "spec_tokens_per_forward_short": 3.0}
     assert HistoryFeed(SpeculativeConfig(), pool).summary() == {}  # nothing generated yet: no figures at all
 
+    class _Gone(_RecordingPool):
+        def collective_rpc(self, method, *args, **kwargs):
+            raise RuntimeError("engine died")
+
+    lost = HistoryFeed(SpeculativeConfig(), _Gone(1))
+    lost._by_kind = {"long": [30.0, 10.0]}
+    assert lost.summary() == {"spec_tokens_per_forward": 3.0, "spec_tokens_per_forward_long": 3.0}
+
 
 def test_feed_ships_siblings_once_and_heals_a_restarted_engine():
     from speculative.feed import HistoryFeed
