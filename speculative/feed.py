@@ -184,8 +184,8 @@ class HistoryFeed:
         """For summary.json: tokens per target forward of this run (this process), overall and per round kind,
         and with HistoSpec's cost gate its per-engine state (`spec_cost_gate`, see `gate_states`)."""
         out: dict[str, Any] = dict(self._tokens_per_forward())
-        if out and self.active and self.cfg.cost_gate:
-            out["spec_cost_gate"] = self.gate_states()
+        if out and self.active and self.cfg.cost_gate and (states := self.gate_states()):
+            out["spec_cost_gate"] = states
         return out
 
     def gate_states(self) -> list[dict[str, Any]]:
