@@ -56,7 +56,9 @@ RAY_STARTUP_ERROR = "timed out during startup"
 # whose load average is far above its core count; they only matter while processes start.
 RAY_PATIENCE = {"RAY_raylet_start_wait_time_s": "600", "RAY_agent_register_timeout_ms": "600000",
                 "RAY_worker_register_timeout_seconds": "600",
-                "RAY_AUTH_MODE": "disabled"}  # a head on this machine only, shared by this benchmark's own runs
+                "RAY_AUTH_MODE": "disabled",  # a head on this machine only, shared by this benchmark's own runs
+                # its workers at the driver's priority, as the CPU presets' own local Ray (cluster.worker_niceness)
+                "RAY_worker_niceness": "0"}
 STARTUP_RETRIES = 4
 
 
