@@ -72,8 +72,6 @@ BOUNDS = {"ds+skip_fresh": FILTERS["ds+skip"], "ds+skip_oracle": FILTERS["ds+ski
 
 def bound_gate(filt: str, sim, n: int):
     """A replacement for `SkipGate.tried` that decides with knowledge of the workload (see BOUNDS)."""
-    import random
-
     rates = PassRates(sim.workload)
 
     def uninformative(pid: str, epoch: int) -> bool:
@@ -94,8 +92,7 @@ def bound_gate(filt: str, sim, n: int):
                 if not uninformative(pid, earlier):
                     break
                 streak += 1
-            prob = 1.0 if streak == 0 else max(gate.cfg.skip_floor, (1.0 - gate.p) ** streak)
-            go = random.Random(f"{gate.seed}:skip:{pid}:{epoch}").random() < prob
+            go = gate.draw(pid, epoch) < gate.probability(streak)
         decided[(pid, epoch)] = go
         return go
 

@@ -71,14 +71,20 @@ class SkipGate:
         self.p = cfg.skip_initial_probability if cfg.history_skip else 0.0
 
     def try_probability(self, prompt_id: str) -> float:
-        streak = self.history.reward_streak(prompt_id)
+        return self.probability(self.history.reward_streak(prompt_id))
+
+    def probability(self, streak: int) -> float:
+        """Chance of generating a prompt whose last `streak` groups were uninformative."""
         if not self.cfg.history_skip or streak == 0:
             return 1.0
         return max(self.cfg.skip_floor, (1.0 - self.p) ** streak)
 
+    def draw(self, prompt_id: str, epoch: int) -> float:
+        """The instance's seeded uniform draw: generated when it is below the try probability."""
+        return random.Random(f"{self.seed}:skip:{prompt_id}:{epoch}").random()
+
     def tried(self, prompt_id: str, epoch: int) -> bool:
-        draw = random.Random(f"{self.seed}:skip:{prompt_id}:{epoch}").random()
-        return draw < self.try_probability(prompt_id)
+        return self.draw(prompt_id, epoch) < self.try_probability(prompt_id)
 
     def adapt(self, uninformative: int, generated: int) -> None:
         """After every harvested round, summed over its complete groups: each uninformative group raises `p` by

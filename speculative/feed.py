@@ -151,12 +151,16 @@ class HistoryFeed:
         self.ship(full=True)
 
     # -- metrics ------------------------------------------------------------------------------------
+    def _engine_stats(self) -> list[dict[str, Any]]:
+        """`histospec_stats` of every engine (its first active TP rank; {} for an engine without HistoSpec)."""
+        return [next((r for r in per if isinstance(r, dict) and r.get("active")), None) or {}
+                for per in self.pool.collective_rpc("histospec_stats")]
+
     def counters(self) -> dict[str, float]:
         """Cumulative proposer counters summed over engines (first TP rank of each)."""
         out: dict[str, float] = {}
-        for per in self.pool.collective_rpc("histospec_stats"):
-            first = next((r for r in per if isinstance(r, dict) and r.get("active")), None)
-            for k, v in (first or {}).get("totals", {}).items():
+        for stats in self._engine_stats():
+            for k, v in stats.get("totals", {}).items():
                 out[k] = out.get(k, 0.0) + float(v)
         return out
 
@@ -192,17 +196,12 @@ class HistoryFeed:
         """Per engine, what its cost gate last based its decisions on: per bucket of running requests (keyed by
         the bucket's smallest count), the median ms per generated token of recent plain and drafted steps and how
         many of each it holds (`speculative/cost_gate.py`). docs/speculative.md explains how to read it."""
-        out = []
         try:
-            answers = self.pool.collective_rpc("histospec_stats")
+            engines = self._engine_stats()
         except Exception as e:  # an engine lost at the very end must not cost the run its summary
             log.warning("spec_cost_gate left out of the summary: the engines did not answer (%s)", e)
-            return out
-        for per in answers:
-            first = next((r for r in per if isinstance(r, dict) and r.get("active")), None)
-            if first and "cost_gate" in first:
-                out.append(first["cost_gate"])
-        return out
+            return []
+        return [stats["cost_gate"] for stats in engines if "cost_gate" in stats]
 
     def describe(self) -> str:
         """One line for the end of a run ("" without speculation)."""
