@@ -58,14 +58,17 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# name -> (scheduler.policy, speculative.enabled); `sync` is the baseline every ratio refers to.
+# name -> (scheduler.policy, speculative.enabled, trainer.stream); `sync` is the baseline every ratio refers to.
 VARIANTS = {
-    "sync": ("sync", False),
-    "tail": ("tail", False),
-    "sorted": ("sorted", False),
-    "twotier": ("twotier", False),
-    "twotier+histospec": ("twotier", True),
-    "sync+histospec": ("sync", True),
+    "sync": ("sync", False, False),
+    "tail": ("tail", False, False),
+    "sorted": ("sorted", False, False),
+    "twotier": ("twotier", False, False),
+    "twotier+histospec": ("twotier", True, False),
+    "sync+histospec": ("sync", True, False),
+    "sync+stream": ("sync", False, True),
+    "twotier+stream": ("twotier", False, True),
+    "twotier+histospec+stream": ("twotier", True, True),
 }
 BASELINE, HEADLINE = "sync", "twotier+histospec"
 PRESETS = {
@@ -114,7 +117,7 @@ class Session:
         self.startup_s = time.monotonic() - t0
         print(f"driver up in {self.startup_s:.0f}s", flush=True)
 
-    def run_config(self, policy: str, seed: int, run_dir: Path, warmup: bool = False):
+    def run_config(self, policy: str, seed: int, run_dir: Path, warmup: bool = False, stream: bool = False):
         from megatron_sortedrl.config import load_config
 
         args = self.args
@@ -123,7 +126,8 @@ class Session:
             f"data.num_epochs={args.epochs}", f"trainer.total_steps={args.prompts * args.epochs}",
             "trainer.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.resume=never",
             f"logging.run_dir={run_dir}", f"scheduler.policy={policy}",
-            f"speculative.enabled={str(self.spec).lower()}", "speculative.method=histospec"]
+            f"speculative.enabled={str(self.spec).lower()}", "speculative.method=histospec",
+            f"trainer.stream={str(stream).lower()}"]
         if not warmup:
             keys.append("trainer.warmup_sft_steps=0")
         elif args.warmup_steps is not None:
@@ -165,11 +169,13 @@ class Session:
         from scheduler.policies import make_policy
         from speculative.history import HistoryStore
 
-        policy, spec = VARIANTS[name]
+        from megatron_sortedrl.trainer.stream import DriverStream
+
+        policy, spec, stream = VARIANTS[name]
         assert spec == self.spec
         run_dir = self.work / f"{name.replace('+', '_')}_r{repeat}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        cfg = self.run_config(policy, self.args.seed + repeat, run_dir)
+        cfg = self.run_config(policy, self.args.seed + repeat, run_dir, stream=stream)
         d = self.driver
         for close in d.records.closers():
             close()
@@ -186,6 +192,7 @@ class Session:
         d.policy = make_policy(cfg.scheduler, sorted(d.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                max_response_length=cfg.rollout.max_response_length, planner=planner, seed=cfg.seed,
                                sample_factory=d._new_sample, num_epochs=cfg.data.num_epochs or None)
+        d.stream = DriverStream(d.trainer, d.policy) if stream else None
         d.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
                                  max_responses_per_prompt=cfg.speculative.history_max_responses)
         d._shipped = 0
@@ -289,9 +296,56 @@ def train_cost_fit(run_dirs: list[str]) -> dict:
             "r2": float(1 - resid.var() / y.var()) if y.var() > 0 else None}
 
 
+def rollout_floor(run_dir: Path, max_num_seqs: int) -> dict:
+    """The least rollout time any schedule could spend on this run's responses, from the engine costs measured in
+    the run itself (`scheduler.calibrate`: decode step `a + b B + c C` for B running sequences of total context C,
+    prefill `pi` per prompt token).
+
+    A plain decode step makes one token per running sequence, so over any schedule the steps sum to
+    `a S + b T + c sum(C)`: T = tokens generated, sum(C) = the context of every (sequence, token) pair, fixed
+    by the lengths (token j of a response with prompt p sees p + j), and S >= T / max_num_seqs steps. Adding one
+    prefill per prompt gives the floor `at_cap`. A speculative step verifies several positions per sequence, each
+    at least the cost of one decode position (b + c x its context) on this linear cost model, and may take fewer
+    steps: the floor `any_schedule` drops the per-step and prefill terms (a = pi = 0), which bounds every
+    scheduler and every draft source (as long as verifying a position costs what decoding it does; on this CPU
+    engine it costs more, docs/speculative.md)."""
+    from scheduler.calibrate import calibrate_run
+
+    cal = calibrate_run(run_dir)
+    fit, p = cal.fit, float(cal.prompt_tokens)
+    lens = [n for by_epoch in cal.lengths.values() for ns in by_epoch.values() for n in ns]
+    tokens = float(sum(lens))
+    context = sum(n * p + n * (n - 1) / 2 for n in lens)
+    per_token = fit["b_s"] * tokens + fit["c_s"] * context
+    at_cap = fit["a_s"] * tokens / max_num_seqs + per_token + fit["prefill_s_per_token"] * p * len(lens)
+    return {"samples": len(lens), "tokens": tokens, "a_s": fit["a_s"], "b_s": fit["b_s"], "c_s": fit["c_s"],
+            "prefill_s_per_token": fit["prefill_s_per_token"], "decode_rel_rms": fit["decode_rel_rms"],
+            "at_cap_ms_per_sample": 1e3 * at_cap / len(lens), "any_schedule_ms_per_sample": 1e3 * per_token / len(lens)}
+
+
+def speedup_ceiling(sync_runs: list[dict], max_num_seqs: int) -> dict:
+    """What no policy can beat on this machine: sync's step time per sample against the rollout floor plus sync's
+    own non-rollout time (train, weight sync, history, other; every variant trains the same samples, and on 2
+    saturated cores stream training moves that work rather than hiding it: see the +stream rows). Per sync
+    repeat, then the median."""
+    per = []
+    for r in sync_runs:
+        floor = rollout_floor(Path(r["run_dir"]), max_num_seqs)
+        ms, rollout = 1e3 * r["s_per_sample_steps"], r["rollout_ms_per_sample"]
+        rest = ms - rollout
+        per.append({**floor, "sync_ms_per_sample": ms, "sync_rollout_ms_per_sample": rollout,
+                    "sync_other_ms_per_sample": rest,
+                    "ceiling_at_cap": ms / (floor["at_cap_ms_per_sample"] + rest),
+                    "ceiling_any_schedule": ms / (floor["any_schedule_ms_per_sample"] + rest)})
+    med = {k: statistics.median(x[k] for x in per) for k in ("ceiling_at_cap", "ceiling_any_schedule",
+                                                             "at_cap_ms_per_sample", "any_schedule_ms_per_sample")}
+    return {**med, "max_num_seqs": max_num_seqs, "per_sync_repeat": per}
+
+
 def median_row(name: str, runs: list[dict]) -> dict:
     """Median over repeats of every scalar (min and max of the headline ones); staleness histograms summed."""
-    row: dict = {"variant": name, "policy": VARIANTS[name][0], "histospec": VARIANTS[name][1], "repeats": len(runs)}
+    row: dict = {"variant": name, "policy": VARIANTS[name][0], "histospec": VARIANTS[name][1],
+                 "stream": VARIANTS[name][2], "repeats": len(runs)}
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) or value is None:
             vals = [r[key] for r in runs if r.get(key) is not None]
@@ -578,6 +632,7 @@ def main() -> int:
                                    "samples": loads},
                   "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
         "train_step_fit": train_cost_fit([d for r in rows for d in r["run_dirs"]]),
+        "ceiling": speedup_ceiling(runs[BASELINE], cfg.rollout.max_num_seqs),
         "checks": {"expected_trained_samples": expected, "trained_samples": counts,
                    "equal_sample_budget": all(v == expected for v in counts.values()),
                    "accuracy_before_rl": before, "identical_start": len(before) == 1},

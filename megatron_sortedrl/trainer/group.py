@@ -125,9 +125,14 @@ class TrainerGroup:
     def _all(self, method: str, *args, **kwargs) -> list:
         import ray
 
+        return ray.get(self._submit(method, *args, **kwargs))
+
+    def _submit(self, method: str, *args, **kwargs) -> list:
+        """Starts `method` on every rank and returns the Ray futures at once (each actor runs its calls in
+        order, so a later `_all` sees this call's effect)."""
         if method in _CHANGES_WEIGHTS:
             self._epoch = self.weights_epoch + 1
-        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+        return [a.call.remote(method, *args, **kwargs) for a in self.actors]
 
     @staticmethod
     def _item(prompt: Sequence[int], response: Sequence[int], extras: dict | None = None, mask=None) -> dict:

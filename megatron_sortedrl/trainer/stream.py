@@ -89,21 +89,34 @@ class StreamedUpdate:
         self.group = group
         self.samples: list[Sample] = []
         self.parts = 0
+        self._pending: list = []  # Ray futures of parts whose backward may still run
 
     def add(self, samples: list[Sample], advantages: Sequence | None = None) -> None:
         """Backward of whole prompt groups (advantages from rewards when None, per group as in the batch)."""
         if not samples:
             return
         items = self.group._rl_items(samples, advantages, None)
-        self.group._all("stream_accumulate", items, "rl")
+        # Not waited for: the driver goes on harvesting while the trainer runs the backward; each rank runs
+        # its calls in order, and `step`/`discard` wait for (and raise the errors of) every pending part.
+        self._pending += self.group._submit("stream_accumulate", items, "rl")
         self.samples += samples
         self.parts += 1
 
+    def wait(self) -> None:
+        """Blocks until every part added so far has run its backward."""
+        import ray
+
+        pending, self._pending = self._pending, []
+        if pending:
+            ray.get(pending)
+
     def discard(self) -> None:
+        self.wait()
         self.group._all("stream_discard")
         self.samples, self.parts = [], 0
 
     def step(self) -> dict[str, float]:
+        self.wait()
         metrics = dict(self.group._report(self.group._all("stream_step", "rl")))
         rewards = [s.reward for s in self.samples if s.reward is not None]
         if rewards:
