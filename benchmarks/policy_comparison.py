@@ -507,6 +507,19 @@ def write_markdown(result: dict, table: str, path: Path, stem: str) -> None:
         lines += [(f"**Headline**: twotier+HistoSpec {h['ms_per_sample_median']:.1f} ms per trained sample against "
                   f"{rows[BASELINE]['ms_per_sample_median']:.1f} ms for sync: **{h['speedup_vs_sync']:.2f}x** "
                   f"(range {h['speedup_vs_sync_min']:.2f}-{h['speedup_vs_sync_max']:.2f}x)."), ""]
+    cap = result.get("ceiling")
+    if cap:
+        f0 = cap["per_sync_repeat"][0]
+        lines += [(f"**Ceiling on this machine** (`ceiling` in the JSON): the rollout floor of sync's own responses, "
+                   f"from the engine costs fitted to sync's timeline (decode step {1e3 * f0['a_s']:.2f} ms + "
+                   f"{1e6 * f0['b_s']:.0f} us per sequence + {1e9 * f0['c_s']:.0f} ns per context token, fit error "
+                   f"{100 * f0['decode_rel_rms']:.0f}%), plus sync's non-rollout time: always "
+                   f"{cap['max_num_seqs']} sequences running and one prefill per sample, "
+                   f"{cap['at_cap_ms_per_sample']:.1f} ms per sample of rollout, so no plain schedule beats sync by "
+                   f"more than **{cap['ceiling_at_cap']:.2f}x**; with the per-step and prefill costs removed "
+                   f"(any batch, any draft source, each position verified at the cost of decoding it) "
+                   f"{cap['any_schedule_ms_per_sample']:.1f} ms, **{cap['ceiling_any_schedule']:.2f}x**. Medians over "
+                   "sync's repeats."), ""]
     slower = [r["variant"] for r in result["rows"] if r["slower_than_sync_beyond_spread"]]
     lines += [(f"Slower than sync beyond the spread (its fastest repeat slower than sync's slowest): "
               f"{', '.join(slower) or 'none'}."), "",
