@@ -212,8 +212,11 @@ class Session:
         load.append(os.getloadavg()[0])
         if not summary.get("data_exhausted"):
             raise RunFailed(f"{name} (repeat {repeat}) did not use up its data: {summary}")
-        return {**figures(run_dir, cfg.rollout.max_num_seqs), "process_s": process_s, "driver_wall_s": summary["wall_s"], "load_average": load,
-                "accuracy_before_rl": summary["accuracy_before_rl"], "run_dir": str(run_dir)}
+        out = {**figures(run_dir, cfg.rollout.max_num_seqs), "process_s": process_s, "driver_wall_s": summary["wall_s"],
+               "load_average": load, "accuracy_before_rl": summary["accuracy_before_rl"], "run_dir": str(run_dir)}
+        if name == BASELINE:  # the floor of every plain schedule on this run's responses (the `ceiling` block)
+            out["packed_replay"] = packed_replay(d, run_dir)
+        return out
 
     def close(self) -> None:
         self.driver.close()
@@ -296,50 +299,49 @@ def train_cost_fit(run_dirs: list[str]) -> dict:
             "r2": float(1 - resid.var() / y.var()) if y.var() > 0 else None}
 
 
-def rollout_floor(run_dir: Path, max_num_seqs: int) -> dict:
-    """The least rollout time any schedule could spend on this run's responses, from the engine costs measured in
-    the run itself (`scheduler.calibrate`: decode step `a + b B + c C` for B running sequences of total context C,
-    prefill `pi` per prompt token).
+def packed_replay(d, run_dir: Path) -> dict:
+    """Sync's own responses regenerated as one perfectly packed batch: every response of the run (its prompt's
+    token count, its final length, `ignore_eos`, the run's sampling) submitted at once, longest first, so the
+    engines run `rollout.max_num_seqs` sequences until the queue drains and the last tail is as short as it can
+    be. Its wall time per sample is what rollout would cost if no schedule ever left a slot empty and nothing
+    waited for a policy update: the floor of every plain scheduler on this machine."""
+    from megatron_sortedrl.rollout import GenRequest
+    from megatron_sortedrl.telemetry.timeline import read_run_timeline
+    from scheduler.calibrate import replay_table, run_prompt_tokens
 
-    A plain decode step makes one token per running sequence, so over any schedule the steps sum to
-    `a S + b T + c sum(C)`: T = tokens generated, sum(C) = the context of every (sequence, token) pair, fixed
-    by the lengths (token j of a response with prompt p sees p + j), and S >= T / max_num_seqs steps. Adding one
-    prefill per prompt gives the floor `at_cap`. A speculative step verifies several positions per sequence, each
-    at least the cost of one decode position (b + c x its context) on this linear cost model, and may take fewer
-    steps: the floor `any_schedule` drops the per-step and prefill terms (a = pi = 0), which bounds every
-    scheduler and every draft source (as long as verifying a position costs what decoding it does; on this CPU
-    engine it costs more, docs/speculative.md)."""
-    from scheduler.calibrate import calibrate_run
-
-    cal = calibrate_run(run_dir)
-    fit, p = cal.fit, float(cal.prompt_tokens)
-    lens = [n for by_epoch in cal.lengths.values() for ns in by_epoch.values() for n in ns]
-    tokens = float(sum(lens))
-    context = sum(n * p + n * (n - 1) / 2 for n in lens)
-    per_token = fit["b_s"] * tokens + fit["c_s"] * context
-    at_cap = fit["a_s"] * tokens / max_num_seqs + per_token + fit["prefill_s_per_token"] * p * len(lens)
-    return {"samples": len(lens), "tokens": tokens, "a_s": fit["a_s"], "b_s": fit["b_s"], "c_s": fit["c_s"],
-            "prefill_s_per_token": fit["prefill_s_per_token"], "decode_rel_rms": fit["decode_rel_rms"],
-            "at_cap_ms_per_sample": 1e3 * at_cap / len(lens), "any_schedule_ms_per_sample": 1e3 * per_token / len(lens)}
+    table = replay_table(read_run_timeline(run_dir))
+    prompt_len = run_prompt_tokens(run_dir)
+    mean_prompt = statistics.fmean(prompt_len.values()) if prompt_len else 64.0
+    jobs = sorted(((n, prompt_len.get(pid, round(mean_prompt))) for pid, by_epoch in table.items()
+                   for ns in by_epoch.values() for n in ns if n > 0), reverse=True)
+    engines = d.cfg.rollout.num_workers
+    reqs = [(GenRequest(f"packed-{i}", [4 + j % 90 for j in range(p)], {**d._sampling(n), "ignore_eos": True, "stop_token_ids": []}),
+             i % engines) for i, (n, p) in enumerate(jobs)]
+    t0 = time.monotonic()
+    d.pool.submit_many(reqs)
+    outs = list(d.pool.completions())
+    wall = time.monotonic() - t0
+    tokens = sum(len(c.tokens) for c in outs)
+    if tokens != sum(n for n, _ in jobs):
+        raise RunFailed(f"packed replay of {run_dir}: {tokens} tokens, {sum(n for n, _ in jobs)} asked for")
+    return {"samples": len(jobs), "tokens": tokens, "packed_s": wall, "packed_ms_per_sample": 1e3 * wall / len(jobs)}
 
 
-def speedup_ceiling(sync_runs: list[dict], max_num_seqs: int) -> dict:
-    """What no policy can beat on this machine: sync's step time per sample against the rollout floor plus sync's
-    own non-rollout time (train, weight sync, history, other; every variant trains the same samples, and on 2
-    saturated cores stream training moves that work rather than hiding it: see the +stream rows). Per sync
-    repeat, then the median."""
+def speedup_ceiling(sync_runs: list[dict]) -> dict:
+    """What no plain scheduling policy can beat on this machine: sync's step time per sample against the packed
+    replay of its own responses plus sync's non-rollout time (train, weight sync, history, other: every
+    variant trains the same samples, and on 2 saturated cores stream training moves that work rather than
+    hiding it, see the +stream rows). Per sync repeat, then the median."""
     per = []
     for r in sync_runs:
-        floor = rollout_floor(Path(r["run_dir"]), max_num_seqs)
         ms, rollout = 1e3 * r["s_per_sample_steps"], r["rollout_ms_per_sample"]
-        rest = ms - rollout
-        per.append({**floor, "sync_ms_per_sample": ms, "sync_rollout_ms_per_sample": rollout,
-                    "sync_other_ms_per_sample": rest,
-                    "ceiling_at_cap": ms / (floor["at_cap_ms_per_sample"] + rest),
-                    "ceiling_any_schedule": ms / (floor["any_schedule_ms_per_sample"] + rest)})
-    med = {k: statistics.median(x[k] for x in per) for k in ("ceiling_at_cap", "ceiling_any_schedule",
-                                                             "at_cap_ms_per_sample", "any_schedule_ms_per_sample")}
-    return {**med, "max_num_seqs": max_num_seqs, "per_sync_repeat": per}
+        packed = r["packed_replay"]["packed_ms_per_sample"]
+        per.append({**r["packed_replay"], "sync_ms_per_sample": ms, "sync_rollout_ms_per_sample": rollout,
+                    "rollout_vs_packed": rollout / packed, "ceiling": ms / (packed + ms - rollout)})
+    return {"ceiling_median": statistics.median(x["ceiling"] for x in per),
+            "ceiling_min": min(x["ceiling"] for x in per), "ceiling_max": max(x["ceiling"] for x in per),
+            "packed_ms_per_sample_median": statistics.median(x["packed_ms_per_sample"] for x in per),
+            "per_sync_repeat": per}
 
 
 def median_row(name: str, runs: list[dict]) -> dict:
@@ -509,17 +511,14 @@ def write_markdown(result: dict, table: str, path: Path, stem: str) -> None:
                   f"(range {h['speedup_vs_sync_min']:.2f}-{h['speedup_vs_sync_max']:.2f}x)."), ""]
     cap = result.get("ceiling")
     if cap:
-        f0 = cap["per_sync_repeat"][0]
-        lines += [(f"**Ceiling on this machine** (`ceiling` in the JSON): the rollout floor of sync's own responses, "
-                   f"from the engine costs fitted to sync's timeline (decode step {1e3 * f0['a_s']:.2f} ms + "
-                   f"{1e6 * f0['b_s']:.0f} us per sequence + {1e9 * f0['c_s']:.0f} ns per context token, fit error "
-                   f"{100 * f0['decode_rel_rms']:.0f}%), plus sync's non-rollout time: always "
-                   f"{cap['max_num_seqs']} sequences running and one prefill per sample, "
-                   f"{cap['at_cap_ms_per_sample']:.1f} ms per sample of rollout, so no plain schedule beats sync by "
-                   f"more than **{cap['ceiling_at_cap']:.2f}x**; with the per-step and prefill costs removed "
-                   f"(any batch, any draft source, each position verified at the cost of decoding it) "
-                   f"{cap['any_schedule_ms_per_sample']:.1f} ms, **{cap['ceiling_any_schedule']:.2f}x**. Medians over "
-                   "sync's repeats."), ""]
+        lines += [(f"**Ceiling on this machine** (`ceiling` in the JSON): after each sync run, its own "
+                   f"{cap['per_sync_repeat'][0]['samples']} responses were generated again as one packed batch "
+                   f"(same prompt and response lengths, submitted at once, longest first: the engine runs full until "
+                   f"the queue drains), {cap['packed_ms_per_sample_median']:.1f} ms per sample against sync's "
+                   f"{rows[BASELINE]['rollout_ms_per_sample']:.1f} ms of rollout. A policy that kept every slot busy "
+                   f"and never waited for an update, with sync's train, sync and history time, would be "
+                   f"**{cap['ceiling_median']:.2f}x** sync ({cap['ceiling_min']:.2f}-{cap['ceiling_max']:.2f}x over "
+                   "sync's repeats): the most any plain scheduling policy can gain here."), ""]
     slower = [r["variant"] for r in result["rows"] if r["slower_than_sync_beyond_spread"]]
     lines += [(f"Slower than sync beyond the spread (its fastest repeat slower than sync's slowest): "
               f"{', '.join(slower) or 'none'}."), "",
@@ -645,7 +644,7 @@ def main() -> int:
                                    "samples": loads},
                   "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
         "train_step_fit": train_cost_fit([d for r in rows for d in r["run_dirs"]]),
-        "ceiling": speedup_ceiling(runs[BASELINE], cfg.rollout.max_num_seqs),
+        "ceiling": speedup_ceiling(runs[BASELINE]) if all("packed_replay" in r for r in runs[BASELINE]) else None,
         "checks": {"expected_trained_samples": expected, "trained_samples": counts,
                    "equal_sample_budget": all(v == expected for v in counts.values()),
                    "accuracy_before_rl": before, "identical_start": len(before) == 1},
