@@ -214,3 +214,87 @@ def test_driver_hook_streams_only_groups_that_will_be_trained():
     stream.update.samples = list(first)
     stream.train(harvest.batch[2:], [1.0] * 2)
     assert [m for m, _ in group.calls] == ["stream_discard", "train_step"]
+
+
+def test_a_streamed_part_does_not_hold_up_the_driver_and_its_error_reaches_the_step(local_ray):
+    import asyncio
+    import threading
+
+    import ray
+
+    from megatron_sortedrl.trainer.stream import StreamedUpdate
+
+    # (Classes defined here so Ray ships them by value; the test module is not importable in Ray's workers.)
+    class Gate:
+        """Holds back every backward until the test opens it, and logs what the rank ran (async: never blocked)."""
+
+        def __init__(self):
+            self.event, self.log = asyncio.Event(), []
+
+        async def wait(self):
+            await self.event.wait()
+
+        async def open(self):
+            self.event.set()
+
+        async def record(self, method):
+            self.log.append(method)
+
+        async def calls(self):
+            return list(self.log)
+
+    class Rank:
+        """One trainer rank (a sequential actor, like the real ones) whose backward waits at the gate."""
+
+        def __init__(self, gate):
+            self.gate = gate
+
+        def call(self, method, *args):
+            if method == "stream_accumulate":
+                ray.get(self.gate.wait.remote())
+                if "bad" in args[0]:
+                    raise ValueError("non-finite loss in this part")
+            ray.get(self.gate.record.remote(method))
+            return {"loss": 0.0, "n_tokens": 1.0} if method == "stream_step" else {}
+
+    class RayGroup:
+        """The slice of `TrainerGroup` that `StreamedUpdate` uses, over one real Ray actor."""
+
+        def __init__(self, rank):
+            self.actors = [rank]
+
+        def _rl_items(self, samples, advantages, old):
+            return [s.sample_id for s in samples] + (["bad"] if advantages == ["bad"] else [])
+
+        def _submit(self, method, *args):
+            return [a.call.remote(method, *args) for a in self.actors]
+
+        def _all(self, method, *args):
+            return ray.get(self._submit(method, *args))
+
+        def _report(self, outs):
+            return outs[0]
+
+    samples = _samples(4)
+    gate = ray.remote(Gate).remote()
+    update = StreamedUpdate(RayGroup(ray.remote(Rank).remote(gate)))
+    # No backward can run before the gate opens, so add() returning at all shows it did not wait for one (a
+    # blocking add would hang: it runs in a thread, and the gate opens whatever happens).
+    adding = threading.Thread(target=lambda: (update.add(samples[:2], [1.0, 1.0]), update.add(samples[2:], [1.0, 1.0])))
+    adding.start()
+    adding.join(60)
+    returned = not adding.is_alive()
+    if not returned:
+        ray.get(gate.open.remote())
+    assert returned, "StreamedUpdate.add waited for the backward of its part"
+    assert update.parts == 2 and ray.get(gate.calls.remote()) == []
+    ray.get(gate.open.remote())
+    metrics = update.step()  # waits for both parts, then steps: in the order they were sent
+    assert ray.get(gate.calls.remote()) == ["stream_accumulate", "stream_accumulate", "stream_step"]
+    assert metrics["loss"] == 0.0 and update.parts == 0
+
+    # A part that fails is not dropped silently: its error is raised by the step, and no update is made.
+    update.add(samples[:1], ["bad"])  # (the stand-in marks this part as one whose backward fails)
+    with pytest.raises(ray.exceptions.RayTaskError, match="non-finite loss"):
+        update.step()
+    assert ray.get(gate.calls.remote()) == ["stream_accumulate", "stream_accumulate", "stream_step"]
