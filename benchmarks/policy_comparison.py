@@ -36,7 +36,10 @@ start-up, warm-up and evals excluded); `speedup_vs_sync` = sync's median / the v
 `time/history_s` (HistoSpec history shipping and drafter stats, two engine RPCs; zero work without
 speculation) and `other` = step time outside the phases (round composition, harvest bookkeeping, metrics).
 `round_len_ratio` is the median over steps of (longest / median response finished in that step), taken from
-`sync`, whose rounds are the workload's batches. The load average is sampled at every run's start and end
+`sync`, whose rounds are the workload's batches. Variants named `+stream` run with `trainer.stream: true`.
+The `ceiling` block: after each sync run, its own responses are generated again as one packed batch (all at
+once, longest first; `packed_replay`), and `sync ms/sample / (packed rollout + sync's non-rollout time)` is
+the most any scheduling policy could gain on this machine with the same train step. The load average is sampled at every run's start and end
 and written to `setup.load_average`.
 
 Left out: GPUs (the script runs there unchanged; the CPU figures rank policies differently, see the .md),
