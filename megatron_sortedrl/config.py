@@ -204,6 +204,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = help_field("GPU engines: fraction of GPU memory vLLM may use.", 0.5)
     enforce_eager: bool = help_field("Disable CUDA graphs / compilation (faster start, needed on CPU).", True)
     request_timeout_s: float = help_field("A worker that produces nothing for this long is declared hung.", 600.0)
+    executor: str = help_field(
+        "vLLM executor of each engine: auto (uni for a CPU engine of TP 1, mp otherwise) | mp (a worker process per "
+        "TP rank) | uni (the model in the engine-core process; TP 1 only, a TP > 1 layout uses mp). On 2 CPU cores "
+        "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto")
 
     def __post_init__(self) -> None:
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
@@ -220,6 +224,8 @@ class RolloutConfig:
             raise ConfigError("rollout.gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]")
         if self.kv_cache_gib <= 0:
             raise ConfigError("rollout.kv_cache_gib", self.kv_cache_gib, "a positive float")
+        if self.executor not in ("auto", "mp", "uni"):
+            raise ConfigError("rollout.executor", self.executor, "one of auto, mp, uni")
 
 
 @dataclass

@@ -77,6 +77,23 @@ def test_engine_arguments():
     assert kw["worker_extension_cls"].endswith("RolloutWorkerExtension") and kw["enable_prefix_caching"]
     assert kw["distributed_executor_backend"] == "mp" and "weight_transfer_config" not in kw
     assert engine_kwargs("m", weight_transfer_backend="nccl")["weight_transfer_config"] == {"backend": "nccl"}
+    assert engine_kwargs("m", tp=1, executor="uni")["distributed_executor_backend"] == "uni"
+    with pytest.raises(ValueError, match="TP 1"):
+        engine_kwargs("m", tp=2, executor="uni")
+
+
+def test_executor_choice_per_engine():
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.errors import ConfigError
+    from megatron_sortedrl.rollout.pool import executor_for
+
+    # auto: one process for a CPU engine of TP 1; a worker per rank on GPUs and for every TP > 1 layout
+    assert [executor_for("auto", d, tp) for d, tp in (("cpu", 1), ("cpu", 2), ("gpu", 1))] == ["uni", "mp", "mp"]
+    # an explicit uni still runs an elastic long round of TP 2 (mp is the only executor that can)
+    assert [executor_for("uni", "cpu", tp) for tp in (1, 2)] == ["uni", "mp"]
+    assert executor_for("mp", "cpu", 1) == "mp"
+    with pytest.raises(ConfigError, match="rollout.executor"):
+        load_config(None, ["model.path=/nonexistent/tiny", "rollout.executor=threads"])
     env = engine_env(device="cpu", kv_cache_gib=1.5, cpu_ids=[[0], [1, 2]])
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1,2"
     assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env(device="gpu")

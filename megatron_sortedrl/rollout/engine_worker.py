@@ -52,16 +52,20 @@ def engine_kwargs(model_path: str, *, tp: int = 1, dtype: str = "float32", max_n
                   max_model_len: int | None = None, seed: int = 0, enforce_eager: bool = True,
                   gpu_memory_utilization: float = 0.5, load_format: str = "auto",
                   speculative_config: dict | None = None, worker_extension_cls: str = DEFAULT_EXTENSION,
-                  weight_transfer_backend: str | None = None, **extra: Any) -> dict[str, Any]:
-    """Keyword arguments of vLLM's `AsyncEngineArgs` for one rollout engine."""
+                  weight_transfer_backend: str | None = None, executor: str = "mp", **extra: Any) -> dict[str, Any]:
+    """Keyword arguments of vLLM's `AsyncEngineArgs` for one rollout engine. `executor`: vLLM's
+    `distributed_executor_backend`, `mp` (a worker process per TP rank) or `uni` (TP 1 only: the model runs in
+    the engine-core process, which saves a shared-memory hand-off per step and its busy-waiting reader)."""
+    if executor not in ("mp", "uni") or (executor == "uni" and tp != 1):
+        raise ValueError(f"executor {executor!r}: mp, or uni for TP 1 (got TP {tp})")
     kw: dict[str, Any] = dict(
         model=str(model_path), skip_tokenizer_init=True, dtype=dtype, tensor_parallel_size=tp,
         max_num_seqs=max_num_seqs, seed=seed, enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization, load_format=load_format,
         worker_extension_cls=worker_extension_cls,
-        # Multiprocessing executor inside the actor: the actor holds all of its TP group's devices, so a TP
-        # group can never span nodes, and no nested Ray placement is needed.
-        distributed_executor_backend="mp",
+        # Executors inside the actor (mp: one process per TP rank): the actor holds all of its TP group's devices,
+        # so a TP group can never span nodes, and no nested Ray placement is needed.
+        distributed_executor_backend=executor,
         max_logprobs=1,
         # Log-probs of the distribution the token was sampled from (after temperature, top-k and top-p,
         # renormalised), which is what the trainer computes for importance ratios; vLLM's default

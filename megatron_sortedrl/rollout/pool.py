@@ -95,6 +95,8 @@ class PoolOptions:
     first_gpu: int = 0
     startup_timeout_s: float = 900.0
     engine_extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs keywords
+    # vLLM executor per engine: auto = uni for a CPU engine of TP 1 (docs/benchmarks/engine_executor.json), else mp
+    executor: str = "auto"
 
     @classmethod
     def from_config(cls, cfg, **overrides: Any) -> PoolOptions:
@@ -123,13 +125,24 @@ class PoolOptions:
                    max_model_len=cfg.max_model_len, seed=cfg.seed, enforce_eager=cfg.rollout.enforce_eager,
                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
                    speculative_config=speculative_config_from(cfg.speculative),
-                   request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate)
+                   request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate,
+                   executor=cfg.rollout.executor)
         opts.gpus_per_node, opts.first_gpu, opts.startup_timeout_s = engine_placement_from(cfg)
         if rope is not None and rope.hf_overrides():
             opts.engine_extra["hf_overrides"] = rope.hf_overrides()
         for key, value in overrides.items():
             setattr(opts, key, value)
         return opts
+
+
+def executor_for(choice: str, device: str, tp: int) -> str:
+    """The vLLM executor of one engine: `auto` runs a CPU engine of TP 1 in one process (`uni`: 1.22x the
+    tokens/s of `mp` on 2 cores, docs/benchmarks/engine_executor.json) and every other engine with a worker
+    process per rank (`mp`; GPU engines are unmeasured, so they keep it); `uni` asked for a TP > 1 layout (an
+    elastic long round) falls back to `mp`, the only executor that can run it."""
+    if choice == "auto":
+        return "uni" if device == "cpu" and tp == 1 else "mp"
+    return "mp" if tp > 1 else choice
 
 
 def engine_placement_from(cfg) -> tuple[int, int, float]:
@@ -238,7 +251,7 @@ class RolloutPool:
                            load_format="dummy" if self._replay_src else "auto",
                            speculative_config=o.speculative_config, worker_extension_cls=o.worker_extension_cls,
                            weight_transfer_backend=self.transport if self.transport != "object_store" else None,
-                           **o.engine_extra)
+                           executor=executor_for(o.executor, o.device, slot.tp), **o.engine_extra)
         if o.device == "gpu":
             resources: dict[str, Any] = {"num_gpus": slot.tp, "num_cpus": 1}
             cpu_ids = None
