@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def busy_cpu_s() -> float:
     """Busy CPU seconds of the whole machine since boot (user + nice + system + irq + softirq + steal)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
@@ -113,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
 
-    per = {e: {k: summary([r[k] for r in runs if r["executor"] == e]) for k in ("wall_s", "tokens_per_s", "busy_cores", "busy_cpu_s")}
-           for e in ("mp", "uni")}
+    keys = ("wall_s", "tokens_per_s", "busy_cores", "busy_cpu_s")
+    per = {e: {k: summary([r[k] for r in runs if r["executor"] == e]) for k in keys} for e in ("mp", "uni")}
     pairs = [(next(r for r in runs if r["repeat"] == k and r["executor"] == "mp"),
               next(r for r in runs if r["repeat"] == k and r["executor"] == "uni")) for k in range(args.repeats)]
     result = {
         "what": "one TP=1 vLLM engine on CPU through RolloutPool, one long-tail batch per run: executor mp vs uni",
-        "setup": {"command": "python benchmarks/engine_executor.py " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "setup": {"command": "python benchmarks/engine_executor.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "requests": args.requests, "prompt_tokens": args.prompt_tokens, "lengths": lens,
                   "repeats": args.repeats, "order": "interleaved, the first executor alternating per repeat",
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "machine_note": args.machine_note or "not given",
@@ -149,8 +150,8 @@ def plot(result: dict, path: Path) -> None:
     for ax, key, label in ((axes[0], "wall_s", "wall time of the batch (s)"), (axes[1], "busy_cores", "busy cores")):
         for i, e in enumerate(("mp", "uni")):
             vals = [r[key] for r in result["runs"] if r["executor"] == e]
-            ax.scatter([i] * len(vals), vals, color="C%d" % i)
-            ax.bar(i, statistics.median(vals), color="C%d" % i, alpha=0.4)
+            ax.scatter([i] * len(vals), vals, color=f"C{i}")
+            ax.bar(i, statistics.median(vals), color=f"C{i}", alpha=0.4)
         ax.set_xticks([0, 1], ["mp", "uni"])
         ax.set_ylabel(label)
     fig.suptitle("TP=1 vLLM engine on CPU: executor (median bars, repeats as points)")

@@ -39,8 +39,8 @@ speculation) and `other` = step time outside the phases (round composition, harv
 `sync`, whose rounds are the workload's batches. Variants named `+stream` run with `trainer.stream: true`.
 The `ceiling` block: after each sync run, its own responses are generated again as one packed batch (all at
 once, longest first; `packed_replay`), and `sync ms/sample / (packed rollout + sync's non-rollout time)` is
-the most any scheduling policy could gain on this machine with the same train step. The load average is sampled at every run's start and end
-and written to `setup.load_average`.
+the most any scheduling policy could gain on this machine with the same train step. The load average is
+sampled at every run's start and end and written to `setup.load_average`.
 
 Left out: GPUs (the script runs there unchanged; the CPU figures rank policies differently, see the .md),
 statistical tests (3 seeds show the spread, not significance).
@@ -168,11 +168,10 @@ class Session:
     def run(self, name: str, repeat: int, ckpt: Path) -> dict:
         import random
 
+        from megatron_sortedrl.trainer.stream import DriverStream
         from scheduler.layout import make_planner
         from scheduler.policies import make_policy
         from speculative.history import HistoryStore
-
-        from megatron_sortedrl.trainer.stream import DriverStream
 
         policy, spec, stream = VARIANTS[name]
         assert spec == self.spec
@@ -195,7 +194,7 @@ class Session:
         d.policy = make_policy(cfg.scheduler, sorted(d.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                max_response_length=cfg.rollout.max_response_length, planner=planner, seed=cfg.seed,
                                sample_factory=d._new_sample, num_epochs=cfg.data.num_epochs or None)
-        d.stream = DriverStream(d.trainer, d.policy) if stream else None
+        d.stream = DriverStream(d.trainer, d.policy) if cfg.trainer.stream else None  # as Driver.__init__ does
         d.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
                                  max_responses_per_prompt=cfg.speculative.history_max_responses)
         d._shipped = 0
@@ -317,16 +316,17 @@ def packed_replay(d, run_dir: Path) -> dict:
     mean_prompt = statistics.fmean(prompt_len.values()) if prompt_len else 64.0
     jobs = sorted(((n, prompt_len.get(pid, round(mean_prompt))) for pid, by_epoch in table.items()
                    for ns in by_epoch.values() for n in ns if n > 0), reverse=True)
-    engines = d.cfg.rollout.num_workers
-    reqs = [(GenRequest(f"packed-{i}", [4 + j % 90 for j in range(p)], {**d._sampling(n), "ignore_eos": True, "stop_token_ids": []}),
-             i % engines) for i, (n, p) in enumerate(jobs)]
+    engines, asked = d.cfg.rollout.num_workers, sum(n for n, _ in jobs)
+    reqs = [(GenRequest(f"packed-{i}", [4 + j % 90 for j in range(p)],
+                        {**d._sampling(n), "ignore_eos": True, "stop_token_ids": []}), i % engines)
+            for i, (n, p) in enumerate(jobs)]
     t0 = time.monotonic()
     d.pool.submit_many(reqs)
     outs = list(d.pool.completions())
     wall = time.monotonic() - t0
     tokens = sum(len(c.tokens) for c in outs)
-    if tokens != sum(n for n, _ in jobs):
-        raise RunFailed(f"packed replay of {run_dir}: {tokens} tokens, {sum(n for n, _ in jobs)} asked for")
+    if tokens != asked:
+        raise RunFailed(f"packed replay of {run_dir}: {tokens} tokens, {asked} asked for")
     return {"samples": len(jobs), "tokens": tokens, "packed_s": wall, "packed_ms_per_sample": 1e3 * wall / len(jobs)}
 
 
