@@ -193,10 +193,11 @@ def test_probed_fusions_run_on_this_gpu(tmp_path):
 
         model_parallel_cuda_manual_seed(0)
         arch = read_hf_config(build_tiny_model(tmp_path / "tiny", TinyModelConfig(seed=1)))
-        model = build_model(arch, torch.bfloat16, use_te=False, on_gpu=True, fusions=probes.fusions())
         tokens = torch.randint(0, arch.vocab_size, (4, 64), device="cuda")
-        out = model(tokens, torch.arange(64, device="cuda")[None].expand(4, -1), None)
-        assert torch.isfinite(out.float()).all()
+        positions = torch.arange(64, device="cuda")[None].expand(4, -1)
+        for use_te in (False, True) if probes.transformer_engine.ok else (False,):
+            model = build_model(arch, torch.bfloat16, use_te=use_te, on_gpu=True, fusions=probes.fusions())
+            assert torch.isfinite(model(tokens, positions, None).float()).all(), f"use_te={use_te}"
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()

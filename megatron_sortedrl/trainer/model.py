@@ -7,9 +7,10 @@
 This module knows nothing about parallelism beyond what Megatron's own layers need: it maps the HF config
 to a `TransformerConfig` (RMSNorm, SwiGLU, RoPE with the model's base and scaling, grouped-query
 attention, Qwen2's qkv bias, tied or untied embeddings, activation recompute from `parallel.recompute`,
-Megatron's fused kernels where `trainer/kernels.py` found them working, on GPU only) and picks the layer spec: the local spec (pure torch, RMSNorm via
-torch, sequence parallelism allowed) on CPU and the Transformer Engine spec on GPU. The two specs name
-parameters differently; `weights.py` knows both.
+Megatron's fused kernels on GPU where `trainer/kernels.py` found them working) and picks the layer spec:
+the local spec (pure torch, RMSNorm via torch, sequence parallelism allowed) on CPU and the Transformer
+Engine spec on GPU where TE works (`kernels.probe_transformer_engine`). The two specs name parameters
+differently; `weights.py` knows both, and checkpoints load across them (`checkpoint.py`).
 
 RoPE: the frequencies are Hugging Face's (`rope_inv_freq` reproduces `transformers.modeling_rope_utils` for
 default, linear, llama3 and yarn; a test compares them) and replace Megatron's after the model is built.
