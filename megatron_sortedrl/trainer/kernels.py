@@ -134,6 +134,9 @@ def probe_torch_compile(device: str = "cuda") -> Probe:
         return Probe(False, f"no Python.h under {sysconfig.get_paths().get('include')} (install python3-dev)")
     import torch
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        # (cpu_compat would send the throwaway tensors to the CPU and prove nothing about the GPU)
+        return Probe(False, "no CUDA device")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
 
     def throwaway(x):  # a fresh function each probe: nothing cached stands in for the compile

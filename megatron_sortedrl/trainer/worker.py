@@ -95,7 +95,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         # turns sequence parallelism on at TP > 1.
         sp, rc = p.sequence_parallel, p.recompute
         fusions = self.kernels.fusions()
-        if self.rank == 0:  # once per run: what was found, and what the trainer uses because of it
+        if self.rank == 0 and self.gpu:  # once per run: what was found, and what the trainer uses because of it
             print(f"[trainer] {self.kernels.line()}", flush=True)
         model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc,
                             on_gpu=self.gpu, fusions=fusions)
