@@ -1,6 +1,6 @@
 """Checkpoints move between the local layer spec (CPU, `convert`) and the Transformer Engine spec (GPU), both ways.
 
-    python -m pytest tests/test_checkpoint_specs.py -q     # CPU, ~30 s (one 2-process conversion)
+    python -m pytest tests/test_checkpoint_specs.py -q     # CPU, ~40-70 s (one 2-process conversion)
 
 Transformer Engine cannot be installed here, so the TE model is a stand-in built from megatron-core's own
 modules with TE's module tree: the norms fused into `linear_qkv` / `linear_fc1` (`layer_norm_weight`, no
@@ -14,11 +14,14 @@ TE's names and extra-state keys, and it loads and saves through the real torch_d
   checkpoint loaded into the local spec, and both give the same logits;
 * the TE model's checkpoint (with extra state that is not empty) loads back into the local spec, tensor for
   tensor, and into a fresh TE model with its extra state;
+* a CPU trainer checkpoint (megatron DDP + optimizer, Adam state after one update) resumes in the TE-named
+  model with the same parameters and Adam moments;
 * the tolerance is only for `_extra_state`: a TE-named model that asks for a tensor the checkpoint lacks is
   refused with one line.
 
 What it leaves out: Transformer Engine's own modules (the GPU test `tests/test_trainer_gpu.py` saves on GPU,
-loads on CPU and back).
+loads on CPU and back), and the distributed optimizer's checkpoint format (GPU only; here both sides use
+the plain megatron optimizer the CPU path uses).
 """
 
 from __future__ import annotations
@@ -232,3 +235,62 @@ def test_absent_tensor_is_still_refused(world, converted, monkeypatch):
         load_checkpoint(ckpt, te, None, None, load_optimizer=False)
     msg = str(err.value)
     assert "lacks 1 tensor(s)" in msg and "linear_qkv.layer_norm_bias" in msg and "\n" not in msg
+
+
+def _trainer(arch, te: bool):
+    """The trainer's CPU stack around a model: megatron DDP and optimizer, as `TrainerWorker.setup` builds it."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer.optimizer import build_optimizer
+    from megatron_sortedrl.trainer.worker import ddp_config
+
+    cfg = RunConfig()
+    model = _build(arch, te)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(cfg, False, 1), module=model)
+    opt, sched = build_optimizer([ddp], cfg, on_gpu=False)
+    return ddp, opt, sched
+
+
+def _adam_state(ddp, opt, te: bool) -> dict[str, torch.Tensor]:
+    """exp_avg / exp_avg_sq per parameter, under TE names (the optimizer orders parameters differently)."""
+    names = {p: n for n, p in ddp.module.named_parameters()}
+    out = {}
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        for p, st in o.optimizer.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{names[p]}/{key}"] = st[key]
+    if te:
+        return out
+    local_to_te = {n: next(iter(_as_te_names({n: None}))) for n in names.values()}
+    return {f"{local_to_te[k.split('/')[0]]}/{k.split('/')[1]}": v for k, v in out.items()}
+
+
+def test_cpu_trainer_checkpoint_with_optimizer_loads_into_te_model(world, converted, tmp_path):
+    """A CPU trainer checkpoint (model + Adam state after one update) resumes in the TE-named model."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_sortedrl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_sortedrl.trainer.model import read_hf_config
+    from megatron_sortedrl.trainer.optimizer import optimizer_step
+
+    hf, ckpt = converted
+    arch = read_hf_config(hf)
+    ddp, opt, sched = _trainer(arch, te=False)
+    load_checkpoint(ckpt, ddp.module, None, None, load_optimizer=False)
+    seq = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    ddp.module.train()
+    ddp.module(seq, torch.arange(12)[None], None).float().pow(2).mean().backward()
+    finalize_model_grads([ddp])
+    assert optimizer_step(opt, sched, [ddp], 1.0, grad_clip=0.0, on_gpu=False)["skipped"] == 0.0
+    saved = save_checkpoint(tmp_path / "cpu_trainer", ddp.module, opt, sched, {"step": 1}, {"step": 1})
+
+    te_ddp, te_opt, te_sched = _trainer(arch, te=True)
+    state = load_checkpoint(saved, te_ddp.module, te_opt, te_sched)
+    assert state["step"] == 1
+    want, got = _adam_state(ddp, opt, te=False), _adam_state(te_ddp, te_opt, te=True)
+    assert set(got) == set(want) and any(v.abs().sum() > 0 for v in want.values())
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+    for name, tensor in _as_te_names(_params(ddp.module)).items():
+        assert torch.equal(_params(te_ddp.module)[name], tensor), name
