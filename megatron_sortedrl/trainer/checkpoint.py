@@ -175,9 +175,8 @@ def read_meta(path: str | Path) -> dict:
 def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool = True) -> dict:
     """Loads model (and optimizer) state at this rank's TP/PP; returns the saved trainer state."""
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = Path(path)
     read_meta(path)

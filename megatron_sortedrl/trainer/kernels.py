@@ -10,8 +10,9 @@ Each megatron-core fusion needs something a GPU image may lack, and megatron fin
 mid-step, with an error far from the cause:
 
 * Transformer Engine spec: `transformer_engine.pytorch` must import. The top-level `transformer_engine`
-  package swallows a failed `.pytorch` import, so importing it proves nothing; megatron then selects nothing
-  and `get_gpt_layer_with_transformer_engine_spec` dies with `NameError: TESpecProvider`. The probe imports
+  package swallows a failed `.pytorch` import, so importing it proves nothing: a detection that did so chose
+  the TE spec while megatron, whose own TE import had failed, could not build it
+  (`NameError: TESpecProvider` in `get_gpt_layer_with_transformer_engine_spec`). The probe imports
   `transformer_engine.pytorch` and builds megatron's TE layer spec. When the import fails it also makes every
   later `import transformer_engine` raise ImportError (a `None` entry in `sys.modules`), because megatron's
   guards catch only ImportError: a TE whose extension fails with OSError would otherwise break megatron's
