@@ -57,6 +57,11 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
     # ------------------------------------------------------------------------------------- set-up
 
     def setup(self) -> dict:
+        from megatron_sortedrl.trainer import kernels
+
+        # Before megatron's first import in this process: a broken TE is blocked so megatron imports without it
+        te = kernels.probe_transformer_engine() if self.gpu else kernels.NOT_PROBED
+
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel
@@ -69,8 +74,10 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         self.host_mmap_fixed = fix_host_mmap_threshold()  # before the model and optimizer allocate anything
         if self.gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
-            self.use_te = _has_te()
+            self.kernels = kernels.probe_kernels(f"cuda:{torch.cuda.current_device()}", te=te)
+            self.use_te = self.kernels.transformer_engine.ok
         else:
+            self.kernels = kernels.cpu_probes()
             cpu_compat.activate()
             self.use_te = False
             if cfg.trainer.cpu_threads:  # (Ray pins an actor to one thread per reserved CPU: OMP_NUM_THREADS)
@@ -87,8 +94,11 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         # Sequence parallelism and recompute run on both paths (on CPU through cpu_compat); Megatron only
         # turns sequence parallelism on at TP > 1.
         sp, rc = p.sequence_parallel, p.recompute
+        fusions = self.kernels.fusions()
+        if self.rank == 0 and self.gpu:  # once per run: what was found, and what the trainer uses because of it
+            print(f"[trainer] {self.kernels.line()}", flush=True)
         model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc,
-                            on_gpu=self.gpu)
+                            on_gpu=self.gpu, fusions=fusions)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
         ddp_cfg = ddp_config(cfg, self.gpu, ps.get_data_parallel_world_size())
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
@@ -103,14 +113,15 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
             # Same layout and recompute as the policy; the reference only runs forward (no_grad), where
             # Megatron recomputes nothing, so this only keeps the two configs identical.
             self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp,
-                                         recompute=rc, on_gpu=self.gpu)
+                                         recompute=rc, on_gpu=self.gpu, fusions=fusions)
             load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
             self.ref_model.eval().requires_grad_(False)
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         return {"rank": self.rank, "dp_rank": self.dp_rank, "reporter": self.reporter, "use_te": self.use_te,
-                "device": "cuda" if self.gpu else "cpu", "cpu_threads": torch.get_num_threads()}
+                "device": "cuda" if self.gpu else "cpu", "cpu_threads": torch.get_num_threads(),
+                "kernels": self.kernels.line(), "fusions": fusions}
 
     @property
     def module(self):
@@ -416,12 +427,3 @@ def ddp_config(cfg, gpu: bool, dp: int):
         use_distributed_optimizer=bool(gpu and cfg.parallel.use_distributed_optimizer),
         overlap_grad_reduce=gpu, overlap_param_gather=False,
         bucket_size=max(40_000_000, 1_000_000 * dp) if gpu else None)
-
-
-def _has_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
