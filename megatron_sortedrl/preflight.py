@@ -49,9 +49,24 @@ def check_model_dir(model_cfg) -> None:
         raise UserError(f"model.path={path} is a file; it must be a Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise UserError(f"model.path={path} has no config.json; it must be a Hugging Face model directory")
+    check_model_config(path / "config.json")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
                         "tokenizer files of the model into it")
+
+
+def check_model_config(file: Path) -> None:
+    """The architecture check `plan` and `convert` run (convert/validate.py), so `train` with plan.check=skip
+    refuses it too, with the same line, before Ray."""
+    import json
+
+    from megatron_sortedrl.convert.validate import check_architecture
+
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{file}: cannot be read as JSON ({exc}); copy the model's config.json again") from None
+    check_architecture(cfg if isinstance(cfg, dict) else {}, str(file))
 
 
 def check_chat_template(path: Path) -> None:
