@@ -2,10 +2,13 @@
 
     python -m megatron_sortedrl config configs/tiny_cpu.yaml rollout.num_workers=2   # print resolved config
 
-Every field is a dataclass field with a default and a one-line help (`metadata["help"]`). YAML files and
-overrides only fill the schema (OmegaConf structured configs); `__post_init__` of each section validates
-its own values and `RunConfig.__post_init__` checks combinations across sections. Any error is a
-`ConfigError` whose message names the dotted key, the bad value and what is allowed.
+Every field is a dataclass field with a default, a one-line help (`metadata["help"]`) and, where it has
+one, its range (`help_field(..., min=1)`, `gt=0`, `choices=(...)`). YAML files and overrides (read with
+OmegaConf, interpolations such as `${oc.env:...}` resolved) are merged as plain data over the defaults and
+checked field by field against the schema (`schema.py`: types from the annotations, ranges from the
+metadata, sections vs single values) before the dataclasses are built; then `__post_init__` of each section
+checks its combinations and `RunConfig.__post_init__` those across sections. Any error is a `ConfigError`
+whose one line names the dotted key, the bad value and what is allowed.
 
 Deliberately absent: config composition (defaults lists, includes). A recipe is one readable file.
 """
