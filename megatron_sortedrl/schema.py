@@ -17,6 +17,7 @@ those stay in each section's `__post_init__`, which runs after this pass.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import MISSING, fields, is_dataclass
 from functools import lru_cache
@@ -58,8 +59,9 @@ def validate(cls: type, raw: Any, path: str = "") -> dict[str, Any]:
     return out
 
 
-def check_value(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any] = {}) -> Any:  # noqa: B006
+def check_value(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any] | None = None) -> Any:
     """One scalar field: its type, then its declared range; returns the coerced value."""
+    meta = meta or {}
     origin = typing.get_origin(typ)
     if origin is list:
         if not isinstance(value, (list, tuple)):
@@ -79,8 +81,9 @@ def check_value(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any
     return value
 
 
-def describe(typ: Any, meta: typing.Mapping[str, Any] = {}) -> str:  # noqa: B006
+def describe(typ: Any, meta: typing.Mapping[str, Any] | None = None) -> str:
     """What a field accepts, in words: 'a positive integer', 'a number in (0, 1]', 'one of a, b'."""
+    meta = meta or {}
     if meta.get("choices"):
         return "one of " + ", ".join(map(str, meta["choices"]))
     noun = {int: "integer", float: "number", bool: "boolean (true or false)", str: "string"}.get(typ, str(typ))
@@ -180,6 +183,8 @@ def _check_range(value: Any, dotted: str, meta: typing.Mapping[str, Any], typ: A
         raise ConfigError(dotted, value, describe(typ, meta))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if math.isnan(value):  # NaN compares false with every bound and would pass them all
+        raise ConfigError(dotted, value, describe(typ, meta))
     lo, hi, gt, lt = meta.get("min"), meta.get("max"), meta.get("gt"), meta.get("lt")
     if ((lo is not None and value < lo) or (hi is not None and value > hi) or (gt is not None and value <= gt)
             or (lt is not None and value >= lt)):
