@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.layout import check_layout
-from megatron_sortedrl.schema import RANGE_KEYS, hints, validate
+from megatron_sortedrl.schema import RANGE_KEYS, build, defaults, describe, hints, merge, validate
 from scheduler.config import SamplingConfig, SchedulerConfig
 from speculative.config import SpeculativeConfig
 
@@ -548,8 +548,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Returns the validated config from a YAML file (default: configs/tiny_cpu.yaml) plus `key=value` overrides.
 
     The file and overrides are merged as plain data over the schema's defaults, interpolations resolved, and
-    every value checked against the schema (`schema.validate`: types, sections, ranges) before OmegaConf
-    builds the dataclasses, whose `__post_init__` then checks combinations of fields."""
+    every value checked against the schema (`schema.validate`: types, sections, ranges) before the
+    dataclasses are built, whose `__post_init__` then checks combinations of fields."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError("<config file>", str(path), "an existing YAML file, for example configs/tiny_cpu.yaml")
@@ -564,13 +564,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               f"valid YAML ({type(exc).__name__}: {_first_line(exc)})") from None
         if not isinstance(file_data, dict):
             raise ConfigError("<config file>", str(path), "a YAML mapping of sections (model:, rollout:, ...)")
-        data = _merge(copy.deepcopy(_defaults(RunConfig)), file_data)
+        data = merge(defaults(RunConfig), file_data)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError("<override>", item, "key=value, for example rollout.num_workers=2")
             _check_override_key(item.split("=", 1)[0])
             try:
-                data = _merge(data, OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False))
+                data = merge(data, OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False))
             except OmegaConfBaseException:
                 raise
             except Exception as exc:  # a value that is not YAML, e.g. `key=[1,`
@@ -587,37 +587,6 @@ def _read_yaml(path: str, mtime_ns: int, size: int) -> Any:
     """A YAML file as plain data (interpolations unresolved), cached while the file is unchanged: tests and
     tools load the same recipe many times."""
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-
-
-@lru_cache(maxsize=None)
-def _defaults(cls: type) -> dict[str, Any]:
-    """The schema's defaults as plain data (sections as mappings), without running any validation."""
-    out: dict[str, Any] = {}
-    for f in fields(cls):
-        value = f.default_factory() if f.default_factory is not MISSING else f.default
-        out[f.name] = _defaults(type(value)) if is_dataclass(value) else value
-    return out
-
-
-def build(cls: type, data: dict[str, Any]) -> Any:
-    """The dataclass tree of checked plain data; each section's `__post_init__` runs, innermost first."""
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in data:
-            typ = hints(cls)[f.name]
-            kwargs[f.name] = build(typ, data[f.name]) if is_dataclass(typ) else data[f.name]
-    return cls(**kwargs)
-
-
-def _merge(base: Any, update: Any) -> Any:
-    """`update` over `base`, mappings merged key by key; anything else in `update` replaces (the schema check
-    then tells a scalar given for a section, or a section for a scalar, with its path)."""
-    if isinstance(base, dict) and isinstance(update, dict):
-        out = dict(base)
-        for key, value in update.items():
-            out[key] = _merge(base.get(key), value) if key in base else value
-        return out
-    return update
 
 
 def _check_override_key(key: str) -> None:
@@ -648,7 +617,8 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every leaf field; used by `config --explain` and the docs."""
+    """(dotted key, default, help) for every leaf field, the help ending with the declared range if any
+    ("[a positive integer (>= 1)]"); used by `config --explain` and the docs."""
     rows = []
     for f in fields(cls):
         key = f"{prefix}{f.name}"
@@ -656,7 +626,10 @@ def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, 
         if is_dataclass(sub):
             rows.extend(field_help(type(sub), key + "."))
         else:
-            rows.append((key, json.dumps(sub), f.metadata.get("help", "")))
+            text = f.metadata.get("help", "")
+            if any(f.metadata.get(k) is not None for k in RANGE_KEYS):
+                text += f" [{describe(hints(cls)[f.name], f.metadata)}]"
+            rows.append((key, json.dumps(sub), text))
     return rows
 
 

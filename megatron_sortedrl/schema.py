@@ -1,7 +1,8 @@
 """Field validation derived from a dataclass schema: types from the annotations, ranges from field metadata.
 
-    from megatron_sortedrl.schema import validate
-    clean = validate(RunConfig, raw_dict)     # a plain dict of checked, coerced values, or one ConfigError
+    from megatron_sortedrl.schema import build, defaults, merge, validate
+    data = merge(defaults(RunConfig), raw_dict)   # plain data over the defaults
+    cfg = build(RunConfig, validate(RunConfig, data))   # checked and coerced, or one ConfigError
 
 Every field of a config section is checked the same way, so a field added to any section is validated
 without code of its own: a section (a dataclass) must be given a mapping of its own keys, a scalar field a
@@ -17,6 +18,7 @@ those stay in each section's `__post_init__`, which runs after this pass.
 
 from __future__ import annotations
 
+import copy
 import math
 import typing
 from dataclasses import MISSING, fields, is_dataclass
@@ -102,6 +104,41 @@ def describe(typ: Any, meta: typing.Mapping[str, Any] | None = None) -> str:
     if upper:
         return f"{article} {noun} {'<=' if hi is not None else '<'} {upper[:-1]}"
     return f"{article} {noun}"
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """The schema's defaults as plain data (sections as mappings, a fresh copy), without any validation."""
+    return copy.deepcopy(_defaults(cls))
+
+
+@lru_cache(maxsize=None)
+def _defaults(cls: type) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        value = default_of(f)
+        out[f.name] = _defaults(type(value)) if is_dataclass(value) else value
+    return out
+
+
+def merge(base: Any, update: Any) -> Any:
+    """`update` over `base`, mappings merged key by key; anything else in `update` replaces (`validate` then
+    tells a scalar given for a section, or a section given for a scalar, with its path)."""
+    if isinstance(base, dict) and isinstance(update, dict):
+        out = dict(base)
+        for key, value in update.items():
+            out[key] = merge(base[key], value) if key in base else value
+        return out
+    return update
+
+
+def build(cls: type, data: dict[str, Any]) -> Any:
+    """The dataclass tree of `validate`d plain data; each section's `__post_init__` runs, innermost first."""
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in data:
+            typ = hints(cls)[f.name]
+            kwargs[f.name] = build(typ, data[f.name]) if is_dataclass(typ) else data[f.name]
+    return cls(**kwargs)
 
 
 def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
