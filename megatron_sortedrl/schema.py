@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 import typing
 from dataclasses import MISSING, fields, is_dataclass
 from functools import lru_cache
@@ -65,6 +66,11 @@ def check_value(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any
     """One scalar field: its type, then its declared range; returns the coerced value."""
     meta = meta or {}
     origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # `int | None`: null allowed, else the one other type
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(typ)):
+            return None
+        return check_value(args[0], value, dotted, meta) if len(args) == 1 else value
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(dotted, value, f"a list{_item_hint(meta)}, e.g. {dotted}=[a,b]")
