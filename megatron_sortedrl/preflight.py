@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,9 @@ def written_paths(cfg) -> list[tuple[Path, str]]:
     paths.append((Path(cfg.checkpoint.dir or run_dir / "checkpoints"), "checkpoint.dir"))
     if cfg.logging.tensorboard:
         paths.append((run_dir / "tensorboard", "logging.tensorboard"))
+    for f in fields(cfg.logging):  # any other logging.*_dir a sink writes to (set ones only)
+        if f.name.endswith("_dir") and f.name != "run_dir" and getattr(cfg.logging, f.name):
+            paths.append((Path(getattr(cfg.logging, f.name)), f"logging.{f.name}"))
     return paths
 
 
