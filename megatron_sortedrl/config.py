@@ -83,7 +83,8 @@ class ModelConfig:
     path: str = help_field("Hugging Face model directory (config.json, safetensors, tokenizer).", "runs/tiny_model")
     build_tiny_if_missing: bool = help_field("Build the tiny CPU model at `path` when the directory does not exist.", True)
     tiny: TinyModelConfig = help_field("Shape of the built-in tiny model.", factory=TinyModelConfig)
-    dtype: str = help_field("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32", choices=("float32", "bfloat16", "float16"))
+    dtype: str = help_field("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32",
+                            choices=("float32", "bfloat16", "float16"))
     rope_scaling: dict[str, Any] = help_field(
         "RoPE scaling applied to trainer and engines instead of config.json's (empty: config.json's). Types: "
         "default | linear | llama3 | yarn, e.g. {rope_type: yarn, factor: 4.0, original_max_position_embeddings: "
@@ -101,14 +102,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code (procedural) | "
-                           "file (train_files/eval_files).", "arithmetic", choices=("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"))
+                           "file (train_files/eval_files).", "arithmetic",
+                           choices=("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"))
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
     prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
     answer_key: str = help_field(
         "Dotted key of the ground truth; tried in order: this, reward_model.ground_truth, answer.", "ground_truth"
     )
-    on_bad_row: str = help_field("error: stop at the first malformed row; skip: skip and report the count.", "error", choices=("error", "skip"))
+    on_bad_row: str = help_field("error: stop at the first malformed row; skip: skip and report the count.", "error",
+                                 choices=("error", "skip"))
     num_train_prompts: int = help_field("Procedural tasks: prompts in the training set.", 256, min=1)
     num_eval_prompts: int = help_field("Procedural tasks: prompts in the held-out set.", 64, min=0)
     min_difficulty: int = help_field("Procedural tasks: smallest difficulty (digits, or K&K people).", 1, min=1)
@@ -167,7 +170,8 @@ class RewardConfig:
     scale_interval_s: float = help_field("autoscale: seconds between two sizing decisions.", 0.5, gt=0)
     idle_s: float = help_field("autoscale: give one worker back after this long with nothing pending.", 10.0, min=0)
     timeout: str = help_field("fixed: data.reward_timeout_s for every sample; history: per prompt, "
-                              "timeout_multiple x its slowest passing sample, within bounds.", "fixed", choices=("fixed", "history"))
+                              "timeout_multiple x its slowest passing sample, within bounds.", "fixed",
+                              choices=("fixed", "history"))
     timeout_multiple: float = help_field("timeout=history: multiple of the slowest passing scoring.", 3.0, gt=0)
     min_timeout_s: float = help_field("timeout=history: smallest per-prompt limit in seconds.", 0.5, gt=0)
     order: str = help_field("harvest: complete groups first (what the harvest takes); fifo: arrival order.",
@@ -218,7 +222,8 @@ class RolloutConfig:
     executor: str = help_field(
         "vLLM executor of each engine: auto (uni for a CPU engine of TP 1, mp otherwise) | mp (a worker process per "
         "TP rank) | uni (the model in the engine-core process; TP 1 only, a TP > 1 layout uses mp). On 2 CPU cores "
-        "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto", choices=("auto", "mp", "uni"))
+        "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto",
+        choices=("auto", "mp", "uni"))
 
     def __post_init__(self) -> None:
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
@@ -245,7 +250,8 @@ class RecomputeConfig:
 
     granularity: str = help_field(
         "auto: the launch planner picks the least recompute that fits the device | none | selective (recompute "
-        "the attention core only) | full (keep one input per checkpointed layer group, recompute the rest).", "auto", choices=("auto", "none", "selective", "full"))
+        "the attention core only) | full (keep one input per checkpointed layer group, recompute the rest).", "auto",
+        choices=("auto", "none", "selective", "full"))
     method: str = help_field(
         "Full recompute only: uniform (checkpoint every group of num_layers layers) | block (checkpoint the "
         "first num_layers layers of each pipeline stage, keep the rest).", "uniform", choices=("uniform", "block"))
@@ -284,10 +290,12 @@ class ParallelConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = help_field("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo", choices=("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"))
+    advantage: str = help_field("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo",
+                                choices=("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"))
     clip_low: float = help_field("PPO clip: ratio lower bound is 1 - clip_low.", 0.2, min=0, lt=1)
     clip_high: float = help_field("PPO clip-higher: ratio upper bound is 1 + clip_high.", 0.28, min=0)
-    loss_aggregation: str = help_field("token: mean over all tokens; sequence: mean of per-sequence means.", "token", choices=("token", "sequence"))
+    loss_aggregation: str = help_field("token: mean over all tokens; sequence: mean of per-sequence means.", "token",
+                                       choices=("token", "sequence"))
     kl_coef: float = help_field("KL penalty to the frozen reference model (0 disables the reference).", 0.0, min=0)
     entropy_coef: float = help_field("Entropy bonus coefficient (entropy is always logged).", 0.0, min=0)
     tis_cap: float = help_field("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0, min=0)
@@ -310,7 +318,8 @@ class TrainerConfig:
     total_steps: int = help_field("Optimizer updates of the RL phase.", 40, min=1)
     lr: float = help_field("Adam learning rate.", 1e-4, gt=0)
     lr_warmup_steps: int = help_field("RL steps of linear learning-rate warm-up from 0.", 0, min=0)
-    lr_decay_style: str = help_field("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant", choices=("constant", "linear", "cosine"))
+    lr_decay_style: str = help_field("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant",
+                                     choices=("constant", "linear", "cosine"))
     weight_decay: float = help_field("AdamW weight decay.", 0.0, min=0)
     grad_clip: float = help_field("Gradient norm clip (0 disables).", 1.0, min=0)
     micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096, min=1)
@@ -384,7 +393,8 @@ class LoggingConfig:
 
 @dataclass
 class ClusterConfig:
-    device: str = help_field("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto", choices=("auto", "cpu", "gpu"))
+    device: str = help_field("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto",
+                             choices=("auto", "cpu", "gpu"))
     ray_address: str = help_field("Ray cluster address; empty starts a local Ray instance.", "")
     num_nodes: int = help_field("Nodes in the allocation.", 1, min=1)
     gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0, min=0)
