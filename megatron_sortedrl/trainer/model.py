@@ -37,8 +37,6 @@ import torch.nn.functional as F
 from megatron_sortedrl.errors import ConfigError, UserError
 from megatron_sortedrl.rope import resolve_rope
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-
 
 @dataclass
 class HFArch:
@@ -67,9 +65,10 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
     if not path.is_file():
         raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
     cfg = json.loads(path.read_text())
-    model_type = cfg.get("model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"{path}: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    from megatron_sortedrl.convert.validate import check_architecture
+
+    check_architecture(cfg, str(path))  # the same line as `plan` and `convert`
+    model_type = cfg["model_type"]
     try:  # transformers >= 5 writes `rope_parameters`; older files rope_theta / rope_scaling
         rope = resolve_rope(cfg, dict(rope_override or {}), source=str(path))
     except ConfigError as err:
