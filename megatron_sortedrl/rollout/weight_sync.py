@@ -37,8 +37,12 @@ multi-sender topology (the single-sender `ipc` path remains for (name, tensor) s
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
-from collections.abc import Iterable, Iterator
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -129,8 +133,26 @@ def bucket_sizes(nbytes: Iterable[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     return sizes
 
 
+def plan_packed(entries: Iterable[tuple[str, torch.dtype, Iterable[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                ) -> list[tuple[int, Meta]]:
+    """(bytes, metadata) of every bucket `iter_packed` makes from tensors of these names, dtypes and shapes,
+    without the data: what an NCCL receiver allocates and loads, known before anything is sent."""
+    out: list[tuple[int, Meta]] = []
+    used = cap = 0
+    for name, dtype, shape in entries:
+        shape = [int(d) for d in shape]
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        new, off, cap = _place(used, cap, nbytes, bucket_bytes)
+        if new:
+            out.append((0, []))
+        used = off + nbytes
+        out[-1] = (used, out[-1][1] + [(name, str(dtype).removeprefix("torch."), shape, off)])
+    return out
+
+
 def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu",
-                reuse_buffer: bool = False) -> Iterator[tuple[torch.Tensor, Meta]]:
+                reuse_buffer: bool = False, alloc: Callable[[int], torch.Tensor] | None = None
+                ) -> Iterator[tuple[torch.Tensor, Meta]]:
     """Packs (name, tensor) pairs into (flat uint8 buffer, metadata) buckets of at most `bucket_bytes`.
 
     Each tensor is copied into the bucket's buffer as soon as it arrives, so the caller may free it (the
@@ -139,7 +161,10 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
 
     `reuse_buffer`: every bucket is packed into the same buffer (grown when a larger one is needed), so
     the caller must be done with a bucket before asking for the next one (`ray.put` copies; an NCCL
-    broadcast is waited for). It saves an allocation per bucket, which otherwise fragments the heap."""
+    broadcast is waited for). It saves an allocation per bucket, which otherwise fragments the heap.
+
+    `alloc(capacity)`: where each bucket is packed (a flat uint8 tensor of at least `capacity` bytes), called
+    once per bucket after the previous bucket was yielded, e.g. the next slot of a `ShmRing`."""
     buf: torch.Tensor | None = None
     meta: Meta = []
     used = cap = 0
@@ -155,7 +180,10 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
             if buf is not None:
                 yield buf[:used], meta
             meta = []
-            if not (reuse_buffer and buf is not None and buf.numel() >= cap):
+            if alloc is not None:
+                buf = None
+                buf = alloc(cap)
+            elif not (reuse_buffer and buf is not None and buf.numel() >= cap):
                 buf = None  # freed before the next allocation
                 buf = torch.empty(cap, dtype=torch.uint8, device=device)
         assert buf is not None
@@ -189,7 +217,8 @@ class WeightPusher(Protocol):
     """A source that sends its weights to the engines itself (the trainer group: one sender per stage)."""
 
     def push_weights(self, engines: list[Any], *, bucket_bytes: int, max_buckets_in_flight: int,
-                     transport: str = "object_store", nccl: dict | None = None) -> dict[str, Any]: ...
+                     transport: str = "object_store", nccl: dict | None = None,
+                     mode: str = "pipelined") -> dict[str, Any]: ...
 
     @property
     def weights_epoch(self) -> int: ...
@@ -225,6 +254,96 @@ def push_packed(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]]
     return stats, kept
 
 
+SYNC_MODES = ("pipelined", "serial")
+
+
+class ShmRing:
+    """A few shared-memory files one stage sender packs its buckets into, reused round robin (CPU, one node).
+
+    The engines' vLLM workers memory-map the slot a bucket was packed into and load from it; the sender
+    packs the next bucket into the next slot meanwhile, and reuses a slot only after every engine has
+    loaded the bucket in it (`push_ring`), so shared memory holds at most `slots` buckets per sender,
+    whatever the model's size. `peak_bytes` is the most the files held at once. `close` removes them."""
+
+    def __init__(self, slots: int = 2) -> None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        base = f"msrl-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.paths = [os.path.join(shm, f"{base}-{k}.bin") for k in range(max(1, slots))]
+        self.sizes = [0] * len(self.paths)
+        self.count, self.last, self.peak_bytes = 0, -1, 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """The next slot, at least `nbytes` long, as a flat uint8 tensor mapped from its file."""
+        k = self.last = self.count % len(self.paths)
+        self.count += 1
+        if self.sizes[k] < nbytes:
+            with open(self.paths[k], "ab") as f:
+                f.truncate(nbytes)
+            self.sizes[k] = nbytes
+        self.peak_bytes = max(self.peak_bytes, sum(self.sizes))
+        return torch.from_file(self.paths[k], shared=True, size=self.sizes[k], dtype=torch.uint8)
+
+    def close(self) -> None:
+        for path in self.paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def push_ring(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]], ring: ShmRing) -> dict[str, int]:
+    """Sends buckets packed into `ring`'s slots (`iter_packed(..., alloc=ring.alloc)`) to engine actors on this
+    node: one `load_shm_bucket` call per bucket per engine, no copy on the way. The wait for a slot's loads
+    comes right before the next bucket is packed into it, so packing overlaps the engines' loads."""
+    import ray
+
+    pending: deque[tuple[list[Any], Meta]] = deque()
+    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
+    for flat, meta in buckets:
+        stats["num_tensors"] += len(meta)
+        stats["bytes"] += packed_nbytes(meta)
+        stats["num_buckets"] += 1
+        pending.append(([e.load_shm_bucket.remote(ring.paths[ring.last], flat.numel(), meta) for e in engines], meta))
+        del flat
+        while len(pending) >= len(ring.paths):  # the next bucket goes into the oldest slot
+            futs, sent = pending.popleft()
+            _check_counts(ray.get(futs), sent)
+    for futs, sent in pending:
+        _check_counts(ray.get(futs), sent)
+    return {**stats, "shm_peak_bytes": ring.peak_bytes}
+
+
+def stage_push(engines: list[Any], tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int,
+               max_buckets_in_flight: int = 2, mode: str = "pipelined") -> dict[str, int]:
+    """A stage sender's push over the CPU path (any device's tensors; buckets in host memory).
+
+    `pipelined`: engines on this node get the buckets through a `ShmRing` of `max_buckets_in_flight` slots
+    (no object store, no copy in the engine actor; shared memory bounded by the slots); engines elsewhere
+    through Ray's object store as below. `serial`: the path before, kept to compare: every bucket is put
+    into the object store and each engine actor writes it to a /dev/shm file of its own."""
+    if mode not in SYNC_MODES:
+        raise ValueError(f"weight sync mode {mode!r}: expected one of {SYNC_MODES}")
+    if mode == "pipelined" and engines and _all_local(engines):
+        ring = ShmRing(max(2, max_buckets_in_flight))
+        try:
+            return push_ring(engines, iter_packed(tensors, bucket_bytes, alloc=ring.alloc), ring)
+        finally:
+            ring.close()
+    stats, _ = push_packed(engines, iter_packed(tensors, bucket_bytes, reuse_buffer=True),
+                           max_buckets_in_flight=max_buckets_in_flight)
+    return stats
+
+
+def _all_local(engines: list[Any]) -> bool:
+    """Whether every engine actor runs on this process's node (shared memory reaches it)."""
+    import ray
+
+    from megatron_sortedrl.placement import node_id
+
+    try:
+        return set(ray.get([e.node_id.remote() for e in engines])) == {node_id()}
+    except (AttributeError, ray.exceptions.RayError):
+        return False  # an engine without the method: the object store reaches anything
+
+
 def sync_cpu(actors: list[Any], source: WeightSource, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              max_buckets_in_flight: int = 2, keep_buckets: bool = False) -> tuple[SyncReport, list[tuple[Any, Meta]]]:
     """Streams a (name, tensor) or directory source from this process into every engine actor.
@@ -242,21 +361,25 @@ def sync_cpu(actors: list[Any], source: WeightSource, version: int, *, bucket_by
 
 
 def sync_push(actors: list[Any], pusher: WeightPusher, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              max_buckets_in_flight: int = 2, transport: str = "object_store", nccl: dict | None = None) -> SyncReport:
+              max_buckets_in_flight: int = 2, transport: str = "object_store", nccl: dict | None = None,
+              mode: str = "pipelined") -> SyncReport:
     """The driver's part of a sync: pause and prepare the engines, let the trainer's stage senders push, finish.
 
     The driver never touches a tensor. `nccl` (GPU): {"master_address", "master_port"} for the transfer
-    group the senders and engines form."""
+    group the senders and engines form. `mode`: `SYNC_MODES` ("serial" is the path before, kept to compare)."""
     import ray
 
     t0 = time.monotonic()
     ray.get([a.begin_weight_update.remote() for a in actors])
     stats = pusher.push_weights(actors, bucket_bytes=bucket_bytes, max_buckets_in_flight=max_buckets_in_flight,
-                                transport=transport, nccl=nccl)
+                                transport=transport, nccl=nccl, mode=mode)
     ray.get([a.finish_weight_update.remote(version) for a in actors])
+    senders = stats.get("senders", [])
+    shm = any("shm_peak_bytes" in o for o in senders)
     return SyncReport(version=version, num_tensors=stats["num_tensors"], bytes=stats["bytes"],
                       num_buckets=stats["num_buckets"], num_engines=len(actors), seconds=time.monotonic() - t0,
-                      transport="object_store+shm" if transport == "object_store" else transport)
+                      transport=("shm" if shm else "object_store+shm") if transport == "object_store" else transport,
+                      mode=mode, shm_peak_bytes=sum(o.get("shm_peak_bytes", 0) for o in senders))
 
 
 def replay(actors: list[Any], kept: list[tuple[Any, Meta]], version: int) -> None:
@@ -313,6 +436,57 @@ def nccl_send_buckets(comm: Any, my_rank: int, plan: list[tuple[int, int]], buck
     return stats
 
 
+class DeviceRing:
+    """Two (or `slots`) GPU packing buffers for a stage sender: bucket k+1 is packed while bucket k is still
+    being broadcast; a buffer is reused only once the broadcast that read it has finished (GPU only)."""
+
+    def __init__(self, slots: int = 2) -> None:
+        self.bufs: list[torch.Tensor | None] = [None] * slots
+        self.events: list[Any] = [None] * slots
+        self.count, self.last = 0, -1
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        k = self.last = self.count % len(self.bufs)
+        self.count += 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # the broadcast of the bucket that last used this buffer is done
+        buf = self.bufs[k]
+        if buf is None or buf.numel() < nbytes:
+            self.bufs[k] = None
+            self.bufs[k] = buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        return buf
+
+    def sent(self, event: Any) -> None:
+        self.events[self.last] = event
+
+
+def nccl_send_stage(comm: Any, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
+    """One stage sender's part of a pipelined NCCL sync (GPU only; `mode="pipelined"`).
+
+    `comm` is this stage's own group (this sender rank 0, then every engine GPU), so the stages send at the
+    same time and no sender takes part in another's broadcasts. The buckets go back to back on a side
+    stream with no Ray call in between (the engines receive the whole sync in one call,
+    `worker_extension.msrl_nccl_receive_stages`, from the plan `plan_packed` computes); packing bucket k+1
+    overlaps the broadcast of bucket k (`DeviceRing`)."""
+    ring = DeviceRing(2)
+    send = torch.cuda.Stream()
+    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
+    for flat, meta in iter_packed(tensors, bucket_bytes, alloc=ring.alloc):
+        packed = torch.cuda.Event()
+        packed.record()  # packing ran on the current stream
+        send.wait_event(packed)
+        comm.broadcast(flat, src=0, stream=send)
+        done = torch.cuda.Event()
+        done.record(send)
+        ring.sent(done)
+        stats["num_tensors"] += len(meta)
+        stats["bytes"] += packed_nbytes(meta)
+        stats["num_buckets"] += 1
+        del flat
+    send.synchronize()
+    return stats
+
+
 class GpuWeightSync:
     """GPU transports through vLLM's built-in weight-transfer engines (GPU only; tests/test_rollout_gpu.py).
 
@@ -330,6 +504,12 @@ class GpuWeightSync:
         self.master_address, self.master_port = master_address, master_port
         self.group: Any = None
         self.connected = False
+
+    def close(self) -> None:
+        """Destroys this process's end of the NCCL group (before the engines are replaced)."""
+        if self.group is not None and hasattr(self.group, "destroy"):
+            self.group.destroy()
+        self.group, self.connected = None, False
 
     def connect(self) -> None:
         import ray
