@@ -135,6 +135,30 @@ def test_shm_ring_holds_at_most_its_slots(tmp_path):
     assert not any(Path(p).exists() for p in ring.paths)
 
 
+@pytest.mark.parametrize("counts", [[5, 5], [9, 2], [1, 7, 3], [4], [3, 0, 6], [12, 1, 1, 1]])
+def test_gpu_receive_schedule_never_overwrites_a_buffer_in_use(counts):
+    """The GPU receiver's plan (pure logic, checked here on CPU): every bucket is posted once, in each stage's
+    order, before it is loaded; a stage's two buffers alternate, and a receive into a buffer is posted only
+    after the bucket that used it before was loaded; receives run at most two rounds ahead of the loads."""
+    from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule
+
+    order = receive_order(counts)
+    assert sorted(order) == sorted((s, k) for s, n in enumerate(counts) for k in range(n))
+    steps = receive_schedule(counts)
+    posted = [i for a, i in steps if a == "post"]
+    loads = [i for a, i in steps if a == "load"]
+    assert posted == list(range(len(order))) and loads == list(range(len(order)))
+    at = {step: n for n, step in enumerate(steps)}
+    for i, (s, k) in enumerate(order):
+        assert at[("post", i)] < at[("load", i)]
+        if k >= 2:  # the same buffer: the bucket two before of this stage must be loaded first
+            assert at[("load", order.index((s, k - 2)))] < at[("post", i)]
+        done = sum(1 for a, j in steps[:at[("post", i)]] if a == "load")
+        assert i - done <= 2 * max(1, len(counts))  # bounded lookahead: two buffers per stage
+    if min(counts) > 1 and len(counts) > 1:  # the next round is on its way while this one loads
+        assert at[("post", len(counts))] < at[("load", 0)]
+
+
 def test_replay_refuses_weights_the_trainer_no_longer_has():
     from megatron_sortedrl.rollout import PoolOptions, RolloutPool
     from megatron_sortedrl.rollout.pool import _Slot

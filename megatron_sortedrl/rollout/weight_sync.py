@@ -460,6 +460,30 @@ class DeviceRing:
         self.events[self.last] = event
 
 
+def receive_order(counts: list[int]) -> list[tuple[int, int]]:
+    """(stage, bucket) in the order an engine loads a pipelined sync: round robin over the stages."""
+    return [(s, k) for k in range(max(counts, default=0)) for s in range(len(counts)) if k < counts[s]]
+
+
+def receive_schedule(counts: list[int]) -> list[tuple[str, int]]:
+    """An engine's ("post", i) / ("load", i) steps for the buckets of `receive_order(counts)` (pure logic; the
+    GPU receiver `msrl_nccl_receive_stages` follows it). Each stage's buckets alternate between two buffers;
+    a bucket's receive is posted once the bucket that used its buffer before is loaded, in order (each group
+    must see its sender's order), so both buffers of every stage are receiving while earlier buckets load:
+    the stages' transfers overlap each other and the loads."""
+    order = receive_order(counts)
+    where = {o: i for i, o in enumerate(order)}
+    prev = [where.get((s, k - 2), -1) for s, k in order]
+    ahead, steps, nxt = 2 * max(1, len(counts)), [], 0
+    for done in range(-1, len(order)):
+        if done >= 0:
+            steps.append(("load", done))
+        while nxt < len(order) and nxt <= done + ahead and prev[nxt] <= done:
+            steps.append(("post", nxt))
+            nxt += 1
+    return steps
+
+
 def nccl_send_stage(comm: Any, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
     """One stage sender's part of a pipelined NCCL sync (GPU only; `mode="pipelined"`).
 

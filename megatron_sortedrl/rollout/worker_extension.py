@@ -131,54 +131,35 @@ class WeightSyncExtension:
         """Receives a whole pipelined sync (GPU only): `stage_plans[s]` is [(bytes, meta), ...] of sender s.
 
         Buckets are taken round robin over the stages, each stage's on its own stream into one of two
-        buffers, the next round's receives posted before this round is loaded, so transfers of all stages
-        overlap each other and the loads. A buffer is received into again only after its load is done, and
+        buffers, the next round's receives posted before this round is loaded (`weight_sync.receive_schedule`),
+        so transfers of all stages overlap each other and the loads. A buffer is received into again only after its load is done, and
         whatever vLLM's reload still holds of it (a module not yet complete) is copied out first."""
-        from megatron_sortedrl.rollout.weight_sync import unpack_tensors
+        from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule, unpack_tensors
 
         comms = self._msrl_stage_comms
         streams = [torch.cuda.Stream() for _ in comms]
         bufs: dict[tuple[int, int], torch.Tensor] = {}
         freed: dict[tuple[int, int], Any] = {}
-        order = [(s, k) for k in range(max((len(p) for p in stage_plans), default=0))
-                 for s in range(len(stage_plans)) if k < len(stage_plans[s])]
+        order = receive_order([len(p) for p in stage_plans])
         received: dict[int, Any] = {}
-
-        def post(i: int) -> None:
+        loaded = 0
+        for action, i in receive_schedule([len(p) for p in stage_plans]):
             s, k = order[i]
-            slot = (s, k % 2)
-            nbytes = stage_plans[s][k][0]
-            if slot in freed:
-                streams[s].wait_event(freed.pop(slot))  # its previous bucket is loaded
-            if slot not in bufs or bufs[slot].numel() < nbytes:
-                bufs[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
-            comms[s].broadcast(bufs[slot][:nbytes], src=0, stream=streams[s])
-            ev = torch.cuda.Event()
-            ev.record(streams[s])
-            received[i] = ev
-
-        # A bucket is posted (in order: each group sees its sender's order) once the bucket that used its
-        # buffer before is loaded, at most one round ahead of the loads.
-        where = {o: i for i, o in enumerate(order)}
-        prev = [where.get((s, k - 2), -1) for s, k in order]
-        loaded, ahead, nxt = 0, max(1, len(comms)), 0
-
-        def pump(done: int) -> None:
-            nonlocal nxt
-            while nxt < len(order) and nxt <= done + ahead and prev[nxt] <= done:
-                post(nxt)
-                nxt += 1
-
-        pump(-1)
-        for i, (s, k) in enumerate(order):
-            torch.cuda.current_stream().wait_event(received.pop(i))
-            nbytes, meta = stage_plans[s][k]
-            flat = bufs[(s, k % 2)][:nbytes]
-            loaded += self._msrl_load(unpack_tensors(flat, meta), flat)
-            ev = torch.cuda.Event()
-            ev.record()
-            freed[(s, k % 2)] = ev
-            pump(i)
+            slot, (nbytes, meta) = (s, k % 2), stage_plans[s][k]
+            if action == "post":
+                if slot in freed:
+                    streams[s].wait_event(freed.pop(slot))  # the bucket that used this buffer before is loaded
+                if slot not in bufs or bufs[slot].numel() < nbytes:
+                    bufs[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+                comms[s].broadcast(bufs[slot][:nbytes], src=0, stream=streams[s])
+                received[i] = torch.cuda.Event()
+                received[i].record(streams[s])
+            else:
+                torch.cuda.current_stream().wait_event(received.pop(i))
+                flat = bufs[slot][:nbytes]
+                loaded += self._msrl_load(unpack_tensors(flat, meta), flat)
+                freed[slot] = torch.cuda.Event()
+                freed[slot].record()
         torch.cuda.current_stream().synchronize()
         return loaded
 
