@@ -7,29 +7,36 @@
 Topology (the usual call). The source is a `WeightPusher` (`trainer.group.TrainerGroup`): the pool
 pauses the engines (`begin_weight_update`), hands the engine actor handles to the trainer, and finishes
 with the version. Inside the trainer one *sender per pipeline stage* (TP rank 0 of DP replica 0) gathers
-its stage's TP shards tensor by tensor (point to point on that stage's TP group only; other DP replicas do
-nothing), packs them into buckets and sends each bucket straight to every engine. No process, the driver
-included, ever holds the whole model: a sender holds its own shard plus the bucket being packed plus the
-one HF tensor being assembled (fused weights are split first, see `trainer.weights.iter_stage_hf_weights`),
-i.e. two buckets when a bucket is max(`bucket_bytes`, largest HF tensor); at most `max_buckets_in_flight`
-(2) more are on their way in the object store (shared memory, not the sender's).
+its stage's TP shards tensor by tensor, layer by layer (`trainer.weights.export_order`: every tensor of a
+layer together, so vLLM's layerwise reload waits on at most one layer per sender), packs them into buckets
+and sends each bucket straight to every engine; all stages send at the same time. No process, the driver
+included, ever holds the whole model. `mode="serial"` (`SYNC_MODES`) keeps the path before for
+comparison: the weight table's order (every layer's q/k/v weights before any bias), buckets through Ray's
+object store, and on GPU one group for all senders, bucket after bucket.
 
 Packed buckets. A bucket is one flat contiguous uint8 buffer plus a small metadata list of
 `(name, dtype, shape, offset)` (`pack_tensors` / `unpack_tensors`); offsets are 64-byte aligned so every
-tensor is a zero-copy view of the buffer. One call per bucket per engine, not per tensor.
+tensor is a zero-copy view of the buffer. One call per bucket per engine, not per tensor. `plan_packed`
+computes the metadata from shapes alone (what an NCCL receiver is told before anything moves).
 
-CPU transport ("object_store"): the sender puts each packed buffer once into Ray's object store (which moves
-it between nodes; the engine actor reads it zero-copy), the engine actor writes it to a shared-memory file
-and every vLLM worker of the engine memory-maps that file and loads the views through vLLM's layerwise
-reload (`worker_extension.WeightSyncExtension.msrl_load_packed`). The sender drops its object ref when the
-engines have loaded the bucket, so nothing stays in the object store after a sync.
+CPU transport (`stage_push`). Engines on the sender's node: the sender packs each bucket straight into a
+slot of a `ShmRing` (two shared-memory files, reused round robin) and calls `load_shm_bucket(path, meta)`;
+every vLLM worker of the engine memory-maps the slot and loads the views through vLLM's layerwise reload
+(`worker_extension.WeightSyncExtension.msrl_load_packed`), copying out whatever the reload still holds of
+the slot. The sender waits for a slot's loads right before packing into it again, so bucket k+1 packs
+while bucket k loads and shared memory holds at most two buckets per sender. Engines on other nodes: each
+bucket is put once into Ray's object store (which moves it between nodes), at most `max_buckets_in_flight`
+(2) at once; the engine actor writes it to a shared-memory file the workers map (`push_packed`).
 
-GPU transport (`GpuWeightSync`, NCCL): one NCCL group spans the stage senders (ranks 0..S-1) and every
-engine GPU (ranks S..); buckets are packed on the sender's GPU and broadcast from it, stage after stage;
-the other senders take part in each broadcast with a scratch buffer (a broadcast is a collective of the
-whole group). Engine workers receive into a flat GPU buffer and load the views with the same layerwise
-reload. `sync_gpu_pairs` keeps the older single-sender path (this process is rank 0) for (name, tensor)
-sources. Written for GPU testing (`tests/test_weight_sync_gpu.py`, `tests/test_rollout_gpu.py`).
+GPU transport (NCCL, pipelined). Every stage sender has its own NCCL group (the sender rank 0, then every
+engine GPU), so the stages broadcast at once; the senders pack into two GPU buffers and broadcast back to
+back on a side stream (`nccl_send_stage`); each engine receives the whole sync in one call, round robin
+over the stages on one stream per stage into two buffers per stage, loading while the next buckets arrive
+(`receive_schedule`; `worker_extension.msrl_nccl_receive_stages`). Serial: one group spans the stage
+senders (ranks 0..S-1) and every engine GPU (ranks S..); buckets are broadcast stage after stage, each
+announced by a Ray call (`nccl_send_buckets`). `GpuWeightSync` keeps the single-sender path (this process
+is rank 0) for (name, tensor) sources. Written for GPU testing (`tests/test_weight_sync_gpu.py`,
+`tests/test_rollout_gpu.py`).
 
 Deliberately left out: delta/sparse updates, quantised transfer, CUDA IPC for colocated engines in the
 multi-sender topology (the single-sender `ipc` path remains for (name, tensor) sources).
@@ -397,190 +404,13 @@ def _check_counts(counts: list[int], meta: Meta) -> None:
         raise RuntimeError(f"engines loaded {counts} tensors from one bucket of {len(meta)}")
 
 
-# ----------------------------------------------------------------------------------------- GPU (NCCL)
-
-
-def nccl_ranks(num_senders: int, engine_tps: list[int]) -> tuple[int, list[int]]:
-    """World size of the transfer group and each engine's first rank: senders first, then engine GPUs."""
-    offsets = [num_senders + sum(engine_tps[:k]) for k in range(len(engine_tps))]
-    return num_senders + sum(engine_tps), offsets
-
-
-def nccl_send_buckets(comm: Any, my_rank: int, plan: list[tuple[int, int]], buckets: Iterator[tuple[torch.Tensor, Meta]],
-                      engines: list[Any]) -> dict[str, int]:
-    """One stage sender's part of an NCCL sync (GPU only).
-
-    `plan` is every sender's (sender rank, bucket bytes) in broadcast order, the same list on all senders;
-    this rank broadcasts its own buckets (first telling the engines what to receive) and joins the others'
-    broadcasts with a scratch buffer. `comm` is vLLM's PyNcclCommunicator over senders + engine GPUs."""
-    import ray
-
-    stream = torch.cuda.current_stream()
-    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
-    for src, nbytes in plan:
-        if src == my_rank:
-            flat, meta = next(buckets)
-            futs = [e.nccl_receive_bucket.remote(src, flat.numel(), meta) for e in engines]
-            comm.broadcast(flat, src=src, stream=stream)
-            stream.synchronize()
-            _check_counts(ray.get(futs), meta)
-            stats["num_tensors"] += len(meta)
-            stats["bytes"] += packed_nbytes(meta)
-            stats["num_buckets"] += 1
-            del flat
-        else:
-            scratch = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            comm.broadcast(scratch, src=src, stream=stream)
-            stream.synchronize()
-            del scratch
-    return stats
-
-
-class DeviceRing:
-    """Two (or `slots`) GPU packing buffers for a stage sender: bucket k+1 is packed while bucket k is still
-    being broadcast; a buffer is reused only once the broadcast that read it has finished (GPU only)."""
-
-    def __init__(self, slots: int = 2) -> None:
-        self.bufs: list[torch.Tensor | None] = [None] * slots
-        self.events: list[Any] = [None] * slots
-        self.count, self.last = 0, -1
-
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        k = self.last = self.count % len(self.bufs)
-        self.count += 1
-        if self.events[k] is not None:
-            self.events[k].synchronize()  # the broadcast of the bucket that last used this buffer is done
-        buf = self.bufs[k]
-        if buf is None or buf.numel() < nbytes:
-            self.bufs[k] = None
-            self.bufs[k] = buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        return buf
-
-    def sent(self, event: Any) -> None:
-        self.events[self.last] = event
-
-
-def receive_order(counts: list[int]) -> list[tuple[int, int]]:
-    """(stage, bucket) in the order an engine loads a pipelined sync: round robin over the stages."""
-    return [(s, k) for k in range(max(counts, default=0)) for s in range(len(counts)) if k < counts[s]]
-
-
-def receive_schedule(counts: list[int]) -> list[tuple[str, int]]:
-    """An engine's ("post", i) / ("load", i) steps for the buckets of `receive_order(counts)` (pure logic; the
-    GPU receiver `msrl_nccl_receive_stages` follows it). Each stage's buckets alternate between two buffers;
-    a bucket's receive is posted once the bucket that used its buffer before is loaded, in order (each group
-    must see its sender's order), so both buffers of every stage are receiving while earlier buckets load:
-    the stages' transfers overlap each other and the loads."""
-    order = receive_order(counts)
-    where = {o: i for i, o in enumerate(order)}
-    prev = [where.get((s, k - 2), -1) for s, k in order]
-    ahead, steps, nxt = 2 * max(1, len(counts)), [], 0
-    for done in range(-1, len(order)):
-        if done >= 0:
-            steps.append(("load", done))
-        while nxt < len(order) and nxt <= done + ahead and prev[nxt] <= done:
-            steps.append(("post", nxt))
-            nxt += 1
-    return steps
-
-
-def nccl_send_stage(comm: Any, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
-    """One stage sender's part of a pipelined NCCL sync (GPU only; `mode="pipelined"`).
-
-    `comm` is this stage's own group (this sender rank 0, then every engine GPU), so the stages send at the
-    same time and no sender takes part in another's broadcasts. The buckets go back to back on a side
-    stream with no Ray call in between (the engines receive the whole sync in one call,
-    `worker_extension.msrl_nccl_receive_stages`, from the plan `plan_packed` computes); packing bucket k+1
-    overlaps the broadcast of bucket k (`DeviceRing`)."""
-    ring = DeviceRing(2)
-    send = torch.cuda.Stream()
-    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
-    for flat, meta in iter_packed(tensors, bucket_bytes, alloc=ring.alloc):
-        packed = torch.cuda.Event()
-        packed.record()  # packing ran on the current stream
-        send.wait_event(packed)
-        comm.broadcast(flat, src=0, stream=send)
-        done = torch.cuda.Event()
-        done.record(send)
-        ring.sent(done)
-        stats["num_tensors"] += len(meta)
-        stats["bytes"] += packed_nbytes(meta)
-        stats["num_buckets"] += 1
-        del flat
-    send.synchronize()
-    return stats
-
-
-class GpuWeightSync:
-    """GPU transports through vLLM's built-in weight-transfer engines (GPU only; tests/test_rollout_gpu.py).
-
-    `backend="nccl"`: one NCCL group spans this process (rank 0, the trainer's sender) and every rollout GPU;
-    engine k's TP rank r is 1 + (sum of earlier engines' TP) + r. For separate trainer and rollout GPUs.
-    `backend="ipc"`: CUDA IPC handles of this process's tensors; for engines colocated on the same GPUs.
-    Engines must be built with `engine_kwargs(..., weight_transfer_backend=backend)` (the pool does this).
-    """
-
-    def __init__(self, actors: list[Any], tps: list[int], backend: str = "nccl",
-                 master_address: str = "", master_port: int = 0) -> None:
-        if backend not in ("nccl", "ipc"):
-            raise ValueError(f"GPU weight transport {backend!r}: expected nccl or ipc")
-        self.actors, self.tps, self.backend = actors, tps, backend
-        self.master_address, self.master_port = master_address, master_port
-        self.group: Any = None
-        self.connected = False
-
-    def close(self) -> None:
-        """Destroys this process's end of the NCCL group (before the engines are replaced)."""
-        if self.group is not None and hasattr(self.group, "destroy"):
-            self.group.destroy()
-        self.group, self.connected = None, False
-
-    def connect(self) -> None:
-        import ray
-
-        if self.backend == "ipc":
-            ray.get([a.transfer_init.remote({"packed": False}) for a in self.actors])
-        else:
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-            world = 1 + sum(self.tps)
-            offsets = [1 + sum(self.tps[:k]) for k in range(len(self.tps))]
-            # Both sides block in the rendezvous, so the engines' half is started before the trainer's.
-            futs = [a.transfer_init.remote({"master_address": self.master_address, "master_port": self.master_port,
-                                            "rank_offset": off, "world_size": world, "packed": False})
-                    for a, off in zip(self.actors, offsets)]
-            self.group = trainer_init({"master_address": self.master_address, "master_port": self.master_port,
-                                       "world_size": world}, rank=0)
-            ray.get(futs)
-        self.connected = True
-
-    def sync(self, source: WeightSource, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
-        import ray
-
-        if not self.connected:
-            self.connect()
-        t0 = time.monotonic()
-        ray.get([a.transfer_start.remote() for a in self.actors])
-        n_tensors = n_bytes = n_buckets = 0
-        for bucket in iter_buckets(source, bucket_bytes, device="cuda"):
-            info: dict[str, Any] = {"names": list(bucket), "shapes": [list(t.shape) for t in bucket.values()],
-                                    "dtype_names": [str(t.dtype).split(".")[-1] for t in bucket.values()]}
-            if self.backend == "ipc":
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-                info["ipc_handles"] = [{uuid: reduce_tensor(t)[1]} for t in bucket.values()]
-                ray.get([a.transfer_update.remote(info) for a in self.actors])  # bucket stays alive until here
-            else:
-                futs = [a.transfer_update.remote(info) for a in self.actors]  # receivers enter the broadcasts
-                stream = torch.cuda.current_stream()
-                for t in bucket.values():
-                    self.group.broadcast(t, src=0, stream=stream)
-                stream.synchronize()
-                ray.get(futs)
-            n_tensors += len(bucket)
-            n_bytes += bucket_nbytes(bucket)
-            n_buckets += 1
-        ray.get([a.transfer_finish.remote(version) for a in self.actors])
-        return SyncReport(version=version, num_tensors=n_tensors, bytes=n_bytes, num_buckets=n_buckets,
-                          num_engines=len(self.actors), seconds=time.monotonic() - t0, transport=self.backend)
+# The GPU transports live in weight_sync_gpu.py (imported here, so callers have one module to import from).
+from megatron_sortedrl.rollout.weight_sync_gpu import (  # noqa: E402
+    DeviceRing,
+    GpuWeightSync,
+    nccl_ranks,
+    nccl_send_buckets,
+    nccl_send_stage,
+    receive_order,
+    receive_schedule,
+)

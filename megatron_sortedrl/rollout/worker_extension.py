@@ -19,8 +19,13 @@ the bases, so one extension class serves weight sync and HistoSpec history updat
 be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted path as
 `worker_extension_cls` to `EngineWorker`.
 
-GPU: `msrl_nccl_init` joins the trainer->engines NCCL group (stage senders first, then engine GPUs) and
-`msrl_nccl_receive` takes one broadcast bucket into a flat GPU buffer, then loads it the same way.
+GPU: `msrl_nccl_init_stages` joins one NCCL group per stage sender and `msrl_nccl_receive_stages` takes
+a whole sync in one call (the pipelined mode); `msrl_nccl_init` / `msrl_nccl_receive` are the serial
+mode's single group and per-bucket receive. `msrl_nccl_close` destroys them (before a relayout's new ones).
+
+What the reload holds: vLLM buffers a module's loaded tensors until all of them have arrived. After each
+bucket `_msrl_account` records how many decoder layers and bytes wait so (`msrl_reload_stats`) and, when
+the sender reuses the bucket's buffer (shared-memory slot or GPU receive buffer), copies those views out.
 
 Host memory: importing this module fixes glibc's mmap threshold (`host_heap.fix_host_mmap_threshold`) in
 the process that imports it. vLLM imports it in each worker process when it builds the Worker
@@ -131,9 +136,10 @@ class WeightSyncExtension:
         """Receives a whole pipelined sync (GPU only): `stage_plans[s]` is [(bytes, meta), ...] of sender s.
 
         Buckets are taken round robin over the stages, each stage's on its own stream into one of two
-        buffers, the next round's receives posted before this round is loaded (`weight_sync.receive_schedule`),
-        so transfers of all stages overlap each other and the loads. A buffer is received into again only after its load is done, and
-        whatever vLLM's reload still holds of it (a module not yet complete) is copied out first."""
+        buffers, the next receives posted before this round is loaded (`weight_sync.receive_schedule`), so
+        transfers of all stages overlap each other and the loads. A buffer is received into again only
+        after its load is done, and whatever vLLM's reload still holds of it (a module not yet complete) is
+        copied out first."""
         from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule, unpack_tensors
 
         comms = self._msrl_stage_comms

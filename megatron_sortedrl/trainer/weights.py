@@ -26,6 +26,8 @@ order; shards are all-gathered over TP and the owning stage broadcasts over PP, 
 same full tensors. The checkpoint conversion tool builds on it. Rollout weight sync uses
 `iter_stage_hf_weights` instead: each stage's TP rank 0 gathers only its own stage's tensors
 (`stage_export_plan` says which; every HF tensor comes from exactly one stage), so no rank holds the model.
+Both export layer by layer by default (`export_order`): each layer's tensors together, which is what lets
+vLLM's layerwise reload finish one layer before the next arrives.
 
 Deliberately left out: MoE expert tables and learned position embeddings (no target model has them).
 """
