@@ -159,6 +159,42 @@ def test_gpu_receive_schedule_never_overwrites_a_buffer_in_use(counts):
         assert at[("post", len(counts))] < at[("load", 0)]
 
 
+def test_transfer_groups_do_not_accumulate_over_relayouts(monkeypatch):
+    """Prediction 10, the bookkeeping: each relayout's engines get new NCCL groups; the senders' and the
+    engines' old communicators are destroyed before new ones are made. NCCL itself cannot run here, so a
+    stand-in communicator counts what is alive (tests/test_weight_sync_gpu.py checks the GPU memory)."""
+    import vllm.distributed.weight_transfer.nccl_common as nccl_common
+
+    from megatron_sortedrl.rollout.weight_sync import GpuWeightSync
+    from megatron_sortedrl.rollout.worker_extension import WeightSyncExtension
+    from megatron_sortedrl.trainer.worker import TrainerWorker
+
+    live: set[int] = set()
+
+    class Comm:
+        def __init__(self, *args, **kwargs):
+            live.add(id(self))
+
+        def destroy(self):
+            live.discard(id(self))
+
+    monkeypatch.setattr(nccl_common, "stateless_init_process_group", lambda *a, **k: Comm())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    sender = TrainerWorker.__new__(TrainerWorker)
+    engine_worker = WeightSyncExtension.__new__(WeightSyncExtension)
+    engine_worker.rank = 0
+    for relayout in range(5):  # every relayout: a new rendezvous for the sender, new groups for the engine
+        sender._nccl_comm({"master_address": "n0", "master_port": 4000 + relayout, "world_size": 3}, 0)
+        sender._nccl_comm({"master_address": "n0", "master_port": 4000 + relayout, "world_size": 3}, 0)  # reused
+        engine_worker.msrl_nccl_init_stages([("n0", 5000 + relayout), ("n1", 6000 + relayout)], 0, 3)
+        assert len(live) == 1 + 2  # the sender's one, the engine's one per stage
+    assert engine_worker.msrl_nccl_close() == 2 and sender.nccl_close() == 1 and not live
+    single = GpuWeightSync([], [], "nccl")
+    single.group = Comm()
+    single.close()
+    assert not live and not single.connected
+
+
 def test_replay_refuses_weights_the_trainer_no_longer_has():
     from megatron_sortedrl.rollout import PoolOptions, RolloutPool
     from megatron_sortedrl.rollout.pool import _Slot
