@@ -382,9 +382,14 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
     ap.add_argument("--estimate-only", action="store_true",
                     help="only (re)write planner_estimate_32b into an existing <name>.json; runs nothing")
+    ap.add_argument("--plot-only", action="store_true", help="only redraw <name>.png from an existing <name>.json")
     ap.add_argument("--flatness-only", action="store_true",
                     help="only recompute the flatness verdict of an existing <name>.json's cycles and redraw its plot")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        path = Path(args.out_dir) / f"{args.name}.json"
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return 0
     if args.flatness_only:
         path = Path(args.out_dir) / f"{args.name}.json"
         result = json.loads(path.read_text())
@@ -490,14 +495,15 @@ def plot(result: dict, path: Path) -> None:
             if v not in lay["variants"]:
                 continue
             s = lay["variants"][v]
-            priv = [s["peak_rise_x_model"].get(p, {}).get("median", 0) for p in procs]
+            priv = [s["peak_rise_x_model"].get(p, {}).get("median", 0) for p in procs] + [0]
             shared = [s["shmem_peak_rise_x_model"].get(p, {}).get("median", 0) for p in procs]
-            xs = [i + (k - len(variants) * len(run["layouts"]) / 2) * width for i in range(len(procs))]
+            shared.append(s["object_store_peak_rise_x_model"]["median"])  # the object store, as a process of its own
+            xs = [i + (k - len(variants) * len(run["layouts"]) / 2) * width for i in range(len(procs) + 1)]
             ax2.bar(xs, priv, width, color=COLORS[v], alpha=0.9 if lay["tp"] == 1 else 0.55,
                     label=f"TP{lay['tp']}xPP{lay['pp']} {v} private")
             ax2.bar(xs, shared, width, bottom=priv, color=COLORS[v], alpha=0.25, hatch="//")
             k += 1
-    ax2.set_xticks(range(len(procs)), procs, rotation=30, fontsize=7)
+    ax2.set_xticks(range(len(procs) + 1), procs + ["object store"], rotation=30, fontsize=7)
     ax2.set_ylabel("peak rise during a sync (x model bytes; hatched: shared pages)")
     ax2.set_title(f"Peak host memory per process, {run['model']['bytes'] / 2**30:.2f} GiB model", fontsize=10)
     ax2.legend(fontsize=7)
