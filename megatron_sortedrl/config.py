@@ -377,7 +377,12 @@ class ClusterConfig:
     ray_address: str = help_field("Ray cluster address; empty starts a local Ray instance.", "")
     num_nodes: int = help_field("Nodes in the allocation.", 1)
     gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0)
-    cpus_per_node: int = help_field("CPUs `ray start` declares per node under Slurm (0: Slurm's SLURM_CPUS_ON_NODE).", 0)
+    cpus_per_node: int = help_field(
+        "CPUs each node's srun step asks for under Slurm, which `ray start` then advertises (0: Slurm's "
+        "SLURM_CPUS_ON_NODE).", 0)
+    socket_ifname: str = help_field(
+        "Network interface for gloo and NCCL sockets (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for every "
+        "rank and engine), e.g. ib0 or eth0; empty: the environment's, else the libraries' own choice.", "")
     colocate: bool = help_field("Trainer and rollout on the same GPUs: not implemented yet, must stay false.", False)
     startup_timeout_s: float = help_field(
         "Seconds to wait for each cluster start-up step (placement groups, trainer set-up, engine start) before "
@@ -407,6 +412,9 @@ class ClusterConfig:
             raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
         if self.cpus_per_node < 0:
             raise ConfigError("cluster.cpus_per_node", self.cpus_per_node, "an integer >= 0")
+        if not re.fullmatch(r"[\w.:@,^=-]*", self.socket_ifname):
+            raise ConfigError("cluster.socket_ifname", self.socket_ifname,
+                              "an interface name such as eth0 or ib0 (gloo/NCCL syntax: a comma-separated list, ^ excludes)")
         if self.colocate:
             # Engines would ask for GPUs the trainer's placement group holds and wait forever.
             raise ConfigError("cluster.colocate", self.colocate,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One node's Ray, inside the srun step that slurm/ray_on_slurm.sh starts on it: `ray start` advertises what
+# the step was given, not what the node has.
+#
+#   srun ... --cpus-per-task=N --mem=0 --exact slurm/ray_node.sh <python> <node name> <asked CPUs> <asked GPUs> \
+#       <ray start arguments ...>
+#
+# - CPUs: the cores this process may run on (`nproc` follows the cpuset Slurm's task/cgroup plugin gives the
+#   step). Ray itself counts every core of the machine, so a step confined to one core would still advertise
+#   them all and Ray would place every trainer rank and engine of the node on that core.
+# - GPUs: the entries of CUDA_VISIBLE_DEVICES when Slurm set it for the step's GPUs; else the count asked for.
+# - Memory: the step's cgroup limit (v2 memory.max or v1 memory.limit_in_bytes under MSRL_CGROUP_FS, default
+#   /sys/fs/cgroup), split as Ray splits a machine's memory: 30% object store, the rest `--memory`. No limit:
+#   Ray's own defaults.
+# The ray start arguments given come after these, so MSRL_RAY_START_ARGS still wins. A step that got less than
+# it asked for is named in one line (a site whose srun ignores the request) and Ray advertises what it got.
+# Left out: heterogeneous nodes are fine here (each node measures itself), but the batch host still asks
+# every node for its own counts (ray_on_slurm.sh).
+set -euo pipefail
+
+python=$1 node=$2 asked_cpus=$3 asked_gpus=$4
+shift 4
+
+cpus=$(nproc)
+gpus=$asked_gpus
+if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    if [[ -z "$CUDA_VISIBLE_DEVICES" ]]; then gpus=0; else gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | wc -l); fi
+fi
+
+step_memory_limit() {
+    # Prints the byte limit of this process's memory cgroup, or nothing when there is none.
+    local root=${MSRL_CGROUP_FS:-/sys/fs/cgroup} path file value
+    if [[ -f "$root/cgroup.controllers" ]]; then  # cgroup v2: one hierarchy, "0::/path"
+        path=$(awk -F: '$1 == "0" {print $3; exit}' /proc/self/cgroup)
+        file=$root$path/memory.max
+    else  # cgroup v1: the memory controller's own hierarchy
+        path=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3; exit}' /proc/self/cgroup)
+        file=$root/memory$path/memory.limit_in_bytes
+    fi
+    [[ -r "$file" ]] || return 0
+    value=$(<"$file")
+    # "max", or v1's "unlimited" (a page-rounded 2^63): no limit to advertise.
+    if [[ "$value" =~ ^[0-9]+$ ]] && ((${#value} < 19)); then echo "$value"; fi
+}
+
+args=(--num-cpus="$cpus" --num-gpus="$gpus")
+memory=$(step_memory_limit)
+if [[ -n "$memory" ]]; then
+    args+=(--memory="$((memory * 7 / 10))" --object-store-memory="$((memory * 3 / 10))")
+fi
+if [[ "$asked_cpus" != 0 && "$cpus" -lt "$asked_cpus" ]] || ((gpus < asked_gpus)); then
+    echo "ray_on_slurm: $node: the step got $cpus CPUs and $gpus GPUs of the $asked_cpus and $asked_gpus asked for;" \
+        "Ray advertises what it got" >&2
+fi
+echo "ray_on_slurm: $node: ray start ${args[*]}"
+exec "$python" -m ray.scripts.scripts start "${args[@]}" "$@"
