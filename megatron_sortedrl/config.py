@@ -361,10 +361,31 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = help_field("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
     tensorboard: bool = help_field("Write TensorBoard event files to <run_dir>/tensorboard.", True)
+    trackers: list[str] = help_field(
+        "Experiment trackers that also get every step's metrics and the run config: wandb, mlflow (the "
+        "`tracking` extra installs them); e.g. [wandb, mlflow].", factory=list)
+    project: str = help_field("wandb project and MLflow experiment name.", "megatron-sortedrl")
+    run_name: str = help_field("Run name in wandb and MLflow (empty: the config's `name`).", "")
+    wandb_entity: str = help_field("wandb entity (team or user; empty: wandb's default).", "")
+    wandb_mode: str = help_field(
+        "wandb mode: online | offline (files in <run_dir>/wandb, upload later with `wandb sync`) | disabled; "
+        "empty: wandb's default (WANDB_MODE, else online).", "")
+    mlflow_tracking_uri: str = help_field(
+        "MLflow tracking URI: a server (http://host:5000), a database or file:<dir>; empty: MLFLOW_TRACKING_URI, "
+        "else file:<run_dir>/mlruns.", "")
     log_interval: int = help_field("Print progress every this many steps.", 1)
     nvml_sample_hz: float = help_field("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0)
 
     def __post_init__(self) -> None:
+        from megatron_sortedrl.telemetry.trackers import TRACKERS, check_trackers_installed
+
+        trackers = list(self.trackers)
+        if any(t not in TRACKERS for t in trackers) or len(set(trackers)) < len(trackers):
+            raise ConfigError("logging.trackers", trackers,
+                              f"a list of distinct names from {', '.join(TRACKERS)} (TensorBoard: logging.tensorboard)")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ConfigError("logging.wandb_mode", self.wandb_mode, "one of online, offline, disabled, or empty")
+        check_trackers_installed(trackers)
         if self.log_interval < 1:
             raise ConfigError("logging.log_interval", self.log_interval, "an integer >= 1")
         if self.nvml_sample_hz < 0:
