@@ -9,9 +9,9 @@
 #   step). Ray itself counts every core of the machine, so a step confined to one core would still advertise
 #   them all and Ray would place every trainer rank and engine of the node on that core.
 # - GPUs: the entries of CUDA_VISIBLE_DEVICES when Slurm set it for the step's GPUs; else the count asked for.
-# - Memory: the step's cgroup limit (v2 memory.max or v1 memory.limit_in_bytes under MSRL_CGROUP_FS, default
-#   /sys/fs/cgroup), split as Ray splits a machine's memory: 30% object store, the rest `--memory`. No limit:
-#   Ray's own defaults.
+# - Memory: the smallest limit of the step's cgroup and those above it (v2 memory.max or v1
+#   memory.limit_in_bytes under MSRL_CGROUP_FS, default /sys/fs/cgroup), split as Ray splits a machine's
+#   memory: 30% object store, the rest `--memory`. No limit: Ray's own defaults.
 # The ray start arguments given come after these, so MSRL_RAY_START_ARGS still wins. A step that got less than
 # it asked for is named in one line (a site whose srun ignores the request) and Ray advertises what it got.
 # Left out: heterogeneous nodes are fine here (each node measures itself), but the batch host still asks
@@ -28,19 +28,28 @@ if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
 fi
 
 step_memory_limit() {
-    # Prints the byte limit of this process's memory cgroup, or nothing when there is none.
-    local root=${MSRL_CGROUP_FS:-/sys/fs/cgroup} path file value
+    # Prints the smallest memory limit of this process's cgroup and its ancestors (Slurm limits the job and
+    # the step; the task's own cgroup below them often has none), or nothing when there is none.
+    local root=${MSRL_CGROUP_FS:-/sys/fs/cgroup} path dir name value limit=
     if [[ -f "$root/cgroup.controllers" ]]; then  # cgroup v2: one hierarchy, "0::/path"
         path=$(awk -F: '$1 == "0" {print $3; exit}' /proc/self/cgroup)
-        file=$root$path/memory.max
+        dir=$root name=memory.max
     else  # cgroup v1: the memory controller's own hierarchy
         path=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3; exit}' /proc/self/cgroup)
-        file=$root/memory$path/memory.limit_in_bytes
+        dir=$root/memory name=memory.limit_in_bytes
     fi
-    [[ -r "$file" ]] || return 0
-    value=$(<"$file")
-    # "max", or v1's "unlimited" (a page-rounded 2^63): no limit to advertise.
-    if [[ "$value" =~ ^[0-9]+$ ]] && ((${#value} < 19)); then echo "$value"; fi
+    while :; do
+        if [[ -r "$dir$path/$name" ]]; then
+            value=$(<"$dir$path/$name")
+            # "max", or v1's "unlimited" (a page-rounded 2^63, 19 digits): no limit at this level
+            if [[ "$value" =~ ^[0-9]+$ ]] && ((${#value} < 19)); then
+                if [[ -z "$limit" ]] || ((value < limit)); then limit=$value; fi
+            fi
+        fi
+        [[ -n "$path" && "$path" != / ]] || break
+        path=${path%/*}
+    done
+    if [[ -n "$limit" ]]; then echo "$limit"; fi
 }
 
 args=(--num-cpus="$cpus" --num-gpus="$gpus")

@@ -122,6 +122,26 @@ def test_ray_node_advertises_what_the_step_got(tmp_path):
                                   "Ray advertises what it got")
 
 
+def test_ray_node_finds_the_limit_above_its_own_cgroup(tmp_path):
+    # cgroup v1 layout, as Slurm's cgroup plugin makes it: the step's cgroup is limited, the task's below it is
+    # not ("unlimited" is a page-rounded 2^63). Here the limit sits at the top of this process's memory path.
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    own = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":")[1].split(",")), "/")
+    tree = tmp_path / "cgroup1" / "memory"
+    (tree / own.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (tree / own.lstrip("/") / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tree / "memory.limit_in_bytes").write_text("2000000000\n")  # the same file when this process's is the root
+    python = tmp_path / "python"
+    python.write_text(FAKE_RAY)
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["MSRL_CGROUP_FS"] = str(tmp_path / "cgroup1")
+    out = subprocess.run(["taskset", "-c", "0", "bash", str(REPO / "slurm" / "ray_node.sh"), str(python), "nodeX",
+                          "1", "0"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines()[-1] == ("ray-args: -m ray.scripts.scripts start --num-cpus=1 --num-gpus=0 "
+                                           "--memory=1400000000 --object-store-memory=600000000"), out.stderr
+
+
 def test_gpu_count_disagreeing_with_slurm_is_one_line(tmp_path):
     env = _env(tmp_path, 4245, MSRL_DRY_RUN="1", SLURM_GPUS_ON_NODE="4")
     out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh"), "cluster.gpus_per_node=8"], env=env,
