@@ -1,8 +1,10 @@
 """Experiment trackers (`telemetry/trackers.py`): wandb in offline mode and MLflow on a local file store get every
 numeric metric of every step and the resolved run config, read back with their own formats and client; a resumed
-run continues the same tracker runs; a selected tracker whose package is missing stops the run in one line.
+run continues the same tracker runs; a selected tracker whose package is missing, or that cannot start, stops the
+run in one line.
 
-    python -m pytest tests/test_trackers.py -q          # about 20-40 s on 2 cores (importing mlflow dominates)
+    python -m pytest tests/test_trackers.py -q -m 'not slow'  # 15-40 s on 2 cores (importing mlflow dominates)
+    python -m pytest tests/test_trackers.py -q -m slow        # a real RL run logging to both, 2-3 minutes
 """
 
 from __future__ import annotations
@@ -68,9 +70,24 @@ def _wandb_records(run_file: Path) -> list:
 
 
 def _expected(rows: list[dict]) -> dict[int, dict[str, float]]:
-    """What the trackers must hold: per step, the numeric, finite scalars of metrics.jsonl (bools as 0/1)."""
-    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "t") and isinstance(v, (int, float))}
-            for r in rows}
+    """What the trackers must hold: per step, the numeric, finite scalars of metrics.jsonl (bools as 0/1); rows
+    of one step (a step's row and its eval line) merge."""
+    out: dict[int, dict[str, float]] = {}
+    for r in rows:
+        out.setdefault(r["step"], {}).update(
+            {k: v for k, v in r.items() if k not in ("step", "t") and isinstance(v, (int, float))})
+    return out
+
+
+def _wandb_history(run_dir: Path, run_id: str) -> dict[int, dict[str, float]]:
+    (run_file,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    history: dict[int, dict[str, float]] = {}
+    for r in _wandb_records(run_file):
+        if r.WhichOneof("record_type") == "history":
+            # a key with "/" comes as a one-element nested_key
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.setdefault(items.pop("_step"), {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+    return history
 
 
 def test_wandb_and_mlflow_get_every_metric_and_the_config(tmp_path):
@@ -106,17 +123,11 @@ def test_wandb_and_mlflow_get_every_metric_and_the_config(tmp_path):
 
     # wandb offline: the run's transaction log holds the config and one history record per step.
     (run_file,) = (run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
-    recs = _wandb_records(run_file)
-    (run_rec,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    (run_rec,) = [r.run for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "run"]
     assert run_rec.project == "trackers-test" and run_rec.display_name == cfg.name
     logged_config = {i.key: json.loads(i.value_json) for i in run_rec.config.update if i.key != "_wandb"}
     assert logged_config == config
-    history = {}
-    for r in recs:
-        if r.WhichOneof("record_type") == "history":
-            # a key with "/" comes as a one-element nested_key
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            history[items.pop("_step")] = {k: v for k, v in items.items() if not k.startswith("_")}
+    history = _wandb_history(run_dir, ids["wandb"])
     assert history.keys() == expected.keys()
     for step, values in expected.items():
         assert history[step].keys() == values.keys()
@@ -145,3 +156,48 @@ def test_a_selected_tracker_that_is_not_installed_is_one_line(monkeypatch, capsy
     # Unknown names and bad modes are refused the same way.
     assert main(["config", "configs/tiny_cpu.yaml", "logging.trackers=[comet]"]) == 2
     assert main(["config", "configs/tiny_cpu.yaml", "logging.wandb_mode=sometimes"]) == 2
+
+
+@pytest.mark.slow
+def test_an_rl_run_logs_every_step_to_wandb_and_mlflow(tiny_model_dir, tmp_path):
+    """The driver's own rows (rewards, rollout, train, sync, spec, time per phase ...), not a hand-made list."""
+    from mlflow.tracking import MlflowClient
+
+    from megatron_sortedrl.driver import Driver
+
+    run_dir = tmp_path / "run"
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        f"model.path={tiny_model_dir}", f"logging.run_dir={run_dir}", "trainer.total_steps=2",
+        "trainer.warmup_sft_steps=5", "trainer.eval_interval=0", "checkpoint.save_interval=0",
+        "rollout.max_response_length=48", "data.num_eval_prompts=4", "logging.tensorboard=false",
+        "scheduler.rollout_batch_size=4", "scheduler.update_batch_size=8", "scheduler.group_size=4",
+        "logging.trackers=[wandb,mlflow]", "logging.wandb_mode=offline"])
+    driver = Driver(cfg, printer=print)
+    try:
+        driver.run()
+    finally:
+        driver.close()
+    expected = _expected(read_metrics(run_dir))
+    assert {1, 2} <= expected.keys() and len(expected[2]) > 30  # the step rows are full rows
+    ids = json.loads((run_dir / IDS_FILE).read_text())
+    client = MlflowClient(tracking_uri=f"file:{(run_dir / 'mlruns').resolve()}")  # the default URI
+    for name in {k for values in expected.values() for k in values}:
+        history = {m.step: m.value for m in client.get_metric_history(ids["mlflow"], name)}
+        assert history == pytest.approx({s: float(v[name]) for s, v in expected.items() if name in v}), name
+    history = _wandb_history(run_dir, ids["wandb"])
+    assert history.keys() == expected.keys()
+    for step, values in expected.items():
+        assert history[step] == pytest.approx(values), step
+
+
+def test_a_tracker_that_cannot_start_is_one_line(tmp_path):
+    from megatron_sortedrl.errors import UserError
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [f"logging.run_dir={run_dir}", "logging.trackers=[mlflow]", "logging.tensorboard=false",
+                             "logging.mlflow_tracking_uri=file:/proc/no-such-store"])
+    with pytest.raises(UserError) as err:
+        RunRecords(cfg, run_dir, resumed_step=None, clock_epoch=None, printer=lambda _: None)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(
+        "logging.trackers: MLflow at file:/proc/no-such-store (check logging.mlflow_tracking_uri) did not start: ")

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.errors import ConfigError, UserError
 
 TRACKERS = ("wandb", "mlflow")  # what logging.trackers accepts (TensorBoard has its own flag)
 IDS_FILE = "trackers.json"  # run ids of the wandb/MLflow runs this run directory writes to
@@ -161,17 +161,25 @@ def open_trackers(logging_cfg: Any, run_dir: Path, config: dict[str, Any], name:
     ids_path = run_dir / IDS_FILE
     ids = json.loads(ids_path.read_text()) if resumed_step is not None and ids_path.exists() else {}
     run_name = logging_cfg.run_name or name
-    if "wandb" in logging_cfg.trackers:
-        w = WandbTracker(run_dir, logging_cfg.project, run_name, logging_cfg.wandb_entity, logging_cfg.wandb_mode,
-                         config, ids.get("wandb"))
-        ids["wandb"] = w.run_id
-        out.append(w)
-    if "mlflow" in logging_cfg.trackers:
-        uri = (logging_cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-               or f"file:{(run_dir / 'mlruns').resolve()}")
-        m = MlflowTracker(uri, logging_cfg.project, run_name, config, ids.get("mlflow"))
-        ids["mlflow"] = m.run_id
-        out.append(m)
+    try:
+        if "wandb" in logging_cfg.trackers:
+            what = "wandb (check `wandb login` or WANDB_API_KEY, or set logging.wandb_mode=offline)"
+            w = WandbTracker(run_dir, logging_cfg.project, run_name, logging_cfg.wandb_entity,
+                             logging_cfg.wandb_mode, config, ids.get("wandb"))
+            ids["wandb"] = w.run_id
+            out.append(w)
+        if "mlflow" in logging_cfg.trackers:
+            uri = (logging_cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                   or f"file:{(run_dir / 'mlruns').resolve()}")
+            what = f"MLflow at {uri} (check logging.mlflow_tracking_uri)"
+            m = MlflowTracker(uri, logging_cfg.project, run_name, config, ids.get("mlflow"))
+            ids["mlflow"] = m.run_id
+            out.append(m)
+    except Exception as exc:  # a login, a server, a store: the user's setup, so one line, not a traceback
+        for started in out:
+            started.close()
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise UserError(f"logging.trackers: {what} did not start: {type(exc).__name__}: {first}") from exc
     if logging_cfg.trackers:
         ids_path.write_text(json.dumps(ids))
     return out
