@@ -434,8 +434,8 @@ class ClusterConfig:
         if self.cpus_per_node < 0:
             raise ConfigError("cluster.cpus_per_node", self.cpus_per_node, "an integer >= 0")
         if not re.fullmatch(r"[\w.:@,^=-]*", self.socket_ifname):
-            raise ConfigError("cluster.socket_ifname", self.socket_ifname,
-                              "an interface name such as eth0 or ib0 (gloo/NCCL syntax: a comma-separated list, ^ excludes)")
+            raise ConfigError("cluster.socket_ifname", self.socket_ifname, "an interface name such as eth0 or ib0 "
+                              "(gloo/NCCL syntax: a comma-separated list, ^ excludes)")
         if self.colocate:
             # Engines would ask for GPUs the trainer's placement group holds and wait forever.
             raise ConfigError("cluster.colocate", self.colocate,
