@@ -381,10 +381,31 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = help_field("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
     tensorboard: bool = help_field("Write TensorBoard event files to <run_dir>/tensorboard.", True)
+    trackers: list[str] = help_field(
+        "Experiment trackers that also get every step's metrics and the run config: wandb, mlflow (the "
+        "`tracking` extra installs them); e.g. [wandb, mlflow].", factory=list)
+    project: str = help_field("wandb project and MLflow experiment name.", "megatron-sortedrl")
+    run_name: str = help_field("Run name in wandb and MLflow (empty: the config's `name`).", "")
+    wandb_entity: str = help_field("wandb entity (team or user; empty: wandb's default).", "")
+    wandb_mode: str = help_field(
+        "wandb mode: online | offline (files in <run_dir>/wandb, upload later with `wandb sync`) | disabled; "
+        "empty: wandb's default (WANDB_MODE, else online).", "")
+    mlflow_tracking_uri: str = help_field(
+        "MLflow tracking URI: a server (http://host:5000), a database or file:<dir>; empty: MLFLOW_TRACKING_URI, "
+        "else file:<run_dir>/mlruns.", "")
     log_interval: int = help_field("Print progress every this many steps.", 1, min=1)
     nvml_sample_hz: float = help_field("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0, min=0)
 
     def __post_init__(self) -> None:
+        from megatron_sortedrl.telemetry.trackers import TRACKERS, check_trackers_installed
+
+        trackers = list(self.trackers)
+        if any(t not in TRACKERS for t in trackers) or len(set(trackers)) < len(trackers):
+            raise ConfigError("logging.trackers", trackers,
+                              f"a list of distinct names from {', '.join(TRACKERS)} (TensorBoard: logging.tensorboard)")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ConfigError("logging.wandb_mode", self.wandb_mode, "one of online, offline, disabled, or empty")
+        check_trackers_installed(trackers)
         if self.log_interval < 1:
             raise ConfigError("logging.log_interval", self.log_interval, "an integer >= 1")
         if self.nvml_sample_hz < 0:
@@ -398,7 +419,12 @@ class ClusterConfig:
     ray_address: str = help_field("Ray cluster address; empty starts a local Ray instance.", "")
     num_nodes: int = help_field("Nodes in the allocation.", 1, min=1)
     gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0, min=0)
-    cpus_per_node: int = help_field("CPUs `ray start` declares per node under Slurm (0: Slurm's SLURM_CPUS_ON_NODE).", 0, min=0)
+    cpus_per_node: int = help_field(
+        "CPUs each node's srun step asks for under Slurm, which `ray start` then advertises (0: Slurm's "
+        "SLURM_CPUS_ON_NODE).", 0, min=0)
+    socket_ifname: str = help_field(
+        "Network interface for gloo and NCCL sockets (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for every "
+        "rank and engine), e.g. ib0 or eth0; empty: the environment's, else the libraries' own choice.", "")
     colocate: bool = help_field("Trainer and rollout on the same GPUs: not implemented yet, must stay false.", False)
     startup_timeout_s: float = help_field(
         "Seconds to wait for each cluster start-up step (placement groups, trainer set-up, engine start) before "
@@ -428,6 +454,9 @@ class ClusterConfig:
             raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
         if self.cpus_per_node < 0:
             raise ConfigError("cluster.cpus_per_node", self.cpus_per_node, "an integer >= 0")
+        if not re.fullmatch(r"[\w.:@,^=-]*", self.socket_ifname):
+            raise ConfigError("cluster.socket_ifname", self.socket_ifname, "an interface name such as eth0 or ib0 "
+                              "(gloo/NCCL syntax: a comma-separated list, ^ excludes)")
         if self.colocate:
             # Engines would ask for GPUs the trainer's placement group holds and wait forever.
             raise ConfigError("cluster.colocate", self.colocate,
