@@ -334,3 +334,142 @@ def test_a_streamed_part_does_not_hold_up_the_driver_and_its_error_reaches_the_s
     with pytest.raises(ray.exceptions.RayTaskError, match="non-finite loss"):
         update.step()
     assert ray.get(gate.calls.remote()) == ["stream_accumulate", "stream_accumulate", "stream_step"]
+
+
+# ------------------------------------------------------------------- every estimator x shaping option
+
+# Four prompts x 2 samples, response lengths chosen so that (a) every prompt group's lengths form one block of
+# the batch's length order (the parts, longest group first, are then the batch's micro-batches in its order) and
+# (b) the token counts with and without overlong filtering (64 and 32) and the sequence count (8) are powers of
+# two, so dividing the summed gradient by them is exact: the two updates then do the same float operations.
+_LENGTHS = {"a": (16, 16), "b": (8, 7), "c": (6, 5), "d": (4, 2)}
+_REWARDS = {"a": (1.0, 0.0), "b": (0.0, 1.0), "c": (1.0, 0.5), "d": (0.25, 1.0)}
+_MAX_LEN = 16
+SHAPING = {"none": (0, False), "penalty": (12, False), "filter": (0, True), "penalty+filter": (12, True)}
+ESTIMATORS = {"grpo": ("grpo", True), "grpo_mean_only": ("grpo", False), "rloo": ("rloo", True)}
+COMBOS = [(e, sh, "token") for e in ESTIMATORS for sh in SHAPING] + [("grpo", "penalty+filter", "sequence")]
+
+
+def _scripted_round(cfg, seed: int = 3):
+    """The real sync policy over the four prompts; returns (policy, clock, samples in finishing order, finish)."""
+    from dataclasses import replace
+
+    from scheduler.layout import make_planner
+    from scheduler.policies import make_policy
+    from scheduler.protocol import ManualClock
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = {p: torch.randint(4, 100, (4,), generator=g).tolist() for p in _LENGTHS}
+    sched = replace(cfg.scheduler, policy="sync", rollout_batch_size=4, update_batch_size=8, group_size=4)
+    policy = make_policy(sched, sorted(_LENGTHS), n_samples=2, max_response_length=_MAX_LEN, num_epochs=1,
+                         planner=make_planner("fixed", gpus=1, gpus_per_node=1, tp_short=1, tp_long=1),
+                         sample_factory=lambda pid, epoch, idx: Sample(prompt_id=pid, index=idx, epoch=epoch,
+                                                                       prompt_tokens=list(prompts[pid])))
+    clock = ManualClock()
+    rnd = policy.compose_round(clock)
+    samples = sorted((r.sample for r in rnd.requests), key=lambda s: (-sum(_LENGTHS[s.prompt_id]), s.index))
+    for s in samples:  # what the engine and the reward stage would have produced
+        n = _LENGTHS[s.prompt_id][s.index]
+        s.append(torch.randint(4, 100, (n,), generator=g).tolist(), (-4.85 + 0.1 * torch.rand(n, generator=g)).tolist(), 0)
+        s.finish_reason = "length" if n == _MAX_LEN else "stop"
+        s.reward = _REWARDS[s.prompt_id][s.index]
+    return policy, clock, samples
+
+
+def _estimator_parity(model_dir: str, combos, out) -> None:
+    """For each (estimator, shaping, aggregation): one batch update as `Driver.train` makes it without streaming,
+    and one through `DriverStream` with the groups streamed as they finish, both from the same weights and a
+    fresh optimizer; puts {combo: result} on `out`."""
+    try:
+        from scheduler.selective import shape_batch
+        from megatron_sortedrl.trainer.optimizer import build_optimizer, zero_grads
+        from megatron_sortedrl.trainer.stream import DriverStream
+        from megatron_sortedrl.trainer.weights import load_hf_weights
+
+        cfg = RunConfig()
+        cfg.model.path = model_dir
+        cfg.cluster.device = "cpu"
+        cfg.trainer.micro_batch_tokens = 1  # one sample per micro-batch
+        cfg.trainer.lr = 1e-3  # large enough that any gradient difference below Adam's eps would show
+        cfg.rollout.max_response_length = _MAX_LEN
+        group = _in_process_group(cfg)
+        w = group.worker
+        w0 = group.export_hf_weights()
+
+        def fresh():
+            load_hf_weights(w.module, model_dir, w.arch, use_te=False)
+            w.opt, w.sched = build_optimizer([w.model], cfg, on_gpu=False)
+            zero_grads(w.opt, [w.model])
+
+        results = {}
+        for est, shaping, agg in combos:
+            cfg.algorithm.advantage, cfg.algorithm.normalize_advantage_std = ESTIMATORS[est]
+            cfg.algorithm.loss_aggregation = agg
+            cfg.sampling.overlong_buffer, cfg.sampling.overlong_filter = SHAPING[shaping]
+
+            def shape(b):
+                return shape_batch(b, cfg.sampling, _MAX_LEN)[0]
+
+            fresh()
+            policy, clock, samples = _scripted_round(cfg)
+            for s in samples:
+                policy.on_sample_finished(s, clock)
+            batch = shape(policy.harvest(clock).batch)  # Driver.train without trainer.stream
+            adv = group.advantages(batch)
+            m_batch = group.train_step(batch, advantages=adv)
+            w_batch = group.export_hf_weights()
+
+            fresh()
+            policy, clock, samples = _scripted_round(cfg)
+            stream = DriverStream(group, policy, shape)
+            for s in samples:  # each group is streamed as soon as its last sample finishes
+                policy.on_sample_finished(s, clock)
+                stream.on_finished(s)
+            parts = stream.update.parts
+            batch = shape(policy.harvest(clock).batch)  # Driver.train with trainer.stream
+            m_stream = stream.train(batch, group.advantages(batch))
+            w_stream = group.export_hf_weights()
+            results[(est, shaping, agg)] = {
+                "parts": parts, "share": m_stream.get("stream_share"), "adv": adv,
+                "masked": sum(bool(s.meta.get("loss_masked")) for s in batch),
+                "moved": max(float((w_batch[k] - w0[k]).abs().max()) for k in w0),
+                "unequal": sum(int((w_batch[k] != w_stream[k]).sum()) for k in w0),
+                "diff": max(float((w_batch[k] - w_stream[k]).abs().max()) for k in w0),
+                "loss": (m_batch["loss"], m_stream["loss"]), "grad_norm": (m_batch["grad_norm"], m_stream["grad_norm"])}
+        w.shutdown()
+        out.put(results)
+    except BaseException as exc:  # reach the test as an error, not a silent child exit
+        out.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.fixture(scope="module")
+def estimator_parity(model_dir):
+    return _run_child(_estimator_parity, str(model_dir), COMBOS)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(c))
+def test_streamed_update_is_bit_identical_for_every_estimator_and_shaping(estimator_parity, combo):
+    est, shaping, _ = combo
+    res = estimator_parity[combo]
+    assert res["parts"] == 4 and res["share"] == 1.0  # every group streamed, and the parts were used
+    assert any(abs(a) > 0.1 for a in res["adv"]) and res["moved"] > 1e-4
+    assert res["masked"] == (2 if SHAPING[shaping][1] else 0)
+    assert res["unequal"] == 0, f"{res['unequal']} parameter elements differ (max {res['diff']:.3g})"
+    assert res["grad_norm"][0] == res["grad_norm"][1]
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_batch_whitened_estimators_refuse_to_stream(estimator):
+    from megatron_sortedrl.trainer.stream import DriverStream
+
+    with pytest.raises(ConfigError, match=rf"trainer.stream=True .*advantage={estimator}.*whole batch"):
+        load_config(None, ["model.path=/nonexistent/tiny", "trainer.stream=true", f"algorithm.advantage={estimator}"])
+    cfg = load_config(None, ["model.path=/nonexistent/tiny", f"algorithm.advantage={estimator}"])
+
+    class Group:
+        pass
+
+    group = Group()
+    group.cfg = cfg
+    with pytest.raises(ConfigError, match="trainer.stream"):  # the same refusal for a config changed after load
+        DriverStream(group, policy=None)
