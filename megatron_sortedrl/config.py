@@ -504,7 +504,7 @@ class RunConfig:
         # prompt would train all-zero (or undefined) advantages.
         if adv in ("grpo", "reinforce_pp_baseline", "rloo") and r.n_samples_per_prompt < 2:
             raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt,
-                              f">= 2 for algorithm.advantage={adv} (it subtracts a per-prompt baseline; with one "
+                              f">= 2 for {adv} (algorithm.advantage={adv} subtracts a per-prompt baseline: with one "
                               "sample every advantage is 0), or algorithm.advantage=reinforce_pp")
         # Batch-whitened estimators (algorithms.BATCH_WHITENED) need the whole update batch before any advantage
         # is known, so a prompt group streamed before harvest cannot be trained exactly.
