@@ -394,7 +394,11 @@ def _estimator_parity(model_dir: str, combos, out) -> None:
         cfg.rollout.max_response_length = _MAX_LEN
         group = _in_process_group(cfg)
         w = group.worker
-        w0 = group.export_hf_weights()
+
+        def params():  # Megatron names; the HF export would only reorder the same elements
+            return {n: p.detach().clone() for n, p in w.module.named_parameters()}
+
+        w0 = params()
 
         def fresh():
             load_hf_weights(w.module, model_dir, w.arch, use_te=False)
@@ -417,7 +421,7 @@ def _estimator_parity(model_dir: str, combos, out) -> None:
             batch = shape(policy.harvest(clock).batch)  # Driver.train without trainer.stream
             adv = group.advantages(batch)
             m_batch = group.train_step(batch, advantages=adv)
-            w_batch = group.export_hf_weights()
+            w_batch = params()
 
             fresh()
             policy, clock, samples = _scripted_round(cfg)
@@ -428,7 +432,7 @@ def _estimator_parity(model_dir: str, combos, out) -> None:
             parts = stream.update.parts
             batch = shape(policy.harvest(clock).batch)  # Driver.train with trainer.stream
             m_stream = stream.train(batch, group.advantages(batch))
-            w_stream = group.export_hf_weights()
+            w_stream = params()
             results[(est, shaping, agg)] = {
                 "parts": parts, "share": m_stream.get("stream_share"), "adv": adv,
                 "masked": sum(bool(s.meta.get("loss_masked")) for s in batch),

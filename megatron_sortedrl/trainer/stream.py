@@ -176,14 +176,12 @@ class StreamedUpdate:
         self._reset()
 
     def step(self) -> dict[str, float]:
-        try:
-            self.wait()
-            metrics = dict(self.group._report(self.group._all("stream_step", "rl")))
-            rewards = [s.reward for s in self.samples if s.reward is not None]
-            if rewards:
-                metrics["reward_mean"] = float(sum(rewards) / len(rewards))
-        finally:
-            self._reset()
+        self.wait()
+        metrics = dict(self.group._report(self.group._all("stream_step", "rl")))
+        rewards = [s.reward for s in self.samples if s.reward is not None]
+        if rewards:
+            metrics["reward_mean"] = float(sum(rewards) / len(rewards))
+        self._reset()
         return metrics
 
 
