@@ -15,7 +15,7 @@ policy's (no update happens in between), and the KL reference and TIS weights ar
 runs its forward/backward with N = S = 1 into the gradient buffers, and `stream_step` divides the summed
 gradients by the batch's N (or S) before the usual optimizer step (clipping, finiteness check, Adam), which
 therefore sees the batch gradient up to float summation order (bit-identical when the parts' micro-batches
-are the batch's, in its order, and N, S, DP are powers of two; `tests/test_stream_training.py`).
+are the batch's, in its order, and N, S, DP are powers of two; `tests/test_stream_exact.py`).
 
 Batch-whitened advantages (Reinforce++, Reinforce++-baseline) need the whole batch before any advantage is
 known, so streaming refuses them (`trainer.stream` at config load). At harvest `DriverStream.train` checks
