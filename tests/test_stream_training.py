@@ -282,3 +282,29 @@ def test_a_streamed_part_does_not_hold_up_the_driver_and_its_error_reaches_the_s
     with pytest.raises(ray.exceptions.RayTaskError, match="non-finite loss"):
         update.step()
     assert ray.get(gate.calls.remote()) == ["stream_accumulate", "stream_accumulate", "stream_step"]
+
+
+def test_a_batch_wide_tis_choice_that_differs_from_a_part_discards_the_parts():
+    """TIS is used only when every sample of what is trained has rollout log-probs; if the rest of the batch lacks
+    them, the streamed parts (trained with TIS) are not the batch update: discarded, ordinary update."""
+
+    class TisGroup(FakeGroup):
+        def _rl_decisions(self, samples, advantages):
+            tis = all(s.rollout_logprobs for s in samples)
+            return [(float(a), False, tis) for a in advantages]
+
+    from megatron_sortedrl.trainer.stream import DriverStream
+
+    samples = _samples(4)
+    samples[3].rollout_logprobs = []
+    group = TisGroup()
+    stream = DriverStream(group, policy=None)
+    stream.update.add(samples[:2], [1.0, 1.0])
+    assert group.calls == [("stream_accumulate", sorted(s.sample_id for s in samples[:2]))]
+    metrics = stream.train(samples, [1.0] * 4)
+    assert [m for m, _ in group.calls[1:]] == ["stream_discard", "train_step"] and metrics["stream_discarded"] == 1.0
+    group.calls.clear()  # with rollout log-probs everywhere the parts are kept
+    samples[3].rollout_logprobs = [-1.0]
+    stream.update.add(samples[:2], [1.0, 1.0])
+    stream.train(samples, [1.0] * 4)
+    assert [m for m, _ in group.calls] == ["stream_accumulate", "stream_accumulate", "stream_step"]

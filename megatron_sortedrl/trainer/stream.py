@@ -228,11 +228,14 @@ class DriverStream:
         self.streamed = set()
         want = dict(zip((s.sample_id for s in batch), self.group._rl_decisions(batch, advantages)))
         done = self.update.decisions
-        if done and any(k not in want or want[k] != v for k, v in done.items()):
+        rest = [(s, a) for s, a in zip(batch, advantages) if s.sample_id not in done]
+        # The rest is one more part: it too must be trained as in the batch (TIS is a batch-wide choice).
+        rest_got = self.group._rl_decisions([s for s, _ in rest], [a for _, a in rest]) if done and rest else []
+        if done and (any(k not in want or want[k] != v for k, v in done.items())
+                     or any(want[s.sample_id] != d for (s, _), d in zip(rest, rest_got))):
             self.update.discard()
             metrics = self.group.train_step(batch, advantages=advantages)
             return {**metrics, "stream_share": 0.0, "stream_discarded": 1.0}
-        rest = [(s, a) for s, a in zip(batch, advantages) if s.sample_id not in done]
         if rest:
             self.update.add([s for s, _ in rest], [a for _, a in rest])
         metrics = self.update.step()
