@@ -14,8 +14,11 @@ Conventions (each matches the reference formula in tests/test_algorithms.py):
 * RLOO: `A_i = r_i - mean_{j != i, j in g} r_j`.
 * Reinforce++: the reward, whitened over all response tokens of the batch (token-weighted mean/std).
 * Reinforce++-baseline: the group mean is subtracted first, then the same whitening.
-* PPO-clip with clip-higher: `ratio = exp(logp - logp_old)`,
-  `loss_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`.
+* PPO-clip with clip-higher: `ratio = exp(clamp(logp - logp_old, -k, k))` (`log_ratio_clamp` k, verl's 20;
+  0: no clamp), `loss_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`.
+* Dual-clip (Ye et al. 2020, verl's `clip_ratio_c`): for A < 0 the loss is also capped at `-c * A`, so a token
+  whose ratio has grown far past the clip range (a stale or mismatched sample) cannot push the loss without
+  bound; A >= 0 is unchanged (there PPO-clip already bounds it). `c` > 1; 0 turns it off.
 * Truncated importance sampling (rollout/trainer mismatch): `w_t = min(exp(logp_old - logp_rollout), cap)`,
   detached, multiplies the per-token policy loss. `logp_old` is the trainer's proximal policy; for tokens
   of a partial rollout sampled by older versions `logp_rollout` is the per-token behaviour log-prob of the
@@ -33,11 +36,16 @@ ratios (GSPO).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")
+# Subtract a per-prompt statistic: with one sample per prompt the advantage is 0 (or undefined).
+GROUP_BASELINE = ("grpo", "reinforce_pp_baseline", "rloo")
+# Normalised over the whole update batch: a prompt group's advantages are known only with the whole batch.
+BATCH_WHITENED = ("reinforce_pp", "reinforce_pp_baseline")
 
 
 def _group_index(group_ids: Sequence) -> tuple[torch.Tensor, int]:
@@ -47,11 +55,15 @@ def _group_index(group_ids: Sequence) -> tuple[torch.Tensor, int]:
 
 
 def _group_stats(rewards: torch.Tensor, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, idx, torch.ones_like(rewards))
-    total = torch.zeros(n, dtype=rewards.dtype).index_add_(0, idx, rewards)
-    mean = total / count
-    var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, idx, (rewards - mean[idx]) ** 2) / count
-    return count, mean, var.sqrt()
+    # math.fsum is exact, so a group's statistics do not depend on the order of its samples or on what else is in
+    # the batch: a prompt group streamed on its own gets bit-identical advantages to the same group in the batch.
+    members: list[list[float]] = [[] for _ in range(n)]
+    for v, g in zip(rewards.tolist(), idx.tolist()):
+        members[g].append(v)
+    means = [math.fsum(m) / len(m) for m in members]
+    var = [math.fsum((x - mu) ** 2 for x in m) / len(m) for m, mu in zip(members, means)]
+    count = torch.tensor([float(len(m)) for m in members], dtype=rewards.dtype)
+    return count, torch.tensor(means, dtype=rewards.dtype), torch.tensor(var, dtype=rewards.dtype).sqrt()
 
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence, *, normalize_std: bool = True,
@@ -73,10 +85,11 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: Sequence) -> torch.Tensor:
 
 
 def _whiten_tokens(values: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    w = lengths.to(values.dtype)
-    mean = (values * w).sum() / w.sum()
-    var = (((values - mean) ** 2) * w).sum() / w.sum()
-    return (values - mean) / (var.sqrt() + eps)
+    vals, w = values.tolist(), lengths.to(values.dtype).tolist()
+    total = math.fsum(w)
+    mean = math.fsum(v * n for v, n in zip(vals, w)) / total
+    var = math.fsum((v - mean) ** 2 * n for v, n in zip(vals, w)) / total
+    return (values - mean) / (math.sqrt(var) + eps)
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, lengths: torch.Tensor, group_ids: Sequence | None = None,
@@ -154,24 +167,47 @@ def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) 
     return torch.exp(logp_old - logp_rollout).clamp(max=cap).detach()
 
 
-def ppo_clip_per_token(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
-                       clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss and a 0/1 tensor marking tokens where the clipped branch was active."""
-    ratio = torch.exp(logp - logp_old)
+def log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, clamp: float = 0.0) -> torch.Tensor:
+    """`logp - logp_old`, clamped to [-clamp, clamp] when clamp > 0 (verl: 20) so exp() cannot overflow."""
+    d = logp - logp_old
+    return d.clamp(-clamp, clamp) if clamp > 0 else d
+
+
+def _ppo_clip(logp, logp_old, advantages, clip_low, clip_high, clip_ratio_c, log_ratio_clamp):
+    ratio = torch.exp(log_ratio(logp, logp_old, log_ratio_clamp))
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped).to(logp.dtype)
+    lower = torch.zeros_like(loss)
+    if clip_ratio_c > 0:
+        cap = -clip_ratio_c * advantages
+        negative = advantages < 0
+        lower = (negative & (loss > cap)).to(logp.dtype)
+        loss = torch.where(negative, torch.minimum(loss, cap), loss)
+    return loss, (clipped < unclipped).to(logp.dtype), lower, ratio
+
+
+def ppo_clip_per_token(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, *,
+                       clip_low: float, clip_high: float, clip_ratio_c: float = 0.0,
+                       log_ratio_clamp: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss (dual-clip when clip_ratio_c > 0) and a 0/1 tensor marking tokens where the
+    clipped branch was active."""
+    loss, clipped, _, _ = _ppo_clip(logp, logp_old, advantages, clip_low, clip_high, clip_ratio_c, log_ratio_clamp)
+    return loss, clipped
 
 
 def policy_loss_per_token(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor | None,
                           advantages: torch.Tensor, *, clip_low: float, clip_high: float, tis_cap: float = 0.0,
                           ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                          entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
+                          entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                          clip_ratio_c: float = 0.0, log_ratio_clamp: float = 0.0
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The full per-token objective (before aggregation) and per-token terms for logging."""
-    pg, clipped = ppo_clip_per_token(logp, logp_old, advantages, clip_low=clip_low, clip_high=clip_high)
-    terms = {"pg_loss": pg, "clip_frac": clipped, "ratio": torch.exp(logp - logp_old).detach()}
+    pg, clipped, lower, ratio = _ppo_clip(logp, logp_old, advantages, clip_low, clip_high, clip_ratio_c,
+                                          log_ratio_clamp)
+    terms = {"pg_loss": pg, "clip_frac": clipped, "ratio": ratio.detach()}
+    if clip_ratio_c > 0:
+        terms["clip_frac_lower"] = lower  # verl's pg_clipfrac_lower: tokens held at the dual-clip bound
     if logp_rollout is not None and tis_cap > 0:
         w = tis_weights(logp_old.detach(), logp_rollout, tis_cap)
         pg = pg * w
@@ -193,12 +229,14 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
                 clip_low: float, clip_high: float, aggregation: str = "token",
                 logp_rollout: torch.Tensor | None = None, tis_cap: float = 0.0,
                 ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
+                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                clip_ratio_c: float = 0.0, log_ratio_clamp: float = 0.0
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Aggregated loss of a whole batch and token-mean metrics (convenience over the per-token form)."""
     per_token, terms = policy_loss_per_token(
         logp, logp_old, logp_rollout, advantages, clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
-        ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef)
+        ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef,
+        clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp)
     n = mask.sum().clamp(min=1)
     metrics = {k: float((v * mask).sum() / n) for k, v in terms.items()}
     return aggregate(per_token, mask, aggregation), metrics

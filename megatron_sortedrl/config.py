@@ -300,6 +300,12 @@ class AlgorithmConfig:
     entropy_coef: float = help_field("Entropy bonus coefficient (entropy is always logged).", 0.0, min=0)
     tis_cap: float = help_field("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0, min=0)
     normalize_advantage_std: bool = help_field("GRPO: divide by the group's reward std.", True)
+    clip_ratio_c: float = help_field(
+        "Dual-clip constant (verl's, default 3): for negative advantages the per-token loss is capped at "
+        "-clip_ratio_c * A, so far off-policy tokens cannot grow it without bound; > 1, or 0 to turn it off.", 3.0)
+    log_ratio_clamp: float = help_field(
+        "Clamp of log(pi / pi_old) to [-x, x] before exp (verl: 20), so a stale token cannot overflow the ratio; "
+        "0 turns it off.", 20.0)
 
     def __post_init__(self) -> None:
         if self.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"):
@@ -311,6 +317,10 @@ class AlgorithmConfig:
                 raise ConfigError(f"algorithm.{key}", getattr(self, key), "a float >= 0")
         if self.clip_low >= 1:
             raise ConfigError("algorithm.clip_low", self.clip_low, "a float in [0, 1)")
+        if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
+            raise ConfigError("algorithm.clip_ratio_c", self.clip_ratio_c, "a float > 1 (dual-clip), or 0 to turn it off")
+        if not self.log_ratio_clamp >= 0:
+            raise ConfigError("algorithm.log_ratio_clamp", self.log_ratio_clamp, "a float >= 0 (0: no clamp)")
 
 
 @dataclass
@@ -539,8 +549,19 @@ class RunConfig:
                 s.update_batch_size,
                 f"a multiple of rollout.n_samples_per_prompt ({r.n_samples_per_prompt}) so groups are never split",
             )
-        if self.algorithm.advantage in ("grpo", "rloo") and r.n_samples_per_prompt < 2:
-            raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt, f">= 2 for {self.algorithm.advantage}")
+        adv = self.algorithm.advantage
+        # Group-baseline estimators (algorithms.GROUP_BASELINE) subtract a per-prompt statistic: one sample per
+        # prompt would train all-zero (or undefined) advantages.
+        if adv in ("grpo", "reinforce_pp_baseline", "rloo") and r.n_samples_per_prompt < 2:
+            raise ConfigError("rollout.n_samples_per_prompt", r.n_samples_per_prompt,
+                              f">= 2 for {adv} (algorithm.advantage={adv} subtracts a per-prompt baseline: with one "
+                              "sample every advantage is 0), or algorithm.advantage=reinforce_pp")
+        # Batch-whitened estimators (algorithms.BATCH_WHITENED) need the whole update batch before any advantage
+        # is known, so a prompt group streamed before harvest cannot be trained exactly.
+        if self.trainer.stream and adv in ("reinforce_pp", "reinforce_pp_baseline"):
+            raise ConfigError("trainer.stream", True,
+                              f"false with algorithm.advantage={adv} (it whitens over the whole batch, unknown while "
+                              "groups are streamed); use grpo or rloo to stream")
         if self.sampling.overlong_buffer >= r.max_response_length:
             raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
                               f"fewer tokens than rollout.max_response_length ({r.max_response_length})")

@@ -134,7 +134,9 @@ class Driver:
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
                                   num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
-        self.stream = DriverStream(self.trainer, self.policy) if cfg.trainer.stream else None  # trainer/stream.py
+        # trainer/stream.py; a streamed group gets the batch's overlong shaping before its advantages
+        self.stream = DriverStream(self.trainer, self.policy, lambda g: shape_batch(
+            g, cfg.sampling, cfg.rollout.max_response_length)[0]) if cfg.trainer.stream else None
         self.feed = HistoryFeed(cfg.speculative, self.pool)  # HistoSpec: records, ships, measures (speculative/feed.py)
         self.history = self.feed.store
 

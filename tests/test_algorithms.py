@@ -183,3 +183,126 @@ def test_entropy_bonus_lowers_loss():
     ent = torch.full((1, 3), 2.0)
     loss, m = A.policy_loss(logp, logp, adv, mask, clip_low=0.2, clip_high=0.2, entropy=ent, entropy_coef=0.1)
     assert float(loss) == pytest.approx(-0.2) and m["entropy"] == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------- verl's policy loss: dual-clip, log-ratio clamp
+
+
+def _verl_compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
+                              clip_ratio_c, loss_agg_mode="token-mean"):
+    """verl's `compute_policy_loss` (trainer/ppo/core_algos.py, vanilla PPO), written out from its documented
+    definition: log-ratio clamped to [-20, 20]; PPO-clip; for negative advantages the dual-clip bound
+    min(-A * c, .); token-mean or seq-mean-token-mean aggregation."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = (torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float() * response_mask).sum() \
+        / response_mask.sum()
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if loss_agg_mode == "token-mean":
+        loss = (pg_losses * response_mask).sum() / response_mask.sum()
+    else:  # seq-mean-token-mean
+        loss = ((pg_losses * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)).mean()
+    return loss, pg_clipfrac_lower
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+@pytest.mark.parametrize("seed", range(4))
+def test_dual_clip_and_log_ratio_clamp_match_verl(mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 11
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    # log-ratios across the whole range: inside the clip range, past the dual-clip constant (ratio > 3), and
+    # past the clamp (|log ratio| > 20), in both signs
+    logp0 = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 1.5
+    logp0[0, :3] = old[0, :3] + torch.tensor([25.0, -30.0, 21.0], dtype=torch.float64)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    adv[0], adv[1] = -1.3, 0.7  # the clamped tokens under a negative and (row 1) a positive advantage
+    adv[1, :3] = 0.7
+    logp0[1, :3] = old[1, :3] + torch.tensor([25.0, -30.0, 2.0], dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.2).double()
+    mask[0, :3] = mask[1, :3] = 1.0
+    lo, hi, c = 0.2, 0.28, 3.0
+
+    logp = logp0.clone().requires_grad_()
+    got, metrics = A.policy_loss(logp, old, adv, mask, clip_low=lo, clip_high=hi, aggregation=mode,
+                                 clip_ratio_c=c, log_ratio_clamp=20.0)
+    got.backward()
+    ref_logp = logp0.clone().requires_grad_()
+    want, lower = _verl_compute_policy_loss(old, ref_logp, adv, mask, lo, hi, c,
+                                            "token-mean" if mode == "token" else "seq-mean-token-mean")
+    want.backward()
+    assert float(got) == pytest.approx(float(want), rel=1e-12, abs=1e-12)
+    assert torch.allclose(logp.grad, ref_logp.grad, rtol=1e-12, atol=1e-14)
+    assert metrics["clip_frac_lower"] == pytest.approx(float(lower), abs=1e-12)
+    assert metrics["clip_frac_lower"] > 0  # the dual-clip bound was active somewhere
+    assert logp.grad[0, :2].abs().max() == 0 and logp.grad[1, :2].abs().max() == 0  # clamped: no gradient
+
+
+def test_dual_clip_only_bounds_negative_advantages_and_zero_turns_it_off():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([5.0, 5.0, 0.5, 0.5]))  # ratios 5, 5, 0.5, 0.5
+    adv = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    loss, _ = A.ppo_clip_per_token(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    # A < 0 at ratio 5: PPO-clip alone gives 5, dual-clip caps it at c = 3; A > 0: 1.28 (clip-higher bound)
+    assert loss.tolist() == pytest.approx([3.0, -1.28, 0.8, -0.5])
+    plain, _ = A.ppo_clip_per_token(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_ratio_c=0.0)
+    assert plain.tolist() == pytest.approx([5.0, -1.28, 0.8, -0.5])
+    big = torch.tensor([100.0])  # an overflowing log-ratio stays finite with the clamp
+    assert math.isfinite(float(A.ppo_clip_per_token(big, torch.zeros(1), torch.ones(1), clip_low=0.2, clip_high=0.28,
+                                                    log_ratio_clamp=20.0)[0]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_advantages_do_not_depend_on_batch_order(seed):
+    """A prompt group gets bit-identical advantages alone, in any order, and inside any batch (what lets a streamed
+    group be trained exactly as in the batch)."""
+    rng = random.Random(seed)
+    rewards, ids, _ = _batch(seed, n_groups=5, group=6)
+    rewards = [r + rng.random() / 3 for r in rewards]  # fractional rewards: float sums depend on order
+    perm = list(range(len(rewards)))
+    rng.shuffle(perm)
+    # float64 estimators (compute_advantages rounds them to float32, which hides most order effects)
+    for name, fn in (("grpo", A.grpo_advantages), ("rloo", A.rloo_advantages)):
+        def adv(idx):
+            return fn(torch.tensor([rewards[i] for i in idx], dtype=torch.float64), [ids[i] for i in idx]).tolist()
+
+        whole = adv(range(len(rewards)))
+        shuffled = adv(perm)
+        assert [shuffled[perm.index(i)] for i in range(len(rewards))] == whole, name
+        group = [i for i in perm if ids[i] == "p2"]
+        assert adv(group) == [whole[i] for i in group], name
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_baseline_estimators_refuse_one_sample_per_prompt(estimator):
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.errors import ConfigError
+
+    base = ["model.path=/nonexistent/tiny", "scheduler.update_batch_size=4", f"algorithm.advantage={estimator}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base + ["rollout.n_samples_per_prompt=1"])
+    msg = str(err.value)
+    assert "\n" not in msg and "rollout.n_samples_per_prompt=1" in msg and estimator in msg
+    assert set(A.GROUP_BASELINE) == {"grpo", "rloo", "reinforce_pp_baseline"}
+    load_config(None, ["model.path=/nonexistent/tiny", "scheduler.update_batch_size=4", "rollout.n_samples_per_prompt=1",
+                       "algorithm.advantage=reinforce_pp"])  # no baseline: one sample is fine
+
+
+@pytest.mark.parametrize("override,key", [("algorithm.clip_ratio_c=1.0", "algorithm.clip_ratio_c"),
+                                          ("algorithm.clip_ratio_c=-3", "algorithm.clip_ratio_c"),
+                                          ("algorithm.log_ratio_clamp=-1", "algorithm.log_ratio_clamp")])
+def test_loss_option_ranges(override, key):
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, ["model.path=/nonexistent/tiny", override])
+    cfg = load_config(None, ["model.path=/nonexistent/tiny", "algorithm.clip_ratio_c=0", "algorithm.log_ratio_clamp=0"])
+    assert cfg.algorithm.clip_ratio_c == 0 and cfg.algorithm.log_ratio_clamp == 0
+    defaults = load_config(None, ["model.path=/nonexistent/tiny"]).algorithm
+    assert (defaults.clip_ratio_c, defaults.log_ratio_clamp) == (3.0, 20.0)  # verl's defaults

@@ -1,11 +1,13 @@
 """Stream training: gradients of prompt groups added one part at a time, one optimizer step at the end, give
-the same parameters as one batch update on the same samples (within 1e-6).
+the same parameters as one batch update on the same samples.
 
-    pytest tests/test_stream_training.py -q          # one TP=1 Megatron trainer on CPU (gloo), in a subprocess
+    pytest tests/test_stream_training.py -q          # TP=1 Megatron trainers on CPU (gloo), in subprocesses
 
 Hardware: CPU only. One trainer makes the batch update; a second, from the same weights and a fresh
-optimizer, gets the same samples streamed in three parts of whole prompt groups. The driver hook is
-checked against the real sync and twotier policies with a recording stand-in for the trainer.
+optimizer, gets the same samples streamed in parts of whole prompt groups (within 1e-6 when the parts come in
+another order than the batch's micro-batches; bit-identical updates for every estimator and shaping option,
+and DP=2: tests/test_stream_exact.py). The driver hook is checked against the real sync and twotier policies
+with a recording stand-in for the trainer.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import random_rl_samples
+from stream_support import in_process_group, run_child
 
 from megatron_sortedrl.config import RunConfig, load_config
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.sample import Sample
-
 
 
 def _samples(n: int = 8, seed: int = 11) -> list[Sample]:
@@ -37,29 +39,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _parity(model_dir: str, out) -> None:
-    """Runs in a fresh process: an in-process TP=1 worker (no Ray, so a loaded machine cannot time out its
-    start-up) makes the batch update; a second one from the same weights streams the batch in three parts."""
-    import socket
-
-    from megatron_sortedrl.trainer.group import TrainerGroup
+    """A TP=1 worker makes the batch update; a second one from the same weights streams the batch in three
+    parts (interleaved with the batch's length order)."""
     from megatron_sortedrl.trainer.stream import StreamedUpdate
-    from megatron_sortedrl.trainer.worker import TrainerWorker
 
-    class InProcessGroup(TrainerGroup):
-        def __init__(self, cfg):
-            self.cfg, self.world_size, self.first_reporter, self.actors = cfg, 1, 0, []
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            self.worker = TrainerWorker(cfg, 0, 1, "127.0.0.1", port)
-            self.worker.setup()
-
-        def _all(self, method, *args, **kwargs):
-            return [getattr(self.worker, method)(*args, **kwargs)]
-
-        def _submit(self, method, *args, **kwargs):  # runs at once; nothing left pending
-            self._all(method, *args, **kwargs)
-            return []
+    InProcessGroup = in_process_group
 
     cfg = RunConfig()
     cfg.model.path = model_dir
@@ -109,20 +93,7 @@ def _parity(model_dir: str, out) -> None:
 
 
 def test_streamed_update_equals_batch_update(model_dir):
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_parity, args=(str(model_dir), q))
-    proc.start()
-    res = None
-    while res is None and (proc.is_alive() or not q.empty()):
-        try:
-            res = q.get(timeout=5)
-        except Exception:  # queue.Empty: keep waiting while the child lives
-            pass
-    proc.join(60)
-    assert res is not None, f"the trainer process ended without a result (exit code {proc.exitcode})"
+    res = run_child(_parity, str(model_dir))
     assert any(a != 0 for a in res["adv"]) and res["restored"]
     assert res["moved"] > 5e-6  # the update did something (about lr per element)
     assert res["diff"] <= 1e-6, res["diff"]
@@ -148,6 +119,9 @@ class FakeGroup:
 
     def advantages(self, samples):
         return [1.0] * len(samples)
+
+    def _rl_decisions(self, samples, advantages):
+        return [(float(a), False, False) for a in advantages]
 
     def _rl_items(self, samples, advantages, old):
         return [s.sample_id for s in samples]
@@ -211,8 +185,15 @@ def test_driver_hook_streams_only_groups_that_will_be_trained():
 
     # A streamed group missing from the batch at training time: parts dropped, ordinary update.
     group.calls.clear()
-    stream.update.samples = list(first)
+    streamed = {s.sample_id: (1.0, False, False) for s in first}
+    stream.update.decisions = dict(streamed)
     stream.train(harvest.batch[2:], [1.0] * 2)
+    assert [m for m, _ in group.calls] == ["stream_discard", "train_step"]
+    # ... or present but trained differently there (another advantage): the same.
+    group.calls.clear()
+    stream.update.decisions = dict(streamed)
+    with_first = [s for s in harvest.batch if s.sample_id in streamed]
+    stream.train(with_first, [0.5] * len(with_first))
     assert [m for m, _ in group.calls] == ["stream_discard", "train_step"]
 
 
@@ -266,6 +247,9 @@ def test_a_streamed_part_does_not_hold_up_the_driver_and_its_error_reaches_the_s
         def _rl_items(self, samples, advantages, old):
             return [s.sample_id for s in samples] + (["bad"] if advantages == ["bad"] else [])
 
+        def _rl_decisions(self, samples, advantages):
+            return [None] * len(samples)
+
         def _submit(self, method, *args):
             return [a.call.remote(method, *args) for a in self.actors]
 
@@ -298,3 +282,29 @@ def test_a_streamed_part_does_not_hold_up_the_driver_and_its_error_reaches_the_s
     with pytest.raises(ray.exceptions.RayTaskError, match="non-finite loss"):
         update.step()
     assert ray.get(gate.calls.remote()) == ["stream_accumulate", "stream_accumulate", "stream_step"]
+
+
+def test_a_batch_wide_tis_choice_that_differs_from_a_part_discards_the_parts():
+    """TIS is used only when every sample of what is trained has rollout log-probs; if the rest of the batch lacks
+    them, the streamed parts (trained with TIS) are not the batch update: discarded, ordinary update."""
+
+    class TisGroup(FakeGroup):
+        def _rl_decisions(self, samples, advantages):
+            tis = all(s.rollout_logprobs for s in samples)
+            return [(float(a), False, tis) for a in advantages]
+
+    from megatron_sortedrl.trainer.stream import DriverStream
+
+    samples = _samples(4)
+    samples[3].rollout_logprobs = []
+    group = TisGroup()
+    stream = DriverStream(group, policy=None)
+    stream.update.add(samples[:2], [1.0, 1.0])
+    assert group.calls == [("stream_accumulate", sorted(s.sample_id for s in samples[:2]))]
+    metrics = stream.train(samples, [1.0] * 4)
+    assert [m for m, _ in group.calls[1:]] == ["stream_discard", "train_step"] and metrics["stream_discarded"] == 1.0
+    group.calls.clear()  # with rollout log-probs everywhere the parts are kept
+    samples[3].rollout_logprobs = [-1.0]
+    stream.update.add(samples[:2], [1.0, 1.0])
+    stream.train(samples, [1.0] * 4)
+    assert [m for m, _ in group.calls] == ["stream_accumulate", "stream_accumulate", "stream_step"]

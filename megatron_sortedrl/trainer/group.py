@@ -44,6 +44,12 @@ from megatron_sortedrl.trainer.worker import TrainerWorker, on_gpu
 _CHANGES_WEIGHTS = ("train_step", "load", "stream_step")  # methods after which the weights differ from the last push
 
 
+def _use_rollout(samples: list[Sample], cfg) -> bool:
+    """TIS against the rollout log-probs: only when every sample has them (a batch-wide choice)."""
+    with_rollout = [bool(s.response_tokens) and len(s.rollout_logprobs) == len(s.response_tokens) for s in samples]
+    return all(with_rollout) and cfg.algorithm.tis_cap > 0
+
+
 class TrainerActor:
     """Ray actor body: holds one `TrainerWorker` and forwards calls to it."""
 
@@ -162,11 +168,17 @@ class TrainerGroup:
         return A.compute_advantages(rewards, groups, a.advantage, lengths=lengths,
                                     normalize_std=a.normalize_advantage_std).tolist()
 
+    def _rl_decisions(self, samples: list[Sample], advantages: Sequence) -> list[tuple]:
+        """What each sample is trained with besides its tokens (advantage, loss mask, TIS): a streamed part is
+        exact only if these equal the batch's (`DriverStream.train` compares them)."""
+        tis = _use_rollout(samples, self.cfg)
+        return [(tuple(a) if isinstance(a, (list, tuple)) else float(a), bool(s.meta.get("loss_masked")), tis)
+                for s, a in zip(samples, advantages)]
+
     def _rl_items(self, samples, advantages, old_logprobs) -> list[dict]:
         if advantages is None:
             advantages = self.advantages(samples)
-        with_rollout = [bool(s.response_tokens) and len(s.rollout_logprobs) == len(s.response_tokens) for s in samples]
-        use_rollout = all(with_rollout) and self.cfg.algorithm.tis_cap > 0
+        use_rollout = _use_rollout(samples, self.cfg)
         ref = self.compute_logprobs(samples, reference=True) if self.cfg.algorithm.kl_coef > 0 else None
         items = []
         for i, s in enumerate(samples):

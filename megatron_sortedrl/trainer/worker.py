@@ -38,7 +38,8 @@ from megatron_sortedrl.trainer.logprobs import (
     token_logprobs_and_entropy,
 )
 
-METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "ratio", "tis_weight", "rollout_kl", "kl", "entropy")
+METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "clip_frac_lower", "ratio", "tis_weight", "rollout_kl", "kl",
+               "entropy")
 
 
 def on_gpu(cfg) -> bool:
@@ -215,7 +216,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         per_tok, terms = A.policy_loss_per_token(
             lp, old, ex.get("rollout_logprobs"), ex["advantages"], clip_low=a.clip_low, clip_high=a.clip_high,
             tis_cap=a.tis_cap, ref_logp=ex.get("ref_logprobs"), kl_coef=a.kl_coef, entropy=ent,
-            entropy_coef=a.entropy_coef)
+            entropy_coef=a.entropy_coef, clip_ratio_c=a.clip_ratio_c, log_ratio_clamp=a.log_ratio_clamp)
         w = A.token_weights(mb.loss_mask, a.loss_aggregation, n_tok, n_seq)
         loss = (per_tok * w).sum()
         sums = {k: (v.detach() * mb.loss_mask).sum() for k, v in terms.items()}
@@ -230,7 +231,10 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         loss = -(lp * w).sum()
         return loss * scale, {"loss": loss.detach(), "n_tokens": mb.loss_mask.sum()}
 
-    def _forward_backward(self, items: list[dict], kind: str, counts: tuple[float, float] | None = None) -> dict[str, float]:
+    def _forward_backward(self, items: list[dict], kind: str, counts: tuple[float, float] | None = None,
+                          sync: bool = True) -> dict[str, float]:
+        """`sync=False` (a streamed part) leaves the gradients unreduced across DP; `stream_step` reduces the
+        sum of all parts once (trainer/stream.py)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
@@ -239,8 +243,10 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         mbs = self._microbatches(self._shard(items))
         scale = len(mbs) * self.dp
         fn = self._rl_loss if kind == "rl" else self._sft_loss
-        out = self._run(self.model, mbs, partial(fn, n_tok, n_seq, scale), forward_only=False)
-        finalize_model_grads([self.model])
+        with self._grad_sync_deferred(not sync):  # trainer/stream.py
+            out = self._run(self.model, mbs, partial(fn, n_tok, n_seq, scale), forward_only=False)
+        if sync:
+            finalize_model_grads([self.model])
         if not ps.is_pipeline_last_stage():
             return {}
         keys = [k for k in METRIC_KEYS if out and k in out[0]]
