@@ -302,10 +302,10 @@ class AlgorithmConfig:
     normalize_advantage_std: bool = help_field("GRPO: divide by the group's reward std.", True)
     clip_ratio_c: float = help_field(
         "Dual-clip constant (verl's, default 3): for negative advantages the per-token loss is capped at "
-        "-clip_ratio_c * A, so far off-policy tokens cannot grow it without bound; > 1, or 0 to turn it off.", 3.0)
+        "-clip_ratio_c * A, so far off-policy tokens cannot grow it without bound; > 1, or 0 to turn it off.", 3.0, min=0)
     log_ratio_clamp: float = help_field(
         "Clamp of log(pi / pi_old) to [-x, x] before exp (verl: 20), so a stale token cannot overflow the ratio; "
-        "0 turns it off.", 20.0)
+        "0 turns it off.", 20.0, min=0)
 
     def __post_init__(self) -> None:
         if self.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"):
