@@ -46,11 +46,13 @@ WHEELS = REPO / "wheels"
 SITE = REPO / ".gpu-check" / "site"
 DOC = REPO / "docs" / "gpu.md"
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
-# What a bare GPU machine (PyTorch, transformers, triton, nvidia-ml-py, pytest) lacks for the trainer, its
-# checkpoints, the config and the report; each pinned to the version installed here (what the CPU suite runs).
-CARRY = ("megatron-core", "psutil",  # psutil: megatron-core's torch_dist checkpoint writer imports it
-         "omegaconf", "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",
-         "python-dateutil", "tzdata", "six", "pillow")
+# The GPU image (docs/gpu.md): what a bare GPU machine has. Neither these nor anything they depend on is carried,
+# so the image's own builds (CUDA torch above all) are the ones imported.
+IMAGE = ("torch", "transformers", "triton", "nvidia-ml-py", "pytest")
+# What the GPU path needs beyond the image, each pinned to the version installed here (what the CPU suite runs);
+# their dependencies are resolved by pip for the target Python, not listed here. psutil: megatron-core's
+# torch_dist checkpoint writer imports it without declaring it.
+ROOTS = ("megatron-core", "omegaconf", "matplotlib", "psutil")
 VERSIONS = ("torch", "megatron-core", "transformer-engine", "vllm", "transformers", "triton", "nvidia-ml-py",
             "omegaconf", "matplotlib")
 
@@ -88,36 +90,88 @@ def environment() -> dict:
 
 # ------------------------------------------------------------------------------------------ wheels
 
-def fetch_wheels(python_version: str, dest: Path = WHEELS) -> int:
-    """Downloads the carried wheels (manylinux x86_64) for `python_version`."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for dist in CARRY:
-        req = f"{dist}=={_version(dist)}" if _version(dist) else dist
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest),
-               "--python-version", python_version, "--platform", "manylinux_2_28_x86_64", "--platform",
-               "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", req]
+def _platform_args(python_version: str) -> list[str]:
+    """pip's target options for a manylinux x86_64 machine: pip does not widen `--platform` to older glibc tags
+    by itself, and CUDA wheels (nvidia-cudnn, ...) carry manylinux_2_27 while others carry 2_17 or 2014."""
+    tags = [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                                     "manylinux1_x86_64"]
+    return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+            *(a for t in tags for a in ("--platform", t))]
+
+
+def resolve(requirements: list[str], python_version: str) -> dict[str, str]:
+    """{distribution: version} that pip's resolver installs for `requirements` on a manylinux x86_64 machine
+    with `python_version`: a dry run (metadata only, nothing installed) whose JSON report is read."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-resolve-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", "--target",
+               str(Path(tmp) / "t"), "--report", str(report), *_platform_args(python_version), *requirements]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
-            print(f"gpu-check: cannot fetch {req} for Python {python_version}: {res.stderr.strip()[-300:]}")
-            return 1
+            errors = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")] or res.stderr.splitlines()
+            raise RuntimeError(f"pip cannot resolve {' '.join(requirements)} for Python {python_version}: "
+                               f"{' '.join(errors)[-400:]}")
+        items = json.loads(report.read_text())["install"]
+    return {_canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+
+
+def _canonical(dist: str) -> str:
+    return dist.replace("_", "-").replace(".", "-").lower()
+
+
+def carried_set(python_version: str, pins: dict[str, str] | None = None) -> dict[str, str]:
+    """ROOTS and everything they need that the image lacks: pip resolves the image together with ROOTS (so the
+    carried versions agree with the image's dependencies), then drops what the image alone resolves to.
+    Each root is pinned to the version installed here unless `pins` names another."""
+    pins = {**{d: _version(d) for d in ROOTS}, **(pins or {})}
+    roots = [f"{d}=={pins[d]}" if pins[d] else d for d in ROOTS]
+    image = resolve(list(IMAGE), python_version)
+    full = resolve([*IMAGE, *roots], python_version)
+    return {d: v for d, v in sorted(full.items()) if d not in image}
+
+
+def fetch_wheels(python_version: str, dest: Path = WHEELS) -> int:
+    """Downloads the carried wheels (manylinux x86_64) for `python_version` into `dest`, replacing its wheels."""
+    try:
+        carry = carried_set(python_version)
+    except RuntimeError as exc:
+        print(f"gpu-check: {exc}")
+        return 1
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):  # a wheel left from another resolution would be installed too
+        old.unlink()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
+           *_platform_args(python_version), *(f"{d}=={v}" for d, v in carry.items())]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        print(f"gpu-check: cannot fetch the carried wheels for Python {python_version}: {res.stderr.strip()[-300:]}")
+        return 1
     size = sum(p.stat().st_size for p in dest.glob("*.whl")) / 2**20
-    print(f"gpu-check: {len(list(dest.glob('*.whl')))} wheels for Python {python_version} in {dest} ({size:.1f} MiB)")
+    print(f"gpu-check: {len(list(dest.glob('*.whl')))} wheels for Python {python_version} in {dest} ({size:.1f} MiB): "
+          + ", ".join(f"{d} {v}" for d, v in carry.items()))
     return 0
 
 
 def _dist_of(wheel: Path) -> str:
-    return wheel.name.split("-")[0].replace("_", "-").lower()
+    return _canonical(wheel.name.split("-")[0])
 
 
 def install_carried(wheels: Path = WHEELS, site: Path = SITE) -> list[str]:
-    """Installs each carried wheel whose distribution is missing into `site`; returns what was installed."""
+    """Installs each carried wheel whose distribution is missing into `site`; returns what was installed.
+    `--no-deps`: the set is already complete (`carried_set`), and pip must not reach for an index or replace
+    an image package. `site` goes on the path first, so what an earlier run put there counts as installed."""
+    if site.is_dir() and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
     missing = [w for w in sorted(wheels.glob("*.whl")) if _version(_dist_of(w)) is None]
     if missing:
         site.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
                         *map(str, missing)], check=True)
     if site.is_dir():
-        sys.path.insert(0, str(site))
+        if str(site) not in sys.path:
+            sys.path.insert(0, str(site))
         paths = (str(REPO), str(site), os.environ.get("PYTHONPATH", ""))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return [_dist_of(w) for w in missing]
