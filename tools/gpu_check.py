@@ -1,18 +1,22 @@
 """`make gpu-check`: everything of the GPU path that one NVIDIA GPU can run, in one command (<= 20 min on an H100).
 
     make gpu-check                                    # on a machine with an NVIDIA GPU
-    python tools/gpu_check.py --fetch-wheels          # beforehand, where a package index is reachable
-    python tools/gpu_check.py --fetch-wheels --python-version 3.10   # for a GPU machine with another Python
+    python tools/gpu_check.py --fetch-wheels          # beforehand, where a package index is reachable (Python 3.12)
+    python tools/gpu_check.py --fetch-wheels --python-version 3.11   # for a GPU machine with another Python
 
 Without a GPU it prints one line and exits 2: nothing was verified, and a CI job or script that runs it by
 mistake must not count that as a pass (2 is also what the CLI returns for a machine or input it cannot use).
 
 On a GPU machine it:
-1. makes missing pure dependencies importable from carried wheels: GPU machines may have only PyTorch,
-   transformers and pytest, and no package index. `--fetch-wheels` fills `wheels/` (megatron-core, psutil
-   and the few packages our config and report import; ~27 MB, carried with the checkout) for the
-   target Python; at check time each wheel whose distribution is not installed goes into
-   `.gpu-check/site` (`pip install --no-deps --no-index --target`), which is put on the path;
+1. makes missing dependencies importable from carried wheels: GPU machines may have only PyTorch,
+   transformers, triton, nvidia-ml-py and pytest (`IMAGE`), and no package index. `--fetch-wheels` fills
+   `wheels/` (~27 MB, carried with the checkout) for the target Python: pip's resolver resolves the image
+   together with our `ROOTS` (megatron-core, omegaconf, matplotlib, psutil) for a manylinux x86_64 machine
+   with that Python, and the wheels of every resolved distribution that the image alone does not resolve to
+   are downloaded, so dependencies come from the resolver, and neither torch nor its CUDA libraries are
+   carried. At check time each wheel whose distribution is not installed goes into `.gpu-check/site`
+   (`pip install --no-deps --no-index --target`), which is put on the path; an installed one (the image's)
+   is left alone and wins. `tools/gpu_image_check.py` proves the set complete on a CPU machine;
 2. runs every `gpu`-marked test file with pytest (`tests/test_trainer_gpu.py`: single-rank trainer without
    Ray - bf16 log-probs against transformers, optimizer steps, the distributed optimizer, clipping, a
    checkpoint moved GPU -> CPU -> GPU; the Ray + Transformer Engine set when those exist;
@@ -148,6 +152,7 @@ def fetch_wheels(python_version: str, dest: Path = WHEELS) -> int:
     if res.returncode != 0:
         print(f"gpu-check: cannot fetch the carried wheels for Python {python_version}: {res.stderr.strip()[-300:]}")
         return 1
+    (dest / "PYTHON").write_text(python_version + "\n")  # checked before installing (install_carried)
     size = sum(p.stat().st_size for p in dest.glob("*.whl")) / 2**20
     print(f"gpu-check: {len(list(dest.glob('*.whl')))} wheels for Python {python_version} in {dest} ({size:.1f} MiB): "
           + ", ".join(f"{d} {v}" for d, v in carry.items()))
@@ -158,10 +163,20 @@ def _dist_of(wheel: Path) -> str:
     return _canonical(wheel.name.split("-")[0])
 
 
+class WheelsMismatch(RuntimeError):
+    """The carried wheels were fetched for another Python."""
+
+
 def install_carried(wheels: Path = WHEELS, site: Path = SITE) -> list[str]:
     """Installs each carried wheel whose distribution is missing into `site`; returns what was installed.
     `--no-deps`: the set is already complete (`carried_set`), and pip must not reach for an index or replace
     an image package. `site` goes on the path first, so what an earlier run put there counts as installed."""
+    target = (wheels / "PYTHON").read_text().strip() if (wheels / "PYTHON").is_file() else None
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if target is not None and target != here:
+        raise WheelsMismatch(f"gpu-check: the carried wheels in {wheels} are for Python {target}, this is Python "
+                             f"{here}: run tools/gpu_check.py --fetch-wheels --python-version {here} where a "
+                             "package index is reachable")
     if site.is_dir() and str(site) not in sys.path:
         sys.path.insert(0, str(site))
     missing = [w for w in sorted(wheels.glob("*.whl")) if _version(_dist_of(w)) is None]
@@ -251,7 +266,8 @@ def update_doc(result: dict, doc: Path = DOC) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fetch-wheels", action="store_true", help="fill wheels/ for a GPU machine, then exit")
-    ap.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
+    ap.add_argument("--python-version", default="3.12",
+                    help="the GPU machine's Python, for --fetch-wheels (3.12: current NGC images, the lent machines)")
     ap.add_argument("--tests-timeout", type=int, default=600)
     ap.add_argument("--bench-timeout", type=int, default=480)
     ap.add_argument("--skip-bench", action="store_true")
@@ -269,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no NVIDIA GPU visible (torch.cuda.is_available() is False); nothing to check on this machine")
         return 2
     t0 = time.monotonic()
-    installed = install_carried()
+    try:
+        installed = install_carried()
+    except WheelsMismatch as exc:
+        print(exc)
+        return 2
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     tests = run_tests(out, args.tests_timeout)
