@@ -49,7 +49,7 @@ def gpu_group(tmp_path_factory):
     te_ok, why = _te_probe()
     if not te_ok:
         pytest.skip(f"Transformer Engine cannot be used here: {why}")
-    import ray
+    ray = pytest.importorskip("ray", reason="Ray is not installed (the Ray trainer group needs it)")
 
     from megatron_sortedrl.tiny_model import build_tiny_model
     from megatron_sortedrl.trainer.group import TrainerGroup
