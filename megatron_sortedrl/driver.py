@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_sortedrl import lifetime
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.placement import local_ray_env
 from megatron_sortedrl.preflight import preflight
@@ -99,6 +100,9 @@ class Driver:
         from speculative.feed import HistoryFeed
 
         cfg = self.cfg
+        # Everything started from here on (local Ray, engines and their vLLM processes, reward workers) ends
+        # with this process, even when it is SIGKILLed (lifetime.py); close() disarms it.
+        self.lifetime = lifetime.guard()
         random.seed(cfg.seed)
         if not Path(cfg.model.path).exists() and cfg.model.build_tiny_if_missing:
             build_tiny_model(cfg.model.path, cfg.model.tiny)
@@ -388,6 +392,7 @@ class Driver:
                 self.say(f"warning: {closer.__qualname__} failed: {exc}")
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        self.lifetime.close(end_rest=True)  # what the closers above missed ends too; then the watchdog goes
 
 
 def _cluster_gpus() -> float:
