@@ -24,14 +24,15 @@ How, and why three mechanisms:
   parent, without waiting for a watchdog. The signal fires when the parent *thread* that started the child
   exits, so only children started from a thread that lives as long as the pool (the main thread) may use it.
 
-An engine actor guards itself too (`rollout/engine_worker.py`): when Ray kills it (a hung engine, a relayout,
-the end of a job on an attached cluster) its own watchdog ends its vLLM processes, which otherwise keep the
-engine's memory (on a GPU, the device memory the next engine needs). Tokens nest: the engine's processes carry
-the driver's token and the engine's.
+An engine actor killed by `ray.kill` (a hung engine, a relayout) already takes its vLLM engine-core process
+with it (seen on CPU with the uni and mp executors, also with Ray's `kill_child_processes_on_worker_exit`
+off), so engine actors are not guarded separately. What Ray does not end is itself: a SIGKILLed driver takes
+the local raylet with it, and Ray's dashboard and runtime-env agents outlive both, re-parented to init. Any
+process may guard itself (`guard()` nests: the inner guard's processes carry both tokens).
 
 Left out: processes that clear their environment (the code sandbox: bubblewrap's `--die-with-parent`, or
 `die_with_parent()` in the fallback), processes on other nodes of an attached Ray cluster (Ray ends a dead
-driver's actors there, and each engine's guard ends its vLLM processes), and systems other than Linux (no
+driver's actors there), and systems other than Linux (no
 `/proc`, no pidfd: `guard()` returns a guard that does nothing).
 
 Tests: `python -m pytest tests/test_lifetime.py -q` (the SIGKILLs of a real run are marked slow).

@@ -112,6 +112,7 @@ def pytest_sessionfinish(session, exitstatus):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     text = f"{len(lines)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(lines)
     if reporter is not None:
+        reporter.ensure_newline()
         reporter.write_line(text, red=True)
     else:
         print(text)

@@ -240,3 +240,32 @@ def test_sigkill_of_the_driver_leaves_no_process_of_the_run(tiny_model_dir, tmp_
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         _kill_all(family)
+
+
+# ------------------------------------------------------------------------------------------ the suite's own check
+
+
+def test_the_suite_reports_and_ends_a_process_a_test_left_behind(tmp_path):
+    # An inner session with this suite's conftest, whose one test leaves a process in a session of its own
+    # (as a SIGKILLed run leaves its children): the session must name it, kill it, and fail (or only warn).
+    pidfile = tmp_path / "pid"
+    (tmp_path / "test_leak.py").write_text(
+        "import subprocess, sys\n"
+        "def test_leak():\n"
+        f"    p = subprocess.Popen([sys.executable, '-c', {_SLEEPER!r}], start_new_session=True)\n"
+        f"    open({str(pidfile)!r}, 'w').write(str(p.pid))\n")
+    tests_dir = Path(__file__).resolve().parent
+    env = {**os.environ, "MSRL_LEFTOVERS_GRACE_S": "1",
+           "PYTHONPATH": os.pathsep.join([str(tests_dir), *sys.path])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:hypothesispytest",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_leak.py")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    leaked = int(pidfile.read_text())
+    try:
+        assert "1 process(es) started by the tests outlived them" in proc.stdout, proc.stdout[-2000:]
+        assert f"pid {leaked} " in proc.stdout
+        assert proc.returncode == 1, proc.stdout[-2000:]
+        assert not _wait_gone(_processes([leaked]), 5), "the leftover was not killed"
+    finally:
+        _kill_all(_processes([leaked]))

@@ -41,7 +41,6 @@ import uuid
 from dataclasses import asdict
 from typing import Any
 
-from megatron_sortedrl import lifetime
 from megatron_sortedrl.rollout.types import Completion, GenRequest, WorkerLoad
 
 DEFAULT_EXTENSION = "megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension"
@@ -115,7 +114,6 @@ class EngineWorker:
         self._event: asyncio.Event | None = None
         self._generated = 0
         self._error = ""
-        self._lifetime: lifetime.Guard | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     async def start(self, version: int | None = None, weight_buckets: list | None = None) -> dict[str, Any]:
@@ -125,9 +123,6 @@ class EngineWorker:
 
         t0 = time.monotonic()
         self._event = asyncio.Event()
-        # vLLM's engine-core process does not watch its parent: when Ray kills this actor (a hung engine, a
-        # relayout, a dead driver) it would keep the engine's memory. The guard's watchdog ends it (lifetime.py).
-        self._lifetime = self._lifetime or lifetime.guard()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
         t1 = time.monotonic()
         if weight_buckets:
@@ -146,9 +141,6 @@ class EngineWorker:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-        if self._lifetime is not None:
-            self._lifetime.close(end_rest=True)
-            self._lifetime = None
 
     async def ping(self) -> float:
         return time.monotonic()
