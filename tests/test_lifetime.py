@@ -172,6 +172,39 @@ def test_die_with_parent_when_the_parent_is_already_gone():
     assert proc.returncode == -signal.SIGKILL and "survived" not in proc.stdout
 
 
+def test_reward_workers_die_with_the_pool_process(tmp_path):
+    # No guard here: a reward worker busy in a slow reward function (a sandboxed program, a judge) must end at
+    # once when the pool's process is SIGKILLed; an idle one ends anyway, on the closed pipe.
+    (tmp_path / "msrl_slow_reward.py").write_text("import time\ndef reward(sample, ground_truth):\n"
+                                                  "    time.sleep(120)\n    return 1.0\n")
+    script = f"""
+import sys; sys.path.insert(0, {str(tmp_path)!r})
+from megatron_sortedrl.reward_pool import RewardPool
+from megatron_sortedrl.sample import Sample
+if __name__ == "__main__":
+    pool = RewardPool("msrl_slow_reward.reward", num_workers=1)
+    print(pool.workers[0].proc.pid, flush=True)
+    pool.submit(Sample(prompt_id="p", index=0, prompt_tokens=[1], response_tokens=[2]))
+    while not pool.workers[0].tasks:
+        pool.poll()
+    print("busy", flush=True)
+    import time; time.sleep(120)
+"""
+    proc = _watched_parent(script)
+    worker = psutil.Process(int(proc.stdout.readline()))
+    try:
+        assert proc.stdout.readline().strip() == "busy"
+        time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert worker in family
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        left = _wait_gone(family, 10)
+        assert not left, _describe(left)
+    finally:
+        _kill_all([worker])
+
+
 def test_token_scan_finds_only_carriers():
     mine = lifetime.processes_with_token("no-such-token-" + os.urandom(4).hex())
     assert mine == []
