@@ -265,9 +265,11 @@ def test_sigkill_of_the_driver_leaves_no_process_of_the_run(tiny_model_dir, tmp_
             os.kill(proc.pid, signal.SIGKILL)
         else:
             os.killpg(proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
         proc.wait(30)
         left = _wait_gone(family, 15)
         assert not left, f"still alive after SIGKILL of the {target}:\n{_describe(left)}"
+        print(f"{len(family)} processes of the run gone {time.monotonic() - t_kill:.1f} s after SIGKILL of the {target}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -15,8 +15,8 @@ Two modes, the stronger one picked when it works (probed once per process by run
   dropped; a new session; it dies with its parent.
 * `fallback` (when bubblewrap is missing or user namespaces are blocked): a fresh session and process
   group, no inherited descriptors, an empty environment, the scratch directory as working directory, the
-  same rlimits, death with its parent (`PR_SET_PDEATHSIG`), and an in-process audit hook that refuses sockets, subprocesses and writes outside the
-  scratch directory. Weaker: an audit hook is not a security boundary (ctypes can get past it) and the file
+  same rlimits, death with its parent (`PR_SET_PDEATHSIG`), and an in-process audit hook that refuses
+  sockets, subprocesses and writes outside the scratch directory. Weaker: an audit hook is not a security boundary (ctypes can get past it) and the file
   system is not remounted, so this mode keeps honest mistakes contained, not a determined attacker.
 
 In both modes, when we run as root, the program runs under a uid of its own (never one of a real user's),
