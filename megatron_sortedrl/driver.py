@@ -79,9 +79,16 @@ class Driver:
         self._saved_step = -1
         self.resume_from = resume_point(cfg, self.ckpt_root)
         preflight(cfg, self.resume_from, reward_fn)  # one-line errors before Ray, trainer or engines start
-        self._setup()
-        self._resumed = self._load_resume_state() if self.resume_from else {}
-        self._open_records()
+        # Everything started from here on (local Ray, engines and their vLLM processes, reward workers) ends
+        # with this process, even when it is SIGKILLed (lifetime.py); close() disarms it.
+        self.lifetime = lifetime.guard()
+        try:
+            self._setup()
+            self._resumed = self._load_resume_state() if self.resume_from else {}
+            self._open_records()
+        except BaseException:
+            self._end_failed_setup()
+            raise
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -100,9 +107,6 @@ class Driver:
         from speculative.feed import HistoryFeed
 
         cfg = self.cfg
-        # Everything started from here on (local Ray, engines and their vLLM processes, reward workers) ends
-        # with this process, even when it is SIGKILLed (lifetime.py); close() disarms it.
-        self.lifetime = lifetime.guard()
         random.seed(cfg.seed)
         if not Path(cfg.model.path).exists() and cfg.model.build_tiny_if_missing:
             build_tiny_model(cfg.model.path, cfg.model.tiny)
@@ -138,6 +142,14 @@ class Driver:
         self.stream = DriverStream(self.trainer, self.policy) if cfg.trainer.stream else None  # trainer/stream.py
         self.feed = HistoryFeed(cfg.speculative, self.pool)  # HistoSpec: records, ships, measures (speculative/feed.py)
         self.history = self.feed.store
+
+    def _end_failed_setup(self) -> None:
+        """A set-up that failed part way ends what it started; the error is the caller's to report."""
+        import ray
+
+        if getattr(self, "_owns_ray", False) and ray.is_initialized():
+            ray.shutdown()
+        self.lifetime.close(end_rest=True)
 
     def _load_resume_state(self) -> dict[str, Any]:
         """Loads model and optimizer into the trainer and restores the driver's state from `extra`."""

@@ -14,9 +14,12 @@ How, and why three mechanisms:
   resource trackers. A process's initial environment stays readable in `/proc/<pid>/environ` after its parent
   is gone, so the run's processes can be found even once they are re-parented to init.
 * A watchdog: a small process in a session of its own (SIGKILL of the guarded process's group does not reach
-  it) that waits on a pidfd of the guarded process. When that process ends without `close()`, the watchdog
-  sends SIGTERM to every process carrying the token (vLLM and Ray shut down cleanly on it), SIGKILL to those
-  left after `grace_s`, and repeats until none is left (a raylet may start a worker while it is being killed).
+  it) that waits on a pidfd of the guarded process and records that process's descendants every 0.5 s (the
+  token alone misses some: Ray's agents overwrite their environment when they set their process title). When
+  the guarded process ends without `close()`, the watchdog sends SIGTERM to every process carrying the token
+  or recorded (with their descendants; a recorded pid counts only with its recorded start time), SIGKILL to
+  those left after `grace_s`, and repeats until none is left (a raylet may start a worker while it is being
+  killed).
   multiprocessing's resource trackers are left to end on their own once every process that used them is gone,
   so that they can unlink the shared memory those left behind; they are killed only if they do not. The
   watchdog carries no token itself and exits after its sweep.
@@ -134,8 +137,8 @@ def guard(grace_s: float = 3.0) -> Guard:
     env = {k: v for k, v in os.environ.items() if k != TOKENS_VAR}
     try:
         # This file as a script, isolated (-I): the standard library is all it needs, wherever the package is.
-        watchdog = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pidfd), token,
-                                     str(grace_s)], stdin=subprocess.PIPE, pass_fds=[pidfd], env=env,
+        watchdog = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(pidfd), str(os.getpid()),
+                                     token, str(grace_s)], stdin=subprocess.PIPE, pass_fds=[pidfd], env=env,
                                     start_new_session=True, stdout=subprocess.DEVNULL)
     finally:
         os.close(pidfd)
@@ -166,6 +169,34 @@ def processes_with_token(token: str, var: str = TOKENS_VAR) -> list[int]:
     return out
 
 
+def _stat(pid: int | str) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc/<pid>/stat; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name before it may hold spaces and parentheses
+    except (OSError, IndexError):
+        return None
+    return (int(fields[1]), int(fields[19])) if fields[0] != b"Z" else None
+
+
+def descendants(*roots: int) -> dict[int, int]:
+    """{pid: start time} of every live descendant of the `roots` (one pass over /proc)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (st := _stat(name)) is not None:
+            children.setdefault(st[0], []).append(int(name))
+            starts[int(name)] = st[1]
+    out: dict[int, int] = {}
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out[child] = starts[child]
+                todo.append(child)
+    return out
+
+
 def _is_tracker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -182,8 +213,20 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def sweep(token: str, grace_s: float = 3.0, limit_s: float = 60.0, trackers: bool = True) -> int:
-    """Ends every process carrying `token`: SIGTERM, SIGKILL after `grace_s`, again until none is left (or
+def _targets(token: str, known: dict[int, int]) -> list[int]:
+    """The token's carriers, the `known` processes ({pid: start time}) still alive as themselves (a reused pid
+    has another start time), and the live descendants of all of them."""
+    found = set(processes_with_token(token))
+    found.update(pid for pid, start in known.items() if (st := _stat(pid)) is not None and st[1] == start)
+    found.update(descendants(*found))
+    found.discard(os.getpid())
+    return sorted(found)
+
+
+def sweep(token: str, grace_s: float = 3.0, limit_s: float = 60.0, trackers: bool = True,
+          known: dict[int, int] | None = None) -> int:
+    """Ends every process carrying `token` and every process in `known` ({pid: start time}, the descendants
+    the watchdog saw), with their descendants: SIGTERM, SIGKILL after `grace_s`, again until none is left (or
     `limit_s` passed). Resource trackers get until the rest is gone plus `grace_s` to end on their own;
     `trackers=False` leaves them alone (a live process's own tracker ends with it). Returns how many distinct
     processes were found."""
@@ -192,7 +235,7 @@ def sweep(token: str, grace_s: float = 3.0, limit_s: float = 60.0, trackers: boo
     term_sent: dict[int, float] = {}
     idle_rounds = 0
     while time.monotonic() < end:
-        found = processes_with_token(token)
+        found = _targets(token, known or {})
         others = [p for p in found if not _is_tracker(p)]
         trackers_left = [p for p in found if p not in others] if trackers else []
         found = others + trackers_left
@@ -213,14 +256,18 @@ def sweep(token: str, grace_s: float = 3.0, limit_s: float = 60.0, trackers: boo
     return len(seen)
 
 
-def _watch(pidfd: int, token: str, grace_s: float) -> int:
-    """The watchdog: waits for the guarded process to end (pidfd readable) or for `close` on stdin."""
+def _watch(pidfd: int, pid: int, token: str, grace_s: float, poll_s: float = 0.5) -> int:
+    """The watchdog: waits for the guarded process `pid` to end (pidfd readable) or for `close` on stdin;
+    meanwhile records its descendants every `poll_s`, for those whose environment cannot be read later (Ray's
+    agents rewrite theirs when they set their process title)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal is for the run, not for us
     sel = selectors.DefaultSelector()
     sel.register(pidfd, selectors.EVENT_READ, "exited")
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "stdin")
+    known: dict[int, int] = {}
     while True:
-        for key, _ in sel.select():
+        known.update(descendants(pid))
+        for key, _ in sel.select(poll_s):
             if key.data == "stdin":
                 line = os.read(sys.stdin.fileno(), 64)
                 if line.startswith(b"close"):
@@ -229,7 +276,8 @@ def _watch(pidfd: int, token: str, grace_s: float) -> int:
                     continue
                 sel.unregister(sys.stdin.fileno())  # EOF without close: the guarded process is ending
                 continue
-            n = sweep(token, grace_s)
+            known.pop(os.getpid(), None)
+            n = sweep(token, grace_s, known=known)
             if n:
                 print(f"lifetime: the run's process ended without closing; ended {n} of its processes",
                       file=sys.stderr, flush=True)
@@ -237,4 +285,4 @@ def _watch(pidfd: int, token: str, grace_s: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_watch(int(sys.argv[1]), sys.argv[2], float(sys.argv[3])))
+    sys.exit(_watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))

@@ -85,24 +85,30 @@ def _watched_parent(script: str) -> subprocess.Popen:
 
 def test_guard_kills_token_carriers_after_sigkill_of_the_parent():
     # The parent guards itself, then starts a child in a new session (out of its process group) which starts a
-    # grandchild: after SIGKILL of the parent, the watchdog must end both, though neither is in its group.
+    # grandchild, and a child with an empty environment (no token: found through the tree the watchdog
+    # records, as Ray's agents are once their process title has overwritten their environment): after SIGKILL of
+    # the parent, the watchdog must end all three, though none is in its group.
     script = f"""
 import subprocess, sys
 from megatron_sortedrl import lifetime
 lifetime.guard()
 c = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                       "subprocess.Popen([sys.executable, '-c', {_SLEEPER!r}]); time.sleep(120)"], start_new_session=True)
-print(c.pid, flush=True)
+bare = subprocess.Popen([sys.executable, "-c", {_SLEEPER!r}], start_new_session=True, env={{}})
+print(c.pid, bare.pid, flush=True)
 import time; time.sleep(120)
 """
     proc = _watched_parent(script)
     try:
-        child = psutil.Process(int(proc.stdout.readline()))
+        child_pid, bare_pid = map(int, proc.stdout.readline().split())
+        child = psutil.Process(child_pid)
         end = time.monotonic() + 20
         while len(child.children()) < 1 and time.monotonic() < end:
             time.sleep(0.05)
-        family = [child, *child.children()]
-        assert len(family) == 2
+        family = [child, *child.children(), psutil.Process(bare_pid)]
+        assert len(family) == 3
+        assert lifetime.TOKENS_VAR.encode() not in open(f"/proc/{bare_pid}/environ", "rb").read()
+        time.sleep(1.5)  # the watchdog records the tree every 0.5 s
         watchdogs = [p for p in psutil.Process(proc.pid).children() if "lifetime.py" in " ".join(p.cmdline())]
         assert len(watchdogs) == 1 and watchdogs[0].pid != child.pid
         os.kill(proc.pid, signal.SIGKILL)
@@ -268,7 +274,7 @@ def test_sigkill_of_the_driver_leaves_no_process_of_the_run(tiny_model_dir, tmp_
         t_kill = time.monotonic()
         proc.wait(30)
         left = _wait_gone(family, 15)
-        assert not left, f"still alive after SIGKILL of the {target}:\n{_describe(left)}"
+        assert not left, f"still alive after SIGKILL of the {target}:\n{_describe(left)}\n{log.read_text()[-2000:]}"
         print(f"{len(family)} processes of the run gone {time.monotonic() - t_kill:.1f} s after SIGKILL of the {target}")
     finally:
         if proc.poll() is None:
