@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_sortedrl import lifetime
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.placement import local_ray_env, socket_env
 from megatron_sortedrl.preflight import preflight
@@ -78,9 +79,16 @@ class Driver:
         self._saved_step = -1
         self.resume_from = resume_point(cfg, self.ckpt_root)
         preflight(cfg, self.resume_from, reward_fn)  # one-line errors before Ray, trainer or engines start
-        self._setup()
-        self._resumed = self._load_resume_state() if self.resume_from else {}
-        self._open_records()
+        # Everything started from here on (local Ray, engines and their vLLM processes, reward workers) ends
+        # with this process, even when it is SIGKILLed (lifetime.py); close() disarms it.
+        self.lifetime = lifetime.guard()
+        try:
+            self._setup()
+            self._resumed = self._load_resume_state() if self.resume_from else {}
+            self._open_records()
+        except BaseException:
+            self._end_failed_setup()
+            raise
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -139,6 +147,14 @@ class Driver:
             g, cfg.sampling, cfg.rollout.max_response_length)[0]) if cfg.trainer.stream else None
         self.feed = HistoryFeed(cfg.speculative, self.pool)  # HistoSpec: records, ships, measures (speculative/feed.py)
         self.history = self.feed.store
+
+    def _end_failed_setup(self) -> None:
+        """A set-up that failed part way ends what it started; the error is the caller's to report."""
+        import ray
+
+        if getattr(self, "_owns_ray", False) and ray.is_initialized():
+            ray.shutdown()
+        self.lifetime.close(end_rest=True)
 
     def _load_resume_state(self) -> dict[str, Any]:
         """Loads model and optimizer into the trainer and restores the driver's state from `extra`."""
@@ -393,6 +409,7 @@ class Driver:
                 self.say(f"warning: {closer.__qualname__} failed: {exc}")
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        self.lifetime.close(end_rest=True)  # what the closers above missed ends too; then the watchdog goes
 
 
 def _cluster_gpus() -> float:

@@ -10,7 +10,8 @@
 
 The reward function is `def reward(sample, ground_truth) -> float` (see `megatron_sortedrl.rewards`), given
 as a dotted path or a module-level callable. Workers are `spawn`ed, never forked: the driver process holds
-Ray and vLLM threads that a fork would copy in a broken state. A function that raises gives reward 0, the
+Ray and vLLM threads that a fork would copy in a broken state. A worker dies with the pool's process, even
+when that is SIGKILLed (`lifetime.die_with_parent`). A function that raises gives reward 0, the
 exception text in `sample.reward_error`, and one line in `pool.failures` (sample id, error); a function
 that runs past `timeout_s` has its worker killed and restarted, and the sample gets reward 0 with
 "timeout" as its error. The run goes on either way.
@@ -37,14 +38,18 @@ Left out: rewards on remote nodes (see `reward_stage.RayRewardPool`).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from collections import deque
 from typing import Any, Callable
 
+from megatron_sortedrl.lifetime import die_with_parent
 from megatron_sortedrl.sample import Sample
 
 
-def _worker_main(fn_ref: Any, conn: Any) -> None:
+def _worker_main(fn_ref: Any, conn: Any, parent: int | None = None) -> None:
+    # Dies with the pool's process, even when that is SIGKILLed (the pool is driven from one long-lived thread).
+    die_with_parent(parent)
     if isinstance(fn_ref, str):
         from megatron_sortedrl.rewards import load_reward_fn
 
@@ -93,7 +98,7 @@ def call_reward(fn: Callable[..., Any], sample: Sample) -> tuple[float, str, str
 class _Worker:
     def __init__(self, ctx: Any, fn_ref: Any) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(fn_ref, child), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(fn_ref, child, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
         self.tasks: deque[Sample] = deque()  # the batch sent, in order; tasks[0] is being scored

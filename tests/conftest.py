@@ -3,17 +3,29 @@
 Every test declares its hardware: unmarked tests run on CPU; `@pytest.mark.gpu` tests are skipped with a
 reason when no CUDA device is visible; `@pytest.mark.slow` end-to-end tests are deselected by the default
 command (`make test`) and run with `make test-all`.
+
+The suite leaves no process behind: every process it starts carries `MSRL_TEST_SESSION` in its environment
+(runs it SIGKILLs included, whose processes are re-parented to init). At the end of the session, those still
+alive after a grace period, and any child of the test process, are listed, killed, and fail the session
+(`MSRL_LEFTOVERS=warn` only lists and kills them).
 """
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SESSION_VAR = "MSRL_TEST_SESSION"
+_SESSION = uuid.uuid4().hex[:16]
+# Appended, not replaced: a suite run from inside another (a test of the test tooling) stays visible to the outer.
+os.environ[SESSION_VAR] = f"{os.environ[SESSION_VAR]}:{_SESSION}" if os.environ.get(SESSION_VAR) else _SESSION
 
 
 def _cuda_available() -> bool:
@@ -54,3 +66,55 @@ def local_ray():
     if started:
         ray.shutdown()
 
+
+
+def _leftovers() -> list:
+    import psutil
+
+    from megatron_sortedrl.lifetime import processes_with_token
+
+    found = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    for pid in processes_with_token(_SESSION, var=SESSION_VAR):
+        try:
+            found.setdefault(pid, psutil.Process(pid))
+        except psutil.Error:
+            pass
+    alive, me = [], os.getpid()
+    for p in found.values():
+        try:
+            if p.ppid() == me and "resource_tracker" in " ".join(p.cmdline()):
+                continue  # multiprocessing's tracker of this process: it ends when this process does
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the session if a process it started outlives it (after a grace period for clean exits)."""
+    end = time.monotonic() + float(os.environ.get("MSRL_LEFTOVERS_GRACE_S", "20"))
+    left = _leftovers()
+    while left and time.monotonic() < end:
+        time.sleep(0.5)
+        left = _leftovers()
+    if not left:
+        return
+    import psutil
+
+    lines = []
+    for p in left:
+        try:
+            lines.append(f"  pid {p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:160]}")
+            p.kill()
+        except psutil.Error:
+            pass
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    text = f"{len(lines)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(lines)
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(text, red=True)
+    else:
+        print(text)
+    if os.environ.get("MSRL_LEFTOVERS", "fail") != "warn" and session.exitstatus == 0:
+        session.exitstatus = 1

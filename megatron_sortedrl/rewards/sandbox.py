@@ -15,8 +15,8 @@ Two modes, the stronger one picked when it works (probed once per process by run
   dropped; a new session; it dies with its parent.
 * `fallback` (when bubblewrap is missing or user namespaces are blocked): a fresh session and process
   group, no inherited descriptors, an empty environment, the scratch directory as working directory, the
-  same rlimits, and an in-process audit hook that refuses sockets, subprocesses and writes outside the
-  scratch directory. Weaker: an audit hook is not a security boundary (ctypes can get past it) and the file
+  same rlimits, death with its parent (`PR_SET_PDEATHSIG`), and an in-process audit hook that refuses
+  sockets, subprocesses and writes outside the scratch directory. Weaker: an audit hook is not a security boundary (ctypes can get past it) and the file
   system is not remounted, so this mode keeps honest mistakes contained, not a determined attacker.
 
 In both modes, when we run as root, the program runs under a uid of its own (never one of a real user's),
@@ -57,6 +57,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_sortedrl import lifetime
 
 SANDBOX_PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3")
 _HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/home", "/root", "/run")
@@ -225,6 +227,8 @@ class Sandbox:
 
     def _preexec(self, uid: int | None, timeout_s: float):
         lim = self.limits
+        parent = os.getpid()
+        lifetime.libc()  # loaded here: no dlopen between fork and exec
 
         def setup() -> None:
             os.setsid()  # its own session and process group: killed as a whole
@@ -236,6 +240,8 @@ class Sandbox:
             if uid is not None:
                 resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes, lim.processes))
                 _as_uid(uid)()
+            # After the uid change, which clears it: the program dies with the process that started it.
+            lifetime.die_with_parent(parent)
         return setup
 
     def run(self, files: dict[str, str], entry: str, timeout_s: float = 5.0, stdin: str = "") -> SandboxResult:
