@@ -146,6 +146,11 @@ def main() -> int:
         for name in names[1:]:
             row[name]["slowdown_vs_none"] = row[name]["ms_per_token_median"] / row["none"]["ms_per_token_median"]
             row[name]["slower_beyond_spread"] = row[name]["ms_per_token_min"] > row["none"]["ms_per_token_max"]
+            # Paired per repeat (the two ran back to back): robust to the load drifting between repeats.
+            paired = [c["ms_per_token"] / z["ms_per_token"] for c, z in zip(cells[name][b], cells["none"][b])]
+            row[name]["paired_ratio_median"] = statistics.median(paired)
+            row[name]["paired_ratio_min"], row[name]["paired_ratio_max"] = min(paired), max(paired)
+            row[name]["paired_slower_in"] = sum(x > 1 for x in paired)
         rows.append(row)
     import vllm
 
@@ -160,7 +165,10 @@ def main() -> int:
         "greedy_outputs_identical": identical,
         "definitions": {"ms_per_token": "wall clock of one generate() call / tokens generated",
                         "slowdown_vs_none": "median ms per token of the variant / none's",
-                        "slower_beyond_spread": "the variant's fastest repeat is slower than none's slowest"},
+                        "slower_beyond_spread": "the variant's fastest repeat is slower than none's slowest",
+                        "paired_ratio": "per repeat, the variant's ms per token / none's in the same repeat (run "
+                                        "back to back); median, min, max over repeats; paired_slower_in: repeats "
+                                        "where the variant was slower"},
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +177,10 @@ def main() -> int:
     for row in rows:
         print(f"batch {row['batch']:4d}: " + "  ".join(
             f"{n} {row[n]['ms_per_token_median']:.3f} [{row[n]['ms_per_token_min']:.3f}, "
-            f"{row[n]['ms_per_token_max']:.3f}]" for n in names))
+            f"{row[n]['ms_per_token_max']:.3f}]" for n in names) + "  paired " + "  ".join(
+            f"{n} x{row[n]['paired_ratio_median']:.2f} [{row[n]['paired_ratio_min']:.2f}, "
+            f"{row[n]['paired_ratio_max']:.2f}] slower in {row[n]['paired_slower_in']}/{len(row[n]['runs'])}"
+            for n in names[1:]))
     print("engines:", json.dumps(reports))
     print(f"greedy outputs identical: {identical}; load average {result['setup']['load_average']}")
     return 0

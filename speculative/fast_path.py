@@ -86,7 +86,7 @@ class RoundEngineSwitch:
         from speculative.proposer import vllm_speculative_config
 
         self.spec_config = vllm_speculative_config(cfg)
-        self.min_share = float(getattr(cfg, "min_history_share", 0.0))
+        self.min_share = float(cfg.min_history_share)
         self.active = bool(self.spec_config is not None and cfg.method == "histospec" and self.min_share > 0)
 
     def history_share(self, prompts: Iterable[Sequence[int]], store: Any) -> float:
