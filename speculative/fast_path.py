@@ -19,8 +19,9 @@ which can be fed a history. So the fast path is kept per round instead: the spec
 property of the engine, chosen when a round starts.
 
 How. `RoundEngineSwitch.config_for` answers the speculative config for a round: HistoSpec's when at least
-`speculative.min_history_share` of the round's prompts have history to draft from, else None (a plain
-engine, on vLLM's default path: async scheduling and, where vLLM can, the V2 runner). The engines are
+`speculative.min_history_share` of the round's prompts have responses of an earlier epoch to draft from,
+else None (a plain engine, on vLLM's default path: async scheduling and, where vLLM can, the V2 runner). The
+engines are
 rebuilt only when the answer changes, through the pool's relayout path (new engines, weights pushed from the
 pool's kept buckets, history shipped in full), so in an RL run over a fixed dataset it changes once: epoch
 0 (no history yet) runs plain, every later epoch with HistoSpec. `min_history_share: 0` keeps the
@@ -90,9 +91,18 @@ class RoundEngineSwitch:
         self.min_share = float(cfg.min_history_share)
         self.active = bool(self.spec_config is not None and cfg.method == "histospec" and self.min_share > 0)
 
-    def history_share(self, prompts: Iterable[Sequence[int]], store: Any) -> float:
-        keys = {tuple(p) for p in prompts}
-        return sum(1 for p in keys if list(p) in store) / len(keys) if keys else 0.0
+    @staticmethod
+    def history_share(prompts: Iterable[tuple[Sequence[int], int]], store: Any) -> float:
+        """Share of the distinct (prompt, epoch) pairs whose prompt has responses of an earlier epoch. Siblings of
+        the same epoch do not count: they exist only for prompts carried over from the round before, whose share
+        of a round moves from round to round, and a rebuild per change would cost more than their drafts save."""
+        keys = {(tuple(p), int(e)) for p, e in prompts}
+
+        def earlier(p: tuple, epoch: int) -> bool:
+            entry = store.get(list(p))
+            return entry is not None and min(entry.epochs(), default=epoch) < epoch
+
+        return sum(earlier(p, e) for p, e in keys) / len(keys) if keys else 0.0
 
     def initial_config(self, store: Any = None) -> dict | None:
         """The engines' config before the first round: plain when the switch is on and no history exists yet
@@ -101,9 +111,10 @@ class RoundEngineSwitch:
             return self.spec_config
         return self.spec_config if store is not None and len(store) else None
 
-    def config_for(self, prompts: Iterable[Sequence[int]], store: Any, current: dict | None = None) -> dict | None:
-        """The speculative config the round's engines should run (None: plain engines on the fast path).
-        HistoSpec engines (`current`) stay until the share falls below half of `min_history_share`: a switch
+    def config_for(self, prompts: Iterable[tuple[Sequence[int], int]], store: Any,
+                   current: dict | None = None) -> dict | None:
+        """The speculative config for a round of `prompts` ((prompt tokens, epoch) per request; None: plain
+        engines on the fast path). HistoSpec engines (`current`) stay until the share falls below half of `min_history_share`: a switch
         rebuilds the engines, so a round mix near the threshold must not flip them every round."""
         if not self.active:
             return self.spec_config
@@ -121,11 +132,13 @@ def apply_speculation(d: Any, rnd: Any, row: dict[str, float]) -> None:
     it differs from the engines', they are rebuilt in the same layout,
     checked to serve the current policy version, and their drafters get the whole history. On the timeline
     it is a `relayout` phase (the same layout, rebuilt), as a layout switch is. Adds
-    `rollout/speculative_engines` (1.0: HistoSpec engines, 0.0: plain) and `rollout/spec_switches` to `row`."""
+    `rollout/speculative_engines` (1.0: HistoSpec engines, 0.0: plain) and `rollout/spec_switches` to `row`, and
+    counts a rebuild in `rollout/relayouts`."""
     switch: RoundEngineSwitch | None = getattr(d.feed, "switch", None)
     if switch is None or not switch.active:
         return
-    want = switch.config_for([r.sample.prompt_tokens for r in rnd.requests], d.history, d.pool.opts.speculative_config)
+    prompts = [(r.sample.prompt_tokens, r.sample.epoch) for r in rnd.requests]
+    want = switch.config_for(prompts, d.history, d.pool.opts.speculative_config)
     switched = want != d.pool.opts.speculative_config
     if switched:
         from megatron_sortedrl.relayout import layout_name
@@ -141,7 +154,9 @@ def apply_speculation(d: Any, rnd: Any, row: dict[str, float]) -> None:
         d.feed.engines_replaced()
         d._phase("relayout", "end", layout=layout)
         d.say(f"step {d.step}: engines -> {kind} for round {rnd.index} ({len(rnd.requests)} requests, history "
-              f"for {switch.history_share([r.sample.prompt_tokens for r in rnd.requests], d.history):.0%} of its "
+              f"from an earlier epoch for {switch.history_share(prompts, d.history):.0%} of its "
               f"prompts) in {report['total_s']:.1f}s")
+    # A rebuild is a relayout in the same layout: counted with the layout switches, so metrics and timeline agree.
     row.update({"rollout/speculative_engines": float(d.pool.opts.speculative_config is not None),
-                "rollout/spec_switches": row.get("rollout/spec_switches", 0) + int(switched)})
+                "rollout/spec_switches": row.get("rollout/spec_switches", 0) + int(switched),
+                "rollout/relayouts": row.get("rollout/relayouts", 0) + int(switched)})

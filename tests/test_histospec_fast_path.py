@@ -34,20 +34,24 @@ def test_rounds_without_history_run_plain_and_switch_once_history_exists():
     spec = switch.spec_config
     assert spec["method"] == "custom_class" and switch.active
     assert initial_speculative_config(cfg) is None and switch.initial_config(store) is None  # a fresh run: plain
-    assert switch.config_for([A, B], store) is None  # epoch 0: nothing to draft from
+    def at(epoch, *prompts):
+        return [(p, epoch) for p in prompts]
+
+    assert switch.config_for(at(0, A, B), store) is None  # epoch 0: nothing to draft from
     store.record(A, [[1, 2]], epoch=0)
+    assert switch.config_for(at(0, A, B), store) is None  # siblings of the same epoch do not count
     assert switch.initial_config(store) == spec  # resumed with history: HistoSpec engines from the start
-    assert switch.config_for([A, B], store) == spec  # half the prompts have history
-    assert switch.config_for([A, B, C], store) is None  # a third: plain engines...
-    assert switch.config_for([A, B, C], store, current=spec) == spec  # ...unless HistoSpec is up (hysteresis)
-    assert switch.config_for([A, B, C, D, [14], [15]], store, current=spec) is None  # 1/6 < 0.25: back to plain
-    assert switch.config_for([A, A, A, B], store) == spec  # samples of one prompt count once
+    assert switch.config_for(at(1, A, B), store) == spec  # half the prompts have history from an earlier epoch
+    assert switch.config_for(at(1, A, B, C), store) is None  # a third: plain engines...
+    assert switch.config_for(at(1, A, B, C), store, current=spec) == spec  # ...unless HistoSpec is up (hysteresis)
+    assert switch.config_for(at(1, A, B, C, D, [14], [15]), store, current=spec) is None  # 1/6 < 0.25: plain
+    assert switch.config_for(at(1, A, A, A, B), store) == spec  # samples of one prompt count once
 
 
 def test_switch_off_and_other_methods_keep_one_engine_config():
     store = HistoryStore()
     always = RoundEngineSwitch(SpeculativeConfig(min_history_share=0.0))
-    assert not always.active and always.config_for([A], store)["method"] == "custom_class"
+    assert not always.active and always.config_for([(A, 0)], store)["method"] == "custom_class"
     assert initial_speculative_config(SpeculativeConfig(min_history_share=0.0))["method"] == "custom_class"
     assert initial_speculative_config(SpeculativeConfig(method="suffix"))["method"] == "suffix"
     assert initial_speculative_config(SpeculativeConfig(enabled=False)) is None
@@ -85,12 +89,12 @@ def test_driver_switch_rebuilds_engines_only_on_change_and_ships_only_to_histosp
     d = SimpleNamespace(pool=pool, feed=feed, history=feed.store, version=3, step=1, say=print,
                         _phase=lambda name, event, **kw: phases.append((name, event)))
 
-    def round_of(*prompts):
-        return SimpleNamespace(index=0, requests=[SimpleNamespace(sample=SimpleNamespace(prompt_tokens=p))
+    def round_of(*prompts, epoch=1):
+        return SimpleNamespace(index=0, requests=[SimpleNamespace(sample=SimpleNamespace(prompt_tokens=p, epoch=epoch))
                                                   for p in prompts])
 
     row = {}
-    apply_speculation(d, round_of(A, B), row)
+    apply_speculation(d, round_of(A, B, epoch=0), row)
     assert pool.rebuilt == [] and row["rollout/speculative_engines"] == 0.0
     feed.store.record(A, [[1, 2]], epoch=0)
     feed.end_step([])  # the step's shipment: plain engines have no drafter, so nothing goes out
@@ -100,7 +104,7 @@ def test_driver_switch_rebuilds_engines_only_on_change_and_ships_only_to_histosp
     apply_speculation(d, round_of(A, B), row)  # half the prompts have history now
     spec = feed.switch.spec_config
     assert pool.rebuilt == [(2, 1, spec)] and phases == [("relayout", "start"), ("relayout", "end")]
-    assert row == {"rollout/speculative_engines": 1.0, "rollout/spec_switches": 1}
+    assert row == {"rollout/speculative_engines": 1.0, "rollout/spec_switches": 1, "rollout/relayouts": 1}
     assert pool.calls[-2:] == ["histospec_configure", "histospec_update"]  # settings + whole history
     apply_speculation(d, round_of(A, B, C), row)  # a third with history: HistoSpec stays (hysteresis)
     assert len(pool.rebuilt) == 1 and row["rollout/spec_switches"] == 1
@@ -164,8 +168,10 @@ def test_real_pool_serves_plain_then_histospec_lossless(tmp_path):
         feed = HistoryFeed(cfg, pool)
         d = SimpleNamespace(pool=pool, feed=feed, history=feed.store, version=pool.version, step=1, say=print,
                             _phase=lambda *a, **k: None)
-        rnd = SimpleNamespace(index=0, requests=[SimpleNamespace(sample=SimpleNamespace(prompt_tokens=p))
-                                                 for p in prompts])
+        def round_of(epoch):
+            return SimpleNamespace(index=epoch, requests=[SimpleNamespace(sample=SimpleNamespace(prompt_tokens=p,
+                                                                                                epoch=epoch))
+                                                          for p in prompts])
 
         def greedy(tag):
             pool.submit_many([(GenRequest(f"{tag}{i}", p, {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}),
@@ -177,13 +183,13 @@ def test_real_pool_serves_plain_then_histospec_lossless(tmp_path):
             return pool.collective_rpc("histospec_fast_path")[0][0]
 
         row = {}
-        apply_speculation(d, rnd, row)
+        apply_speculation(d, round_of(0), row)
         first = engine_report()
         assert row["rollout/speculative_engines"] == 0.0 and first["method"] is None and not first["method_blocks_v2"]
         plain = greedy("a")
         for p, out in zip(prompts, plain):
             feed.store.record(p, [out], epoch=0)
-        apply_speculation(d, rnd, row)
+        apply_speculation(d, round_of(1), row)
         second = engine_report()
         assert row["rollout/speculative_engines"] == 1.0 and second["method"] == "custom_class"
         assert second["method_blocks_async"] and second["method_blocks_v2"]
