@@ -114,8 +114,8 @@ class RoundEngineSwitch:
     def config_for(self, prompts: Iterable[tuple[Sequence[int], int]], store: Any,
                    current: dict | None = None) -> dict | None:
         """The speculative config for a round of `prompts` ((prompt tokens, epoch) per request; None: plain
-        engines on the fast path). HistoSpec engines (`current`) stay until the share falls below half of `min_history_share`: a switch
-        rebuilds the engines, so a round mix near the threshold must not flip them every round."""
+        engines on the fast path). HistoSpec engines (`current`) stay until the share falls below half of
+        `min_history_share`: a switch rebuilds the engines, so a mix near the threshold must not flip them."""
         if not self.active:
             return self.spec_config
         need = self.min_share / 2 if current is not None else self.min_share
@@ -129,8 +129,8 @@ def initial_speculative_config(cfg: Any) -> dict | None:
 
 def apply_speculation(d: Any, rnd: Any, row: dict[str, float]) -> None:
     """Puts `d.pool` on the speculative config `rnd` needs (Driver.compose_round, after `apply_layout`): when
-    it differs from the engines', they are rebuilt in the same layout,
-    checked to serve the current policy version, and their drafters get the whole history. On the timeline
+    it differs from the engines', they are rebuilt in the same layout, checked to serve the current policy
+    version, and their drafters get the whole history. On the timeline
     it is a `relayout` phase (the same layout, rebuilt), as a layout switch is. Adds
     `rollout/speculative_engines` (1.0: HistoSpec engines, 0.0: plain) and `rollout/spec_switches` to `row`, and
     counts a rebuild in `rollout/relayouts`."""
