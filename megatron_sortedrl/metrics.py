@@ -1,15 +1,16 @@
-"""Run metrics: one JSON line per step in `<run_dir>/metrics.jsonl`, mirrored to TensorBoard when available.
+"""Run metrics: one JSON line per step in `<run_dir>/metrics.jsonl`, mirrored to the experiment trackers
+(TensorBoard, wandb, MLflow: `telemetry/trackers.py`).
 
-    m = MetricsWriter(run_dir, tensorboard=True)
+    m = MetricsWriter(run_dir, tensorboard=True)            # or trackers=open_trackers(cfg.logging, ...)
     m.log(step, {"reward/mean": 0.4, "time/step_s": 12.1})
     m.close()
     rows = read_metrics(run_dir)
 
 Each line is `{"step": int, "t": seconds since the writer started, <name>: number, ...}`; names use `/`
 groups as TensorBoard does. The file is appended and line-buffered, so a killed run keeps every step it
-logged, and a resumed run continues the same file. TensorBoard is optional: without the `tensorboard`
-package the events are skipped with one note. Left out: Weights & Biases (no config key
-until a sink exists) and aggregation across ranks (the driver logs once).
+logged, and a resumed run continues the same file. Every numeric scalar of a row goes to every tracker;
+TensorBoard is optional: without the `tensorboard` package the events are skipped with one note. Left out:
+aggregation across ranks (the driver logs once).
 """
 
 from __future__ import annotations
@@ -20,25 +21,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_sortedrl.telemetry.trackers import Tracker, tensorboard_tracker
+
 METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
-        """`purge_step`: a resumed run's first step; TensorBoard hides the events at and after it that the
-        interrupted run wrote (the jsonl file is trimmed by the caller)."""
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None,
+                 trackers: list[Tracker] | None = None) -> None:
+        """`trackers`: the sinks besides the jsonl file (`telemetry.trackers.open_trackers`); None: TensorBoard
+        alone when `tensorboard`, with `purge_step` (a resumed run's first step) hiding the events at and after
+        it that the interrupted run wrote (the jsonl file is trimmed by the caller)."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.dir / METRICS_FILE, "a", buffering=1, encoding="utf-8")
         self._t0 = time.monotonic()
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=purge_step)
-            except Exception as exc:  # optional sink: the jsonl file is the record
-                print(f"note: TensorBoard events not written ({type(exc).__name__}: {exc})")
+        if trackers is None:
+            trackers = tensorboard_tracker(self.dir, purge_step) if tensorboard else []
+        self.trackers = trackers
 
     def log(self, step: int, values: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"step": int(step), "t": round(time.monotonic() - self._t0, 3)}
@@ -50,18 +50,17 @@ class MetricsWriter:
             elif isinstance(v, (str, list, dict)):
                 row[k] = v
         self._file.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in row.items():
-                if k not in ("step", "t") and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+        scalars = {k: v for k, v in row.items() if k not in ("step", "t") and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(step, scalars)
         return row
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -330,3 +330,12 @@ def local_ray_env(cluster: Any) -> dict[str, str]:
     if cluster.ray_address or cluster.worker_niceness < 0:
         return {}
     return {"RAY_worker_niceness": str(cluster.worker_niceness)}
+
+
+def socket_env(cluster: Any) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME from `cluster.socket_ifname` (empty: none; the environment's,
+    if any, stands). The driver puts them in its own environment (the local Ray it starts passes it to every
+    worker) and in the job's runtime_env (a cluster started elsewhere: every actor of the job gets them)."""
+    if not cluster.socket_ifname:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": cluster.socket_ifname, "NCCL_SOCKET_IFNAME": cluster.socket_ifname}

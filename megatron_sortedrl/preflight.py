@@ -5,7 +5,8 @@ the config and the files it names is checked here, so a mistake costs a second, 
     preflight(cfg, resume_from=None)          # raises a UserError with one line; the CLI exits 2
 
 Checked: settings a real run cannot honour yet (`scheduler.layout_planner=preemption`, cost_model without its engine model); the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
-there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the run directory (writable); the
+there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); every directory the run writes (run
+directory, checkpoint directory, TensorBoard directory: created and a file written and removed); the
 checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
 policy). The config's own values and the parallel layout are checked when the config loads (`config.py`),
 the datasets when they load (`data/loaders.py`), both also before anything starts.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,8 @@ def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> No
     if cfg.data.apply_chat_template:
         check_chat_template(Path(cfg.model.path))
     check_reward(cfg.data, reward_fn)
-    check_writable(Path(cfg.logging.run_dir), "logging.run_dir")
+    for path, key in written_paths(cfg):
+        check_writable(path, key)
     if resume_from is not None:
         check_resume_state(resume_from, cfg.scheduler.policy)
 
@@ -49,9 +52,24 @@ def check_model_dir(model_cfg) -> None:
         raise UserError(f"model.path={path} is a file; it must be a Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise UserError(f"model.path={path} has no config.json; it must be a Hugging Face model directory")
+    check_model_config(path / "config.json")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"model.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
                         "tokenizer files of the model into it")
+
+
+def check_model_config(file: Path) -> None:
+    """The architecture check `plan` and `convert` run (convert/validate.py), so `train` with plan.check=skip
+    refuses it too, with the same line, before Ray."""
+    import json
+
+    from megatron_sortedrl.convert.validate import check_architecture
+
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{file}: cannot be read as JSON ({exc}); copy the model's config.json again") from None
+    check_architecture(cfg if isinstance(cfg, dict) else {}, str(file))
 
 
 def check_chat_template(path: Path) -> None:
@@ -83,16 +101,30 @@ def check_reward(data_cfg, reward_fn: Any = None) -> None:
         check_signature(reward_fn, "reward function", getattr(reward_fn, "__qualname__", reward_fn))
 
 
+def written_paths(cfg) -> list[tuple[Path, str]]:
+    """(directory, the key that sets it) of everything the run writes, so that an unwritable one is found
+    here in one line rather than at the first checkpoint, after a step of work, as a trainer-rank traceback."""
+    run_dir = Path(cfg.logging.run_dir)
+    paths = [(run_dir, "logging.run_dir")]
+    paths.append((Path(cfg.checkpoint.dir or run_dir / "checkpoints"), "checkpoint.dir"))
+    if cfg.logging.tensorboard:
+        paths.append((run_dir / "tensorboard", "logging.tensorboard"))
+    for f in fields(cfg.logging):  # any other logging.*_dir a sink writes to (set ones only)
+        if f.name.endswith("_dir") and f.name != "run_dir" and getattr(cfg.logging, f.name):
+            paths.append((Path(getattr(cfg.logging, f.name)), f"logging.{f.name}"))
+    return paths
+
+
 def check_writable(path: Path, key: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise UserError(f"{key}={path} is not writable ({exc.strerror or exc}); choose a directory you can "
+        raise UserError(f"{key}: {path} is not writable ({exc.strerror or exc}); choose a directory you can "
                         "write to") from None
     if not os.access(path, os.W_OK):
-        raise UserError(f"{key}={path} is not writable; choose a directory you can write to")
+        raise UserError(f"{key}: {path} is not writable; choose a directory you can write to")
 
 
 def check_resume_state(ckpt: Path, policy: str) -> None:

@@ -16,8 +16,17 @@ rollout Gantt prints per step. The layout metrics go into the step's row: `rollo
 timeline's phase seconds), the round's `rollout/requests` and `rollout/predicted_longest`, and with the
 `cost_model` planner its estimate of the round's time per candidate TP (`rollout/estimate_tp<N>_s`).
 
+What a switch releases: the old engine actors and their vLLM processes (shut down, then killed), their
+placement group, and the trainer->engines transfer groups: on GPU the stage senders destroy their NCCL
+communicators before joining the new engines' groups at the next sync, the engines destroy theirs when
+shut down, and the pool's single-sender `GpuWeightSync` is closed. So repeated switches keep one set of
+engines and communicators alive (`tests/test_weight_sync_pipelined.py` on CPU: engine processes and the
+run's memory stay flat over repeated switches; `tests/test_weight_sync_gpu.py` for the GPU memory).
+
 Left out: switching while requests run (the pool refuses; a round's layout is chosen before it starts),
-and keeping both layouts' engines resident to switch faster (vLLM sleep mode).
+and keeping both layouts' engines resident to switch faster (vLLM sleep mode): each new engine builds its
+KV cache again and, on GPU without `enforce_eager`, captures its CUDA graphs again; that is part of the
+switch price (`cluster.relayout_s`), not a leak.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from megatron_sortedrl.metrics import METRICS_FILE, MetricsWriter
 from megatron_sortedrl.sample import Sample
 from megatron_sortedrl.telemetry.timeline import (
     RunClock, TimelineWriter, driver_idle, phase_intervals, worker_bubble_ratio)
+from megatron_sortedrl.telemetry.trackers import open_trackers
 
 RECORD_FILES = (METRICS_FILE, "timeline.jsonl", "reward_failures.jsonl")
 
@@ -60,7 +61,7 @@ class RunRecords:
 
     def __init__(self, cfg, run_dir: Path, resumed_step: int | None, clock_epoch: float | None,
                  printer: Callable[[str], None] = print) -> None:
-        from megatron_sortedrl.config import to_yaml
+        from megatron_sortedrl.config import to_dict, to_yaml
 
         self.cfg, self.run_dir, self.say = cfg, run_dir, printer
         resumed = resumed_step is not None
@@ -75,8 +76,9 @@ class RunRecords:
             (run_dir / "summary.json").unlink(missing_ok=True)
         self.clock = RunClock(clock_epoch)
         self.timeline = TimelineWriter(run_dir / "timeline.jsonl", self.clock)
-        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard,
-                                     purge_step=resumed_step + 1 if resumed else None)
+        # TensorBoard, wandb, MLflow as logging.* selects; a resumed run continues their runs
+        self.metrics = MetricsWriter(run_dir, trackers=open_trackers(cfg.logging, run_dir, to_dict(cfg), cfg.name,
+                                                                     resumed_step))
         self._reward_fail_log = open(run_dir / "reward_failures.jsonl", "a", buffering=1, encoding="utf-8")
         self._failures_seen = 0
         (run_dir / "config.yaml").write_text(to_yaml(cfg))

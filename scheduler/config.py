@@ -19,34 +19,34 @@ LAYOUT_PLANNERS = ("fixed", "preemption", "cost_model")
 
 @dataclass
 class SchedulerConfig:
-    policy: str = field(default="twotier", metadata={"help": "Tier-1 policy: sync | sorted | tail | twotier."})
+    policy: str = field(default="twotier", metadata={"help": "Tier-1 policy: sync | sorted | tail | twotier.", "choices": POLICIES})
     mode: str = field(
         default="partial",
-        metadata={"help": "on_policy: abort and regenerate unfinished samples; partial: cache and resume them."},
+        metadata={"help": "on_policy: abort and regenerate unfinished samples; partial: cache and resume them.", "choices": MODES},
     )
-    rollout_batch_size: int = field(default=16, metadata={"help": "Prompts per rollout round (x n samples each)."})
-    update_batch_size: int = field(default=32, metadata={"help": "Samples per optimizer update (harvest size)."})
+    rollout_batch_size: int = field(default=16, metadata={"help": "Prompts per rollout round (x n samples each).", "min": 1})
+    update_batch_size: int = field(default=32, metadata={"help": "Samples per optimizer update (harvest size).", "min": 1})
     group_size: int = field(
-        default=32, metadata={"help": "sorted: prompts per group (no new prompt loads before the group is consumed); twotier: prompts in flight at once."}
+        default=32, metadata={"help": "sorted: prompts per group (no new prompt loads before the group is consumed); twotier: prompts in flight at once.", "min": 1}
     )
     max_staleness: int = field(
-        default=1, metadata={"help": "partial mode: drop cached samples older than this many policy versions."}
+        default=1, metadata={"help": "partial mode: drop cached samples older than this many policy versions.", "min": 0}
     )
     oversubscription: float = field(
-        default=1.25, metadata={"help": "tail: eta, the over-provisioning factor for prompts and responses of short rounds."}
+        default=1.25, metadata={"help": "tail: eta, the over-provisioning factor for prompts and responses of short rounds.", "min": 1.0}
     )
     long_round_threshold: float = field(
         default=0.75,
-        metadata={"help": "tail: prompts whose history predicts longer than this fraction of max_response_length are deferred to long rounds."},
+        metadata={"help": "tail: prompts whose history predicts longer than this fraction of max_response_length are deferred to long rounds.", "gt": 0, "max": 1},
     )
-    predictor: str = field(default="prev_max", metadata={"help": "Length predictor: prev_max | prev_mean | quantile."})
-    predictor_quantile: float = field(default=0.9, metadata={"help": "Quantile used when predictor=quantile."})
+    predictor: str = field(default="prev_max", metadata={"help": "Length predictor: prev_max | prev_mean | quantile.", "choices": PREDICTORS})
+    predictor_quantile: float = field(default=0.9, metadata={"help": "Quantile used when predictor=quantile.", "gt": 0, "max": 1})
     history_max_prompts: int = field(
-        default=1_000_000, metadata={"help": "Bound on prompts kept in the length history (least recently seen evicted)."}
+        default=1_000_000, metadata={"help": "Bound on prompts kept in the length history (least recently seen evicted).", "min": 1}
     )
-    placement: str = field(default="lpt", metadata={"help": "Tier-2 placement: round_robin | lpt (longest predicted first)."})
+    placement: str = field(default="lpt", metadata={"help": "Tier-2 placement: round_robin | lpt (longest predicted first).", "choices": PLACEMENTS})
     layout_planner: str = field(
-        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker; `simulate` only) | cost_model (scheduler/layout_driver.py)."}
+        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker; `simulate` only) | cost_model (scheduler/layout_driver.py).", "choices": LAYOUT_PLANNERS}
     )
     layout_cost_model: str = field(
         default="", metadata={"help": "cost_model in `train`: a simulator YAML whose engine: section models the run's engines."}
@@ -94,29 +94,29 @@ class SamplingConfig:
     )
     min_informative_groups: int = field(
         default=0,
-        metadata={"help": "Informative groups an update needs (0: the policy's own update size in prompts: update_batch_size / n for sorted, rollout_batch_size otherwise)."},
+        metadata={"help": "Informative groups an update needs (0: the policy's own update size in prompts: update_batch_size / n for sorted, rollout_batch_size otherwise).", "min": 0},
     )
     max_extra_rounds: int = field(
-        default=4, metadata={"help": "Cap on extra rounds generated per update when too few groups are informative (DAPO's max_num_gen_batches - 1); past it the update trains on what it has."}
+        default=4, metadata={"help": "Cap on extra rounds generated per update when too few groups are informative (DAPO's max_num_gen_batches - 1); past it the update trains on what it has.", "min": 0}
     )
     history_skip: bool = field(
         default=False,
         metadata={"help": "Skip prompts whose reward history predicts an uninformative group before they are generated (needs dynamic)."},
     )
     skip_target_uninformative: float = field(
-        default=0.25, metadata={"help": "history_skip: the skip probability adapts so that this share of generated groups is uninformative."}
+        default=0.25, metadata={"help": "history_skip: the skip probability adapts so that this share of generated groups is uninformative.", "min": 0, "max": 1}
     )
-    skip_initial_probability: float = field(default=0.5, metadata={"help": "history_skip: skip probability at the start."})
+    skip_initial_probability: float = field(default=0.5, metadata={"help": "history_skip: skip probability at the start.", "min": 0, "max": 1})
     skip_adapt_step: float = field(
-        default=0.02, metadata={"help": "history_skip: feedback gain per complete group: after each harvested round, every uninformative group of it raises the skip probability by step * (1 - target), every informative one lowers it by step * target."}
+        default=0.02, metadata={"help": "history_skip: feedback gain per complete group: after each harvested round, every uninformative group of it raises the skip probability by step * (1 - target), every informative one lowers it by step * target.", "min": 0, "max": 1}
     )
     skip_floor: float = field(
-        default=0.1, metadata={"help": "history_skip: every prompt is tried with at least this probability (prompts that become informative again come back)."}
+        default=0.1, metadata={"help": "history_skip: every prompt is tried with at least this probability (prompts that become informative again come back).", "gt": 0, "max": 1}
     )
     overlong_buffer: int = field(
-        default=0, metadata={"help": "DAPO soft overlong penalty: tokens before max_response_length over which the penalty grows linearly to -overlong_penalty (0: off)."}
+        default=0, metadata={"help": "DAPO soft overlong penalty: tokens before max_response_length over which the penalty grows linearly to -overlong_penalty (0: off).", "min": 0}
     )
-    overlong_penalty: float = field(default=1.0, metadata={"help": "Penalty at max_response_length (DAPO's penalty factor)."})
+    overlong_penalty: float = field(default=1.0, metadata={"help": "Penalty at max_response_length (DAPO's penalty factor).", "min": 0})
     overlong_filter: bool = field(
         default=False, metadata={"help": "Overlong filtering: responses cut at max_response_length are masked out of the loss."}
     )

@@ -13,10 +13,16 @@
 #   MSRL_JOIN_TIMEOUT  seconds to wait for every node to join (default 300)
 #   MSRL_DRY_RUN=1     print the node list, ports and GPU layout, start nothing
 #   MSRL_RAY_START_ARGS extra `ray start` arguments for every node (they come last, so they win)
-# Resources: every node's `ray start` gets --num-gpus from cluster.gpus_per_node (which must match Slurm's
-# SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE when those are set; 0 in the config takes Slurm's count) and
-# --num-cpus from cluster.cpus_per_node (0: Slurm's SLURM_CPUS_ON_NODE), so Ray reserves what the job
-# was given rather than what it detects. Values are read on the batch host: nodes are assumed alike.
+# Resources: every srun step of the bring-up asks for its node's share of the job (since Slurm 22.05 a step
+# inherits no --cpus-per-task, and under cgroup limits a step that asks for nothing gets one core):
+# --cpus-per-task from cluster.cpus_per_node (0: Slurm's SLURM_CPUS_ON_NODE), --mem=0 (all the job's memory
+# on the node), the job's GPUs (--gpus-per-node as the job asked, else --gres=gpu:N from cluster.gpus_per_node,
+# which must match Slurm's SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE when those are set; 0 in the config takes
+# Slurm's count), and --exact. Inside the step slurm/ray_node.sh gives `ray start` --num-cpus, --num-gpus
+# and --memory from what the step got (its cpuset, CUDA_VISIBLE_DEVICES, its cgroup's memory limit).
+# Values are read on the batch host: nodes are assumed alike.
+# Sockets: cluster.socket_ifname sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for every node (srun passes
+# the environment on, and Ray's workers inherit it); empty: whatever the environment has.
 # Ports: the ports Ray would otherwise take from fixed defaults (GCS, client server, dashboard agent) come
 # from a per-job block and are passed explicitly; the rest Ray picks free itself. Temp dirs are per job.
 set -euo pipefail
@@ -43,14 +49,15 @@ msrl_ray_start_args() {
     # which picks free ones itself.
     local node_index=$1
     echo --dashboard-agent-listen-port="$((RAY_PORT_BASE + 2 + node_index))" --disable-usage-stats --block \
-        "${MSRL_RAY_RESOURCES:-}" "${MSRL_RAY_START_ARGS:-}"
+        "${MSRL_RAY_START_ARGS:-}"
 }
 
 msrl_ray_resources() {
-    # Sets MSRL_RAY_RESOURCES ("--num-cpus=N --num-gpus=M") from the config's cluster section and Slurm.
-    local out cfg_cpus cfg_gpus
+    # Sets MSRL_NODE_CPUS, MSRL_NODE_GPUS and MSRL_SRUN_RESOURCES (what every step asks for) from the
+    # config's cluster section and Slurm, and exports the socket interface.
+    local out cfg_cpus cfg_gpus cfg_ifname
     out=$("$MSRL_PYTHON" -m megatron_sortedrl layout --ray-resources "$@") || exit 2  # it printed why
-    read -r cfg_cpus cfg_gpus <<< "$out"
+    read -r cfg_cpus cfg_gpus cfg_ifname <<< "$out"
     local slurm_gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-}}
     slurm_gpus=${slurm_gpus##*:}  # --gpus-per-node=a100:8 gives "a100:8"
     local gpus=$cfg_gpus
@@ -62,9 +69,46 @@ msrl_ray_resources() {
         gpus=${slurm_gpus:-0}
     fi
     local cpus=$cfg_cpus
-    ((cpus > 0)) || cpus=${SLURM_CPUS_ON_NODE:-0}
-    MSRL_RAY_RESOURCES="--num-gpus=$gpus"
-    if ((cpus > 0)); then MSRL_RAY_RESOURCES="--num-cpus=$cpus $MSRL_RAY_RESOURCES"; fi
+    if ((cpus > 0)); then
+        if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]] && ((cpus > SLURM_CPUS_ON_NODE)); then
+            msrl_die "cluster.cpus_per_node=$cpus but Slurm gives $SLURM_CPUS_ON_NODE CPUs per node; set cluster.cpus_per_node=$SLURM_CPUS_ON_NODE (or 0) or ask sbatch for more"
+        fi
+    else
+        cpus=${SLURM_CPUS_ON_NODE:-0}
+    fi
+    MSRL_NODE_CPUS=$cpus
+    MSRL_NODE_GPUS=$gpus
+    MSRL_SRUN_RESOURCES=(--mem=0 --exact)
+    if ((cpus > 0)); then
+        MSRL_SRUN_RESOURCES=(--cpus-per-task="$cpus" "${MSRL_SRUN_RESOURCES[@]}")
+    else
+        echo "ray_on_slurm: warning: neither cluster.cpus_per_node nor SLURM_CPUS_ON_NODE is set; each node's" \
+            "step gets Slurm's default CPUs" >&2
+    fi
+    if [[ -n "${SLURM_GPUS_PER_NODE:-}" ]]; then  # as the job asked, GPU type included
+        MSRL_SRUN_RESOURCES+=(--gpus-per-node="$SLURM_GPUS_PER_NODE")
+    elif ((gpus > 0)); then
+        MSRL_SRUN_RESOURCES+=(--gres=gpu:"$gpus")
+    fi
+    if [[ "$cfg_ifname" != "-" ]]; then
+        export GLOO_SOCKET_IFNAME=$cfg_ifname NCCL_SOCKET_IFNAME=$cfg_ifname
+    fi
+}
+
+msrl_step() {
+    # One task on one node with the node's share of the job (msrl_ray_resources).
+    local node=$1
+    shift
+    srun --nodes=1 --ntasks=1 -w "$node" "${MSRL_SRUN_RESOURCES[@]}" "$@"
+}
+
+msrl_ray_node() {
+    # `ray start` on one node through slurm/ray_node.sh, which advertises what the step got. Run it with `&`:
+    # the exec makes the background job's pid srun's own, so that the cleanup's kill reaches the step.
+    local node=$1
+    shift
+    exec srun --nodes=1 --ntasks=1 -w "$node" "${MSRL_SRUN_RESOURCES[@]}" bash "$MSRL_HOME/slurm/ray_node.sh" \
+        "$MSRL_PYTHON" "$node" "$MSRL_NODE_CPUS" "$MSRL_NODE_GPUS" "$@"
 }
 
 msrl_cleanup() {
@@ -96,13 +140,19 @@ msrl_launch() {
     ((${#MSRL_NODES[@]} > 0)) || msrl_die "the allocation has no nodes"
     msrl_ports
     local head=${MSRL_NODES[0]}
-    local head_ip=${MSRL_HEAD_IP:-$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')}
+    [[ -x "$MSRL_PYTHON" ]] || msrl_die "no python at $MSRL_PYTHON: run 'bash tools/setup_env.sh' in $MSRL_HOME or set MSRL_PYTHON"
+    msrl_ray_resources "$config" "cluster.num_nodes=${#MSRL_NODES[@]}" "$@"
+    local head_ip=${MSRL_HEAD_IP:-$(msrl_step "$head" hostname --ip-address | awk '{print $1}')}
     local address="$head_ip:$RAY_PORT"
     local tmp="${MSRL_RAY_TMP:-/tmp}/ray_msrl_${SLURM_JOB_ID}"
     echo "ray_on_slurm: job $SLURM_JOB_ID, ${#MSRL_NODES[@]} nodes (${MSRL_NODES[*]}), head $head ($address)"
-    [[ -x "$MSRL_PYTHON" ]] || msrl_die "no python at $MSRL_PYTHON: run 'bash tools/setup_env.sh' in $MSRL_HOME or set MSRL_PYTHON"
-    msrl_ray_resources "$config" "cluster.num_nodes=${#MSRL_NODES[@]}" "$@"
-    echo "ray_on_slurm: each node: ray start $MSRL_RAY_RESOURCES"
+    echo "ray_on_slurm: each node: srun ${MSRL_SRUN_RESOURCES[*]}"
+    local advertised="--num-gpus=$MSRL_NODE_GPUS"
+    if ((MSRL_NODE_CPUS > 0)); then advertised="--num-cpus=$MSRL_NODE_CPUS $advertised"; fi
+    echo "ray_on_slurm: each node: ray start $advertised (what the step got, measured on the node)"
+    if [[ -n "${GLOO_SOCKET_IFNAME:-}${NCCL_SOCKET_IFNAME:-}" ]]; then
+        echo "ray_on_slurm: sockets: GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}"
+    fi
     if [[ "${MSRL_DRY_RUN:-0}" == 1 ]]; then
         "$MSRL_PYTHON" -m megatron_sortedrl layout "$config" "$@"
         return 0
@@ -118,15 +168,14 @@ msrl_launch() {
     trap msrl_forward_signal USR1
 
     # shellcheck disable=SC2046  # the argument list is word-split on purpose
-    srun --nodes=1 --ntasks=1 -w "$head" "$MSRL_PYTHON" -m ray.scripts.scripts start --head \
-        --node-ip-address="$head_ip" --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
-        --include-dashboard=false --temp-dir="$tmp" $(msrl_ray_start_args 0) &
+    msrl_ray_node "$head" --head --node-ip-address="$head_ip" --port="$RAY_PORT" \
+        --ray-client-server-port="$RAY_CLIENT_PORT" --include-dashboard=false --temp-dir="$tmp" \
+        $(msrl_ray_start_args 0) &
     MSRL_RAY_PIDS+=($!)
     local i
     for ((i = 1; i < ${#MSRL_NODES[@]}; i++)); do
         # shellcheck disable=SC2046
-        srun --nodes=1 --ntasks=1 -w "${MSRL_NODES[$i]}" "$MSRL_PYTHON" -m ray.scripts.scripts start \
-            --address="$address" $(msrl_ray_start_args "$i") &
+        msrl_ray_node "${MSRL_NODES[$i]}" --address="$address" $(msrl_ray_start_args "$i") &
         MSRL_RAY_PIDS+=($!)
     done
     "$MSRL_PYTHON" -m megatron_sortedrl ray-check --address "$address" --expect-nodes "${#MSRL_NODES[@]}" \

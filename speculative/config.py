@@ -15,37 +15,37 @@ class SpeculativeConfig:
     enabled: bool = field(default=True, metadata={"help": "Use speculative decoding in rollout; off means vanilla vLLM."})
     method: str = field(
         default="histospec",
-        metadata={"help": "histospec (previous responses to the same prompt) | ngram | suffix (vLLM built-ins)."},
+        metadata={"help": "histospec (previous responses to the same prompt) | ngram | suffix (vLLM built-ins).", "choices": METHODS},
     )
     min_draft_tokens: int = field(
-        default=2, metadata={"help": "Adaptive draft length floor and start value (with adaptive_draft_length)."}
+        default=2, metadata={"help": "Adaptive draft length floor and start value (with adaptive_draft_length).", "min": 1}
     )
-    max_draft_tokens: int = field(default=16, metadata={"help": "Longest draft; also vLLM's num_speculative_tokens."})
+    max_draft_tokens: int = field(default=16, metadata={"help": "Longest draft; also vLLM's num_speculative_tokens.", "min": 1})
     adaptive_draft_length: bool = field(
         default=False,
         metadata={"help": "Per-request draft length (start at min_draft_tokens, x2 after a full accept, /2 after a "
                           "miss); off: every draft may reach max_draft_tokens and min_confidence alone ends it."},
     )
-    match_tokens: int = field(default=7, metadata={"help": "Tail length of the current response matched against history."})
+    match_tokens: int = field(default=7, metadata={"help": "Tail length of the current response matched against history.", "min": 1})
     min_confidence: float = field(
-        default=0.1, metadata={"help": "Drop draft tokens whose history frequency falls below this fraction."}
+        default=0.1, metadata={"help": "Drop draft tokens whose history frequency falls below this fraction.", "min": 0, "max": 1}
     )
     history_max_prompts: int = field(
-        default=100_000, metadata={"help": "Prompts kept in the draft history store (least recently updated evicted)."}
+        default=100_000, metadata={"help": "Prompts kept in the draft history store (least recently updated evicted).", "min": 1}
     )
     history_max_responses: int = field(
-        default=16, metadata={"help": "Responses kept per prompt (newest epochs first; an older epoch's give way)."}
+        default=16, metadata={"help": "Responses kept per prompt (newest epochs first; an older epoch's give way).", "min": 1}
     )
     history_epochs: int = field(
-        default=2, metadata={"help": "Epochs of responses kept per prompt as drafts (1: the latest epoch only)."}
+        default=2, metadata={"help": "Epochs of responses kept per prompt as drafts (1: the latest epoch only).", "min": 1}
     )
     history_epoch_weight: float = field(
-        default=2.0, metadata={"help": "A response of a newer epoch counts this many times one of the epoch before."}
+        default=2.0, metadata={"help": "A response of a newer epoch counts this many times one of the epoch before.", "min": 1.0}
     )
     sources: list[str] = field(
         default_factory=lambda: list(SOURCES),
         metadata={"help": "HistoSpec draft sources: history (previous and sibling responses to the same prompt), "
-                          "own (the request's own text), cross (other requests' responses on the engine)."},
+                          "own (the request's own text), cross (other requests' responses on the engine).", "choices": SOURCES},
     )
     sibling_drafts: bool = field(
         default=True,
@@ -53,13 +53,13 @@ class SpeculativeConfig:
                           "its still-running siblings draft from it."},
     )
     sibling_ship_interval_s: float = field(
-        default=0.2, metadata={"help": "Least time between two history shipments during a round (seconds)."}
+        default=0.2, metadata={"help": "Least time between two history shipments during a round (seconds).", "min": 0}
     )
     max_batch_rows: int = field(
-        default=0, metadata={"help": "No drafts in an engine step with more running requests than this (0: no limit)."}
+        default=0, metadata={"help": "No drafts in an engine step with more running requests than this (0: no limit).", "min": 0}
     )
     step_draft_budget: int = field(
-        default=0, metadata={"help": "Draft tokens per engine step, shared by its running requests (0: no limit)."}
+        default=0, metadata={"help": "Draft tokens per engine step, shared by its running requests (0: no limit).", "min": 0}
     )
     cost_gate: bool = field(
         default=True,

@@ -57,6 +57,7 @@ def slurm_env(tmp_path: Path, job_id: int, ray_tmp: str, **extra: str) -> dict:
         "MSRL_HEAD_IP": "127.0.0.1",
         "MSRL_RAY_TMP": ray_tmp,
         "MSRL_RAY_START_ARGS": "--num-cpus=1 --object-store-memory=200000000",
+        "SLURM_CPUS_ON_NODE": str(os.cpu_count() or 1),  # each node's step asks for them (the fake srun enforces it)
         "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
         "MSRL_CONFIG": "configs/tiny_cpu.yaml",
     })

@@ -38,7 +38,7 @@ def test_overrides_change_values_with_types():
     [
         (["data.foo=1"], "data.foo", "unknown key"),
         (["nonsense=1"], "nonsense", "unknown key"),
-        (["rollout.num_workers=abc"], "rollout.num_workers", "could not be converted"),
+        (["rollout.num_workers=abc"], "rollout.num_workers", "a positive integer"),
         (["scheduler.policy=fastest"], "scheduler.policy", "sync, sorted, tail, twotier"),
         (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size", "divisor"),
         (["parallel.pipeline_model_parallel_size=4"], "parallel.pipeline_model_parallel_size", "layers (2)"),

@@ -45,7 +45,15 @@ BAD_ROWS = [
     ({"prompt": "   ", "answer": "1"}, "empty prompt"),
     ({"prompt": "x"}, "no ground truth"),
     ({"prompt": 5, "answer": "1"}, "prompt at 'prompt' is a int, expected a string or chat messages"),
-    ({"prompt": [{"role": "user"}], "answer": "1"}, "'prompt' is a list but not of chat messages"),
+    ({"prompt": [{"role": "user"}], "answer": "1"}, "'prompt' message 1 (user) has no 'content'"),
+    # Chat rows are checked message by message, like flat rows (these passed before: they reached the template).
+    ({"prompt": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}], "answer": "1"},
+     "'prompt' message 2 has role 'bot', expected one of system, user, assistant, tool"),
+    ({"prompt": [{"content": "x"}], "answer": "1"}, "'prompt' message 1 has role None"),
+    ({"prompt": [{"role": "user", "content": ["x"]}], "answer": "1"}, "'prompt' message 1 (user) has a list 'content'"),
+    ({"prompt": [{"role": "system", "content": "s"}, "user: x"], "answer": "1"},
+     "'prompt' message 2 is a str, expected a chat message"),
+    ({"prompt": [], "answer": "1"}, "'prompt' is an empty list of chat messages"),
 ]
 
 

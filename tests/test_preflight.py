@@ -42,7 +42,10 @@ def _checkpoint(root, policy: str):
     ("model_without_tokenizer", "has no tokenizer"),
     ("reward_not_importable", "data.reward_fn='no_such_pkg.mod.reward' is not allowed; expected an importable module"),
     ("reward_bad_signature", "expected a function taking (sample, ground_truth); it takes (sample)"),
-    ("run_dir_not_writable", "is not writable"),
+    ("run_dir_not_writable", "logging.run_dir: "),
+    # These were found at the first checkpoint or metrics write, after a step, as a trainer-rank traceback.
+    ("checkpoint_dir_not_writable", "checkpoint.dir: "),
+    ("tensorboard_dir_not_writable", "logging.tensorboard: "),
     ("resume_other_policy", "was written by scheduler.policy=sorted, the config says twotier"),
     ("elastic_planner", "scheduler.layout_cost_model='' is not allowed; expected a simulator YAML"),
     ("preemption_planner", "scheduler.layout_planner='preemption' is not allowed; expected fixed or cost_model in `train`"),
@@ -68,6 +71,13 @@ def test_train_refuses_before_starting_anything(case, expected, tmp_path):
         blocker = tmp_path / "a_file"
         blocker.write_text("")
         overrides = [f"logging.run_dir={blocker / 'run'}"]  # a directory under a file: even root cannot
+    elif case == "checkpoint_dir_not_writable":
+        blocker = tmp_path / "a_file"
+        blocker.write_text("")
+        overrides += [f"checkpoint.dir={blocker / 'ckpt'}"]
+    elif case == "tensorboard_dir_not_writable":
+        run.mkdir()
+        (run / "tensorboard").write_text("")  # a file where the directory goes
     elif case == "resume_other_policy":
         _checkpoint(run, "sorted")
     elif case == "elastic_planner":  # cost_model without the engine model its choice comes from
@@ -81,6 +91,8 @@ def test_train_refuses_before_starting_anything(case, expected, tmp_path):
     rc, err, seconds = _train(*overrides)
     assert rc == 2, err
     assert expected in err and "model.path" in err if case == "no_model" else expected in err, err
+    if case.endswith("_not_writable"):
+        assert "is not writable" in err
     assert len(err.splitlines()) == 1, err
     assert err.startswith("error: ") and "Traceback" not in err
     assert not (run / "metrics.jsonl").exists()  # nothing ran

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -85,6 +86,15 @@ def inputs(tmp_path_factory, tiny_model_dir):
          "no_answer": write("noanswer.jsonl", '{"prompt": "1+1="}\n'),
          "csv": write("data.csv", "prompt,answer\n1+1,2\n"), "bad_parquet": write("bad.parquet", "not parquet"),
          "plain_file": write("plain_file", "x")}
+    p["bad_chat"] = write("badchat.jsonl", json.dumps({"prompt": [{"role": "user", "content": "1+1="},
+                                                               {"role": "bot", "content": "="}],
+                                                    "ground_truth": "2"}) + "\n")
+    p["qwen3"] = t / "qwen3"
+    p["qwen3"].mkdir()
+    shape = json.loads((REPO / "configs" / "model_shapes" / "qwen2.5-7b-instruct" / "config.json").read_text())
+    (p["qwen3"] / "config.json").write_text(json.dumps(
+        {**shape, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128}))
+    shutil.copy(tiny_model_dir / "tokenizer.json", p["qwen3"])
     p["no_config"] = t / "no_config"
     p["no_config"].mkdir()
     shutil.copy(tiny_model_dir / "tokenizer_config.json", p["no_config"])

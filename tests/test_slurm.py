@@ -51,12 +51,95 @@ def test_ray_start_resources_come_from_the_config(tmp_path):
                           "cluster.cpus_per_node=12"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "each node: ray start --num-cpus=12 --num-gpus=4" in out.stdout
+    # Every srun step asks for the node's share: its CPUs, all the job's memory there, the job's GPUs.
+    assert "each node: srun --cpus-per-task=12 --mem=0 --exact --gres=gpu:4" in out.stdout
     # Nothing in the config: Slurm's counts, with the type prefix of --gpus-per-node=a100:2 dropped.
     env = _env(tmp_path, 4244, MSRL_DRY_RUN="1", SLURM_GPUS_PER_NODE="a100:2", SLURM_CPUS_ON_NODE="16")
     out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "each node: ray start --num-cpus=16 --num-gpus=2" in out.stdout
+    assert "each node: srun --cpus-per-task=16 --mem=0 --exact --gpus-per-node=a100:2" in out.stdout  # as the job asked
+
+
+def test_cpus_beyond_slurms_are_one_line(tmp_path):
+    env = _env(tmp_path, 4246, MSRL_DRY_RUN="1", SLURM_CPUS_ON_NODE="16")
+    out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh"), "cluster.cpus_per_node=32"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("ray_on_slurm: cluster.cpus_per_node=32 but Slurm gives 16 CPUs per node; set "
+                                  "cluster.cpus_per_node=16 (or 0) or ask sbatch for more")
+
+
+def test_socket_interface_reaches_every_node(tmp_path):
+    env = _env(tmp_path, 4247, MSRL_DRY_RUN="1", GLOO_SOCKET_IFNAME="eth9")
+    out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sockets: GLOO_SOCKET_IFNAME=eth9 NCCL_SOCKET_IFNAME=\n" in out.stdout  # the environment's passes on
+    out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh"), "cluster.socket_ifname=ib0"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sockets: GLOO_SOCKET_IFNAME=ib0 NCCL_SOCKET_IFNAME=ib0\n" in out.stdout  # the config's wins
+
+
+FAKE_RAY = """#!/usr/bin/env bash
+echo "ray-args: $*"
+"""
+
+
+def _ray_node(tmp_path, cpus: str, asked_cpus: int, asked_gpus: int, memory_max: str | None, **env_extra):
+    """slurm/ray_node.sh on `cpus` cores with an emulated cgroup, a stand-in python that prints its arguments."""
+    python = tmp_path / "python"
+    python.write_text(FAKE_RAY)
+    python.chmod(0o755)
+    cgroup = tmp_path / "cgroup"
+    own = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
+    (cgroup / own.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (cgroup / "cgroup.controllers").write_text("")
+    if memory_max is not None:
+        (cgroup / own.lstrip("/") / "memory.max").write_text(memory_max + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(MSRL_CGROUP_FS=str(cgroup), **env_extra)
+    return subprocess.run(["taskset", "-c", cpus, "bash", str(REPO / "slurm" / "ray_node.sh"), str(python), "nodeX",
+                           str(asked_cpus), str(asked_gpus), "--block", "--num-cpus=7"],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_ray_node_advertises_what_the_step_got(tmp_path):
+    # The step got what it asked for: one core, two GPUs, 10 GB (30% of it for the object store, as Ray splits).
+    out = _ray_node(tmp_path, "0", 1, 2, "10000000000", CUDA_VISIBLE_DEVICES="0,1")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.splitlines()[-1] == ("ray-args: -m ray.scripts.scripts start --num-cpus=1 --num-gpus=2 "
+                                           "--memory=7000000000 --object-store-memory=3000000000 --block "
+                                           "--num-cpus=7")  # the given arguments last, so they win
+    # A site whose srun gave less than asked (one core of two, no GPU): Ray advertises what the step has, and
+    # says so in one line. No memory limit ("max"): Ray's own memory defaults.
+    out = _ray_node(tmp_path, "0", 2, 1, "max", CUDA_VISIBLE_DEVICES="")
+    assert out.stdout.splitlines()[-1] == ("ray-args: -m ray.scripts.scripts start --num-cpus=1 --num-gpus=0 --block "
+                                           "--num-cpus=7")
+    assert out.stderr.strip() == ("ray_on_slurm: nodeX: the step got 1 CPUs and 0 GPUs of the 2 and 1 asked for; "
+                                  "Ray advertises what it got")
+
+
+def test_ray_node_finds_the_limit_above_its_own_cgroup(tmp_path):
+    # cgroup v1 layout, as Slurm's cgroup plugin makes it: the step's cgroup is limited, the task's below it is
+    # not ("unlimited" is a page-rounded 2^63). Here the limit sits at the top of this process's memory path.
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    own = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":")[1].split(",")), "/")
+    tree = tmp_path / "cgroup1" / "memory"
+    (tree / own.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (tree / own.lstrip("/") / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tree / "memory.limit_in_bytes").write_text("2000000000\n")  # the same file when this process's is the root
+    python = tmp_path / "python"
+    python.write_text(FAKE_RAY)
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["MSRL_CGROUP_FS"] = str(tmp_path / "cgroup1")
+    out = subprocess.run(["taskset", "-c", "0", "bash", str(REPO / "slurm" / "ray_node.sh"), str(python), "nodeX",
+                          "1", "0"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines()[-1] == ("ray-args: -m ray.scripts.scripts start --num-cpus=1 --num-gpus=0 "
+                                           "--memory=1400000000 --object-store-memory=600000000"), out.stderr
 
 
 def test_gpu_count_disagreeing_with_slurm_is_one_line(tmp_path):
@@ -69,18 +152,24 @@ def test_gpu_count_disagreeing_with_slurm_is_one_line(tmp_path):
 
 
 def test_two_node_bringup_runs_head_command(tmp_path):
-    # Slurm gives each node 2 GPUs: `ray start` declares them (no CUDA needed) and the nodes report them.
+    # Slurm gives each node 2 CPUs, 2 GPUs and 3000 MB. The emulated srun confines a step to the CPUs and memory
+    # it asks for (a step asking for nothing gets one core and the site's default memory, as under Slurm's
+    # cgroups since 22.05); `ray start` must advertise exactly what the step got, GPUs declared without CUDA.
     env = _env(tmp_path, 1234 + os.getpid() % 500, MSRL_SUBCOMMAND="ray-check", MSRL_JOIN_TIMEOUT="120",
-               SLURM_GPUS_ON_NODE="2")
+               SLURM_GPUS_ON_NODE="2", SLURM_CPUS_ON_NODE="2", FAKE_SLURM_MEM_PER_NODE_MB="3000",
+               MSRL_RAY_START_ARGS="--object-store-memory=200000000")
     out = subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("ray cluster at 127.0.0.1:") == 2  # the join check, then the head command
     assert "2 nodes joined" in out.stdout
-    assert out.stdout.count("1 CPUs, 2 GPUs") >= 2  # MSRL_RAY_START_ARGS' --num-cpus=1 comes last and wins
     log = (tmp_path / "slurm.log").read_text()
-    assert log.count("--num-gpus=2") == 2  # head and worker node
-    assert "srun[nodeA]" in log and "srun[nodeB]" in log
+    starts = sorted(line for line in log.splitlines() if "ray.scripts.scripts start" in line or "ray_node.sh" in line)
+    assert len(starts) == 2, log
+    for node, line in zip(("nodeA", "nodeB"), starts):  # what each node's step got ...
+        assert line.startswith(f"srun[{node}] cpus=2 mem_mb=3000 gpus=2:"), line
+    # ... is what its Ray advertises: 2 CPUs, 2 GPUs and 70% of 3000 MB (the rest is the object store's share)
+    assert out.stdout.count(f"2 CPUs, 2 GPUs, {0.7 * 3000 / 1024:.2f} GiB memory") == 4, out.stdout
     # the per-job port block: GCS port and a distinct dashboard-agent port per node
     base = 20000 + (int(env["SLURM_JOB_ID"]) % 1000) * 40
     assert f"--port={base}" in log

@@ -40,7 +40,8 @@ def _overrides(model_dir: Path, run_dir: Path) -> list[str]:
     return [f"model.path={model_dir}", f"logging.run_dir={run_dir}", f"trainer.total_steps={TOTAL_STEPS}",
             "trainer.warmup_sft_steps=5", "trainer.eval_interval=0", "rollout.max_response_length=48",
             "checkpoint.save_interval=1", "data.num_eval_prompts=4", "logging.tensorboard=false",
-            "scheduler.rollout_batch_size=4", "scheduler.update_batch_size=8", "scheduler.group_size=8"]
+            "scheduler.rollout_batch_size=4", "scheduler.update_batch_size=8", "scheduler.group_size=8",
+            "cluster.socket_ifname=lo"]
 
 
 def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
@@ -66,6 +67,13 @@ def _job_processes(marker: str) -> list[int]:
     return found
 
 
+def _has_env(pid: int, entry: str) -> bool:
+    try:
+        return entry.encode() in (Path(f"/proc/{pid}") / "environ").read_bytes().split(b"\0")
+    except OSError:  # gone meanwhile
+        return True
+
+
 def _wait_gone(marker: str, timeout: float = 30) -> list[int]:
     end = time.monotonic() + timeout
     while (left := _job_processes(marker)) and time.monotonic() < end:
@@ -86,7 +94,12 @@ def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
         try:
             wait_for_step(proc, run_dir, 1, log1, timeout=240)
             # The process check below can see this job's Ray processes (two nodes: at least two raylets).
-            assert len(_job_processes(ray_tmp)) >= 4
+            job = _job_processes(ray_tmp)
+            assert len(job) >= 4
+            # cluster.socket_ifname reaches every process the job started (driver, Ray daemons, trainer ranks,
+            # engines); the batch script exported it, so only its own initial environment lacks it.
+            lacking = [pid for pid in job if pid != proc.pid and not _has_env(pid, "GLOO_SOCKET_IFNAME=lo")]
+            assert lacking == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in lacking]
             os.kill(proc.pid, signal.SIGUSR1)
             rc = proc.wait(180)
         finally:

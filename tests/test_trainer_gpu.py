@@ -35,18 +35,20 @@ pytestmark = [
 ]
 
 
-def _has_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _te_probe():
+    """The trainer's own detection (imports `transformer_engine.pytorch` and builds megatron's TE spec), run
+    in a subprocess so a broken TE cannot block it in this process."""
+    code = "from megatron_sortedrl.trainer.kernels import probe_transformer_engine as p; r = p(); print(r.ok, r.why)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    ok, _, why = (out.stdout.strip().splitlines() or ["False"])[-1].partition(" ")
+    return ok == "True", why or out.stderr.strip()[-300:]
 
 
 @pytest.fixture(scope="module")
 def gpu_group(tmp_path_factory):
-    if not _has_te():
-        pytest.skip("transformer_engine is not installed")
+    te_ok, why = _te_probe()
+    if not te_ok:
+        pytest.skip(f"Transformer Engine cannot be used here: {why}")
     import ray
 
     from megatron_sortedrl.tiny_model import build_tiny_model

@@ -127,7 +127,7 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
         res = {"logprobs": lp, "metrics": lg.get("metrics"), "grads": lg.get("grads"), "saved": counter.total,
                "tokens": sum(mb.tokens.numel() for mb in mbs), "recompute": config.recompute_granularity,
                "sequence_parallel": config.sequence_parallel,
-               "fusions": {k: getattr(config, k) for k in FUSIONS},
+               "fusions": {k: getattr(config, k) for k in FUSIONS}, "probed": w.kernels.fusions(),
                "overlap": (w.model.ddp_config.overlap_grad_reduce, w.model.ddp_config.overlap_param_gather),
                "sp_norm_weights": sum(bool(getattr(p, "sequence_parallel", False))
                                       for n, p in w.module.named_parameters() if "layernorm" in n)}
@@ -271,18 +271,19 @@ def test_recompute_settings_reach_megatron(rc, expected):
 
 def test_gpu_config_turns_fusions_and_overlap_on(monkeypatch):
     """The flagship layout's GPU TransformerConfig and DDP config, built here without touching CUDA
-    (the two CUDA-only kernels are reported present, as on a GPU machine with TE and Apex)."""
+    (every kernel probe reported working, as on a GPU machine with TE, Apex and a compiler)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer import kernels
     from megatron_sortedrl.trainer import model as M
     from megatron_sortedrl.trainer.worker import ddp_config
 
-    monkeypatch.setattr(M, "_rope_fusion_available", lambda: True)
-    monkeypatch.setattr(M, "_grad_accum_fusion_available", lambda: True)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)  # TE's, for the check
+    probes = kernels.KernelProbes(*(kernels.Probe(True),) * 5)
     c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, pp=2, sequence_parallel=True,
-                             on_gpu=True, recompute=_rc("full", "uniform", 1))
+                             on_gpu=True, recompute=_rc("full", "uniform", 1),
+                             fusions=M.kernel_fusions(True, probes))
     assert {k: getattr(c, k) for k in FUSIONS} == dict.fromkeys(FUSIONS, True)
     assert not c.persist_layer_norm and not c.use_cpu_initialization and c.sequence_parallel
     cfg = RunConfig()
@@ -293,14 +294,19 @@ def test_gpu_config_turns_fusions_and_overlap_on(monkeypatch):
     assert ddp_config(cfg, True, 64).bucket_size == 64_000_000
 
 
-def test_gpu_config_without_te_or_apex_leaves_their_kernels_off(monkeypatch):
+def test_gpu_config_without_kernels_leaves_fusions_off(monkeypatch):
+    """A GPU config where no kernel loads (this machine: no CUDA, TE or Apex) turns every fusion off; it used
+    to turn the masked-softmax and jit fusions on by device type alone."""
+    from megatron_sortedrl.trainer import kernels
     from megatron_sortedrl.trainer import model as M
 
-    monkeypatch.setattr(M, "_rope_fusion_available", lambda: False)
-    monkeypatch.setattr(M, "_grad_accum_fusion_available", lambda: False)
-    c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, on_gpu=True)
-    assert c.bias_activation_fusion and c.masked_softmax_fusion and c.bias_dropout_fusion
-    assert not c.apply_rope_fusion and not c.gradient_accumulation_fusion
+    monkeypatch.setattr(kernels, "block_transformer_engine", lambda: None)  # leave sys.modules alone
+    kernels.probe_kernels.cache_clear()
+    try:
+        c = M.transformer_config(M.HFArch(**QWEN25_32B), torch.bfloat16, tp=8, on_gpu=True)
+    finally:
+        kernels.probe_kernels.cache_clear()
+    assert {k: getattr(c, k) for k in FUSIONS} == dict.fromkeys(FUSIONS, False)
 
 
 @pytest.mark.gpu
@@ -309,11 +315,11 @@ def test_gpu_recompute_with_fusions_and_overlap(model_dir, tmp_path):
     """One GPU, TE spec, float32: recompute under the fused kernels and the overlapped reduction. TE's
     fused attention may pick other kernels for the recomputed forward, so equality is to float32 rounding
     here, not bitwise."""
-    pytest.importorskip("transformer_engine")
+    pytest.importorskip("transformer_engine.pytorch")
     variants = {k: TP1_VARIANTS[k] for k in ("plain", "full_uniform", "selective")}
     res = _measure(tmp_path, model_dir, 1, variants, device="gpu")
     plain = res["plain"]
-    assert plain["fusions"]["bias_activation_fusion"] and plain["fusions"]["masked_softmax_fusion"]
+    assert plain["fusions"] == {k: plain["probed"][k] for k in FUSIONS}  # each fusion on where its kernel works
     assert plain["overlap"] == (True, False)
     for name in ("full_uniform", "selective"):
         got = res[name]

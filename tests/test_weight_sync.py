@@ -13,15 +13,18 @@ weights from the trainer.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_sortedrl.rollout.weight_sync import (
     ALIGN,
+    ShmRing,
     bucket_sizes,
     iter_packed,
     packed_nbytes,
+    plan_packed,
     unpack_tensors,
 )
 from tests.helpers import tp2_trainer_after_sft
@@ -70,6 +73,126 @@ def test_every_tensor_comes_from_exactly_one_stage(tiny_model_dir, tied):
             last = [n for _, _, hf in stage_export_plan(arch, pp, 1) for n in hf]
             assert "model.norm.weight" in last and ("lm_head.weight" in last) is not tied
             assert "model.embed_tokens.weight" not in last
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else None
+
+
+def _layers_contiguous(names: list[str]) -> bool:
+    """Whether every decoder layer's tensors come one after another (no other tensor in between)."""
+    runs = [layer for k, layer in enumerate(map(_layer_of, names)) if k == 0 or layer != _layer_of(names[k - 1])]
+    layers = [x for x in runs if x is not None]
+    return len(layers) == len(set(layers))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_is_layer_by_layer(tiny_model_dir, tied):
+    """Prediction 8: every layer's tensors (q/k/v weights and biases included) leave a stage one after another,
+    so vLLM's layerwise reload never waits on more than the one layer being loaded. The order before
+    (`table`) sent every layer's q/k/v weights before any q/k/v bias."""
+    from megatron_sortedrl.trainer.model import read_hf_config
+    from megatron_sortedrl.trainer.weights import export_order, stage_export_plan
+
+    arch = dataclasses.replace(read_hf_config(tiny_model_dir), tie_word_embeddings=tied)
+    assert arch.qkv_bias and arch.num_layers >= 2
+    for pp in (1, 2):
+        for stage in range(pp):
+            layer = [n for _, _, hf in stage_export_plan(arch, pp, stage) for n in hf]
+            table = [n for _, _, hf in stage_export_plan(arch, pp, stage, order="table") for n in hf]
+            assert sorted(layer) == sorted(table)
+            assert _layers_contiguous(layer)
+            if arch.num_layers // pp > 1:
+                assert not _layers_contiguous(table)  # what the engine had to hold before
+    names = [n for *_, hf, _ in export_order(arch) for n in hf]
+    assert names[0] == "model.embed_tokens.weight" and names[-1] == ("model.norm.weight" if tied else "lm_head.weight")
+    with pytest.raises(ValueError, match="order"):
+        export_order(arch, order="random")
+
+
+def test_plan_packed_is_what_packing_makes():
+    pairs = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(100).bfloat16()),
+             ("e", torch.zeros(0)), ("f", torch.randn(20))]
+    packed = [(f.numel(), meta) for f, meta in iter_packed(iter(pairs), bucket_bytes=160)]
+    assert plan_packed([(n, t.dtype, t.shape) for n, t in pairs], 160) == packed
+
+
+def test_shm_ring_holds_at_most_its_slots(tmp_path):
+    """The CPU path's shared memory: buckets are packed straight into a few slot files, reused round robin, so
+    a sender's shared memory is bounded by its slots whatever the model's size; `close` removes them."""
+    ring = ShmRing(2)
+    pairs = [(f"t{k}", torch.full((64,), float(k))) for k in range(12)]  # 12 buckets of 256 bytes
+    seen = []
+    for flat, meta in iter_packed(iter(pairs), bucket_bytes=256, alloc=ring.alloc):
+        seen.append(ring.last)
+        mapped = torch.from_file(ring.paths[ring.last], shared=True, size=flat.numel(), dtype=torch.uint8)
+        (name, t), = unpack_tensors(mapped, meta)  # what an engine worker maps and reads
+        assert torch.equal(t, dict(pairs)[name])
+    assert seen == [0, 1] * 6 and ring.peak_bytes == 2 * 256
+    assert all(Path(p).stat().st_size == 256 for p in ring.paths)
+    ring.close()
+    assert not any(Path(p).exists() for p in ring.paths)
+
+
+@pytest.mark.parametrize("counts", [[5, 5], [9, 2], [1, 7, 3], [4], [3, 0, 6], [12, 1, 1, 1]])
+def test_gpu_receive_schedule_never_overwrites_a_buffer_in_use(counts):
+    """The GPU receiver's plan (pure logic, checked here on CPU): every bucket is posted once, in each stage's
+    order, before it is loaded; a stage's two buffers alternate, and a receive into a buffer is posted only
+    after the bucket that used it before was loaded; receives run at most two rounds ahead of the loads."""
+    from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule
+
+    order = receive_order(counts)
+    assert sorted(order) == sorted((s, k) for s, n in enumerate(counts) for k in range(n))
+    steps = receive_schedule(counts)
+    posted = [i for a, i in steps if a == "post"]
+    loads = [i for a, i in steps if a == "load"]
+    assert posted == list(range(len(order))) and loads == list(range(len(order)))
+    at = {step: n for n, step in enumerate(steps)}
+    for i, (s, k) in enumerate(order):
+        assert at[("post", i)] < at[("load", i)]
+        if k >= 2:  # the same buffer: the bucket two before of this stage must be loaded first
+            assert at[("load", order.index((s, k - 2)))] < at[("post", i)]
+        done = sum(1 for a, j in steps[:at[("post", i)]] if a == "load")
+        assert i - done <= 2 * max(1, len(counts))  # bounded lookahead: two buffers per stage
+    if min(counts) > 1 and len(counts) > 1:  # the next round is on its way while this one loads
+        assert at[("post", len(counts))] < at[("load", 0)]
+
+
+def test_transfer_groups_do_not_accumulate_over_relayouts(monkeypatch):
+    """Prediction 10, the bookkeeping: each relayout's engines get new NCCL groups; the senders' and the
+    engines' old communicators are destroyed before new ones are made. NCCL itself cannot run here, so a
+    stand-in communicator counts what is alive (tests/test_weight_sync_gpu.py checks the GPU memory)."""
+    import vllm.distributed.weight_transfer.nccl_common as nccl_common
+
+    from megatron_sortedrl.rollout.weight_sync import GpuWeightSync
+    from megatron_sortedrl.rollout.worker_extension import WeightSyncExtension
+    from megatron_sortedrl.trainer.worker import TrainerWorker
+
+    live: set[int] = set()
+
+    class Comm:
+        def __init__(self, *args, **kwargs):
+            live.add(id(self))
+
+        def destroy(self):
+            live.discard(id(self))
+
+    monkeypatch.setattr(nccl_common, "stateless_init_process_group", lambda *a, **k: Comm())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    sender = TrainerWorker.__new__(TrainerWorker)
+    engine_worker = WeightSyncExtension.__new__(WeightSyncExtension)
+    engine_worker.rank = 0
+    for relayout in range(5):  # every relayout: a new rendezvous for the sender, new groups for the engine
+        sender._nccl_comm({"master_address": "n0", "master_port": 4000 + relayout, "world_size": 3}, 0)
+        sender._nccl_comm({"master_address": "n0", "master_port": 4000 + relayout, "world_size": 3}, 0)  # reused
+        engine_worker.msrl_nccl_init_stages([("n0", 5000 + relayout), ("n1", 6000 + relayout)], 0, 3)
+        assert len(live) == 1 + 2  # the sender's one, the engine's one per stage
+    assert engine_worker.msrl_nccl_close() == 2 and sender.nccl_close() == 1 and not live
+    single = GpuWeightSync([], [], "nccl")
+    single.group = Comm()
+    single.close()
+    assert not live and not single.connected
 
 
 def test_replay_refuses_weights_the_trainer_no_longer_has():
@@ -183,7 +306,7 @@ def test_stage_senders_send_exactly_the_exported_tensors(tmp_path):
     from megatron_sortedrl.trainer.group import TrainerGroup
 
     torch.manual_seed(0)
-    hf_cfg = Qwen2Config(vocab_size=127, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    hf_cfg = Qwen2Config(vocab_size=127, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=False)
     Qwen2ForCausalLM(hf_cfg).save_pretrained(tmp_path / "qwen")
@@ -192,16 +315,32 @@ def test_stage_senders_send_exactly_the_exported_tensors(tmp_path):
     class RecordingEngine:
         def __init__(self):
             self.got: dict[str, torch.Tensor] = {}
+            self.arrival: list[str] = []
+            self.calls: dict[str, int] = {}
 
         def load_packed_bucket(self, flat, meta) -> int:
-            buf = torch.from_numpy(flat.copy())
+            return self._take(torch.from_numpy(flat.copy()), meta, "object_store")
+
+        def load_shm_bucket(self, path, nbytes, meta) -> int:
+            return self._take(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), meta, "shm")
+
+        def _take(self, buf, meta, how) -> int:
+            self.calls[how] = self.calls.get(how, 0) + 1
             for name, t in unpack_tensors(buf, meta):
                 assert name not in self.got, name
                 self.got[name] = t.clone()
+                self.arrival.append(name)
             return len(meta)
 
-        def tensors(self) -> dict[str, torch.Tensor]:
-            return self.got
+        def node_id(self) -> str:
+            from megatron_sortedrl.placement import node_id
+
+            return node_id()
+
+        def tensors(self) -> tuple[dict[str, torch.Tensor], list[str], dict[str, int]]:
+            out = self.got, self.arrival, self.calls
+            self.got, self.arrival, self.calls = {}, [], {}
+            return out
 
     started = not ray.is_initialized()
     if started:
@@ -213,19 +352,34 @@ def test_stage_senders_send_exactly_the_exported_tensors(tmp_path):
         cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 2
         group = TrainerGroup(cfg, num_cpus_per_rank=0.5)
         engine = RecordingEngine.options(num_cpus=0).remote()
-        stats = group.push_weights([engine], bucket_bytes=4096, max_buckets_in_flight=2)
-        got = ray.get(engine.tensors.remote())
+        runs = {}
+        for mode in ("serial", "pipelined"):
+            stats = group.push_weights([engine], bucket_bytes=4096, max_buckets_in_flight=2, mode=mode)
+            runs[mode] = (stats, *ray.get(engine.tensors.remote()))
         ref = group.export_hf_weights()
     finally:
         if group is not None:
             group.shutdown()
         if started:
             ray.shutdown()
-    assert "lm_head.weight" in got and "model.layers.1.self_attn.k_proj.bias" in got
-    assert set(got) == set(ref) and stats["num_tensors"] == len(ref)
-    bad = [n for n in ref if got[n].shape != ref[n].shape or not torch.equal(got[n], ref[n])]
-    assert not bad, bad
-    assert got["model.embed_tokens.weight"].shape[0] == 127  # no padding row sent
+    for mode, (stats, got, arrival, calls) in runs.items():
+        assert "lm_head.weight" in got and "model.layers.1.self_attn.k_proj.bias" in got
+        assert set(got) == set(ref) and stats["num_tensors"] == len(ref)
+        bad = [n for n in ref if got[n].shape != ref[n].shape or not torch.equal(got[n], ref[n])]
+        assert not bad, (mode, bad)
+        assert got["model.embed_tokens.weight"].shape[0] == 127  # no padding row sent
+    # pipelined: straight from the senders' shared-memory slots (no object store), each layer's tensors together
+    # (per stage; the two stages' buckets interleave at the engine), at most 2 slots per sender at once
+    stats, _, arrival, calls = runs["pipelined"]
+    assert calls == {"shm": stats["num_buckets"]}
+    for stage in (0, 1):
+        mine = [n for n in arrival if (_layer_of(n) is not None and _layer_of(n) // 2 == stage)]
+        assert _layers_contiguous(mine), mine
+    assert not _layers_contiguous([n for n in runs["serial"][2] if (_layer_of(n) or 0) < 2])  # the order before
+    unit = max(4096, max(t.numel() * t.element_size() for t in ref.values()))  # a larger tensor: its own bucket
+    model_bytes = sum(t.numel() * t.element_size() for t in ref.values())
+    assert all(0 < s["shm_peak_bytes"] <= 2 * unit < model_bytes / 2 for s in stats["senders"]), stats["senders"]
+    assert runs["serial"][3] == {"object_store": runs["serial"][0]["num_buckets"]}
 
 
 

@@ -3,8 +3,11 @@
     .venv/bin/python -m pytest tests/test_weight_sync_gpu.py -q -m gpu      # needs 3+ GPUs and CUDA vLLM
 
 Skipped without enough GPUs. The trainer runs at PP=2 (two stage senders, GPUs 0-1), the engine on a third
-GPU; the NCCL group is senders + engine GPUs. The engine must then hold exactly the weights the object-store
-path gives it (digests), which is the path the CPU suite tests (`tests/test_weight_sync.py`).
+GPU. `pipelined`: one NCCL group per stage sender (sender + engine GPUs), the engine receives the whole sync
+in one call; `serial`: the path before (one group of senders + engine GPUs, bucket by bucket). Either way the
+engine must hold exactly the weights the object-store path gives it (digests), the path the CPU suite tests
+(`tests/test_weight_sync.py`). Repeated relayouts must not grow the trainer GPUs' used memory (the old
+communicators are destroyed before new ones are made).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 3:
 ray = pytest.importorskip("ray")
 
 
-def test_stage_senders_over_nccl_match_object_store(tmp_path):
+@pytest.mark.parametrize("mode", ["pipelined", "serial"])
+def test_stage_senders_over_nccl_match_object_store(tmp_path, mode):
     from megatron_sortedrl.config import RunConfig, TinyModelConfig
     from megatron_sortedrl.rollout import PoolOptions, RolloutPool
     from megatron_sortedrl.tiny_model import build_tiny_model
@@ -37,14 +41,55 @@ def test_stage_senders_over_nccl_match_object_store(tmp_path):
         group.sft_step([([5, 6, 7, 8], [9, 10, 11, 12])] * 4)
         opts = {"model_path": str(model_dir), "device": "gpu", "max_model_len": 256, "gpu_memory_utilization": 0.3,
                 "bucket_bytes": 1 << 20}
-        pool = RolloutPool(PoolOptions(**opts, weight_transport="nccl"))
+        pool = RolloutPool(PoolOptions(**opts, weight_transport="nccl", weight_sync_mode=mode))
         report = pool.sync_weights(group, version=1)
-        assert report.transport == "nccl" and report.num_buckets > 1
+        assert report.transport == "nccl" and report.mode == mode and report.num_buckets > 1
         nccl_digests = pool.weights_digests()
+        stats = ray.get(pool.slots[0].actor.rpc.remote("msrl_reload_stats"))[0]
+        if mode == "pipelined":  # one layer in loading per stage sender, not every layer's q/k/v weights
+            assert stats["max_layers_waiting"] <= 2, stats
         pool.shutdown()
         pool = RolloutPool(PoolOptions(**opts, weight_transport="object_store"))
         pool.sync_weights(group, version=1)
         assert pool.weights_digests() == nccl_digests
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
+
+
+def test_relayouts_destroy_the_old_nccl_groups(tmp_path):
+    """Prediction 10: every relayout made a new trainer->engines NCCL group and kept the old one (its buffers
+    stay on the GPU). Now the senders destroy theirs before joining the new engines' groups: after the first
+    relayout, the trainer GPUs' used memory stays where it is."""
+    from megatron_sortedrl.config import RunConfig, TinyModelConfig
+    from megatron_sortedrl.rollout import PoolOptions, RolloutPool
+    from megatron_sortedrl.tiny_model import build_tiny_model
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    model_dir = build_tiny_model(tmp_path / "tiny", TinyModelConfig(num_layers=4))
+    cfg = RunConfig()
+    cfg.model.path, cfg.cluster.device = str(model_dir), "gpu"
+    cfg.parallel.pipeline_model_parallel_size = 2
+    ray.init(address="local", include_dashboard=False)
+    group = pool = None
+    try:
+        group = TrainerGroup(cfg)
+        pool = RolloutPool(PoolOptions(model_path=str(model_dir), device="gpu", max_model_len=256,
+                                       gpu_memory_utilization=0.3, bucket_bytes=1 << 20, weight_transport="nccl"))
+        used = []
+        for k in range(4):
+            pool.sync_weights(group, version=k + 1)
+            used.append(ray.get([a.__ray_call__.remote(lambda self: (lambda f, t: t - f)(*torch.cuda.mem_get_info()))
+                                 for a in group.actors]))
+            pool.set_layout(1, 1)  # new engines: the next sync makes new groups
+        live = ray.get([a.__ray_call__.remote(lambda self: int(getattr(self.worker, "_nccl", None) is not None))
+                        for a in group.actors])
+        assert sum(live) <= 2  # one communicator per stage sender, however many relayouts
+        for rank in range(len(group.actors)):
+            assert used[-1][rank] - used[1][rank] < 64 << 20, [u[rank] >> 20 for u in used]  # MiB per sync
     finally:
         if pool is not None:
             pool.shutdown()

@@ -133,7 +133,8 @@ def render(plan, cfg, explain: bool = False) -> str:
 
     s = plan.sync
     print_(f"weight sync: {s['bytes'] / GIB:,.2f} GiB per sync from {s['senders']} sender(s) (one per pipeline stage), "
-           f"about {s['seconds']:.2f} s at {s['bandwidth_gbs']:g} GB/s per sender (plan.sync_bandwidth_gbs)")
+           f"about {s['seconds']:.2f} s at {s['bandwidth_gbs']:g} GB/s per link (every engine GPU receives the whole "
+           "model; plan.sync_bandwidth_gbs)")
 
     groups: dict[tuple, list[int]] = {}
     for n in plan.host:

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         for node in alive:
             res = node.get("Resources", {})
             print(f"node {node.get('NodeManagerHostname')} ({node.get('NodeManagerAddress')}): "
-                  f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs")
+                  f"{res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs, "
+                  f"{res.get('memory', 0) / 2**30:.2f} GiB memory")
         if len(alive) < expect:
             joined = {n.get("NodeManagerHostname") for n in alive} | {n.get("NodeManagerAddress") for n in alive}
             missing = [name for name in args.node_names if name not in joined] or ["(names unknown)"]

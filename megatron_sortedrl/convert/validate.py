@@ -1,5 +1,8 @@
 """Checks that run before any conversion writes a byte: architecture, shards, shapes, TP/PP fit.
 
+`check_architecture` is also what `plan` (plan/arch.py) and `train` (preflight.py, trainer/model.py) call,
+so every command refuses an architecture the project does not model with the same line.
+
     from megatron_sortedrl.convert.validate import check_hf_dir, check_layout, check_mcore_dir
     arch = check_hf_dir("models/qwen2.5-7b")           # raises UserError / CheckpointError with one line
     check_layout(arch, tp=4, pp=2)
@@ -19,8 +22,14 @@ from pathlib import Path
 
 from megatron_sortedrl.errors import CheckpointError, UserError
 
-# config.json `architectures` entries the weight table covers (Qwen2 / Qwen2.5 / Llama-3 families).
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+# What the weight table (trainer/weights.py) models: config.json `model_type` -> its `architectures` entry
+# (Qwen2 / Qwen2.5 / Llama-3 families). `plan`, `train` and `convert` all refuse anything else through
+# `check_architecture`, with the same line.
+MODELLED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(MODELLED.values())
+# config.json keys of features the table does not model (experts, latent attention, sliding windows): a
+# config that turns one on is refused even under a supported model_type.
+UNMODELLED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "use_sliding_window")
 # Tensors some HF checkpoints carry that are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -73,6 +82,23 @@ def read_hf_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_architecture(cfg: dict, source: str) -> None:
+    """Refuses, in one line, a config.json whose architecture the project does not model (a Qwen3 or MoE
+    config has the field names of a Qwen2 one; planning or training it as Qwen2 would be silently wrong)."""
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type", "")
+    bad = next((a for a in archs if a not in SUPPORTED_ARCHITECTURES), None)
+    if bad is None and model_type not in MODELLED:
+        bad = f"{archs[0] if archs else '(none)'} with model_type {model_type!r}"
+    if bad is not None:
+        raise UserError(f"{source}: architecture {bad} is not supported; expected one of "
+                        f"{', '.join(f'{a} (model_type {t})' for t, a in MODELLED.items())}")
+    on = next((k for k in UNMODELLED_KEYS if cfg.get(k)), None)
+    if on is not None:
+        raise UserError(f"{source}: architecture {archs[0] if archs else model_type} with {on}={cfg[on]!r} is not "
+                        "supported; the model table covers dense models without sliding windows")
+
+
 def check_hf_dir(model_dir: str | Path):
     """Validates a HF model directory for conversion; returns its HFArch."""
     from megatron_sortedrl.trainer.model import read_hf_config
@@ -83,12 +109,8 @@ def check_hf_dir(model_dir: str | Path):
         raise UserError(f"{d}: Hugging Face model directory does not exist")
     cfg_path = d / "config.json"
     if cfg_path.is_file():
-        archs = json.loads(cfg_path.read_text()).get("architectures") or []
-        bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
-        if bad:
-            raise UserError(f"{cfg_path}: architecture {bad[0]} is not supported; expected one of "
-                            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    arch = read_hf_config(d)  # unsupported model_type / rope type -> UserError
+        check_architecture(json.loads(cfg_path.read_text()), str(cfg_path))
+    arch = read_hf_config(d)  # unsupported rope type -> UserError
     have = read_hf_tensor_shapes(d)
     want = hf_shapes(arch)
     for name, shape in want.items():

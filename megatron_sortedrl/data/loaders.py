@@ -9,7 +9,8 @@ files), the ground truth from `data.answer_key`, falling back to `reward_model.g
 `answer` and `ground_truth`. The prompt id is `extra_info.index` or `id` when present (so history stays
 keyed on the same prompt across file reorderings), else `<file stem>:row<row>`.
 
-A malformed row (not an object, no prompt, empty prompt, no ground truth, duplicate id) raises a
+A malformed row (not an object, no prompt, empty prompt, a chat message that is not a mapping with a known
+`role` and a string `content`, no ground truth, duplicate id) raises a
 `DatasetError` naming the file and the 1-based row, or with `data.on_bad_row=skip` is skipped and counted:
 `LoadReport` lists every skipped row, so nothing is silently dropped.
 
@@ -28,6 +29,7 @@ from megatron_sortedrl.errors import DatasetError
 from megatron_sortedrl.sample import Prompt
 
 GROUND_TRUTH_FALLBACKS = ("reward_model.ground_truth", "answer", "ground_truth")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # what the chat templates of the supported models render
 
 
 @dataclass
@@ -134,6 +136,23 @@ def _get(row: dict, dotted: str) -> Any:
     return node
 
 
+def check_messages(messages: list, key: str) -> None:
+    """A chat prompt: a non-empty list of mappings, each with a known `role` and a string `content` (what a
+    chat template renders); raises ValueError naming the first bad message (1-based)."""
+    if not messages:
+        raise ValueError(f"'{key}' is an empty list of chat messages")
+    for i, m in enumerate(messages, start=1):
+        where = f"'{key}' message {i}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} is a {type(m).__name__}, expected a chat message {{\"role\", \"content\"}}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where} has role {role!r}, expected one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            got = "no 'content'" if "content" not in m else f"a {type(m['content']).__name__} 'content'"
+            raise ValueError(f"{where} ({role}) has {got}, expected a string 'content'")
+
+
 def _to_prompt(row: Any, path: Path, row_no: int, prompt_key: str, answer_key: str) -> Prompt:
     if isinstance(row, _BadRow):
         raise ValueError(row.reason)
@@ -142,8 +161,7 @@ def _to_prompt(row: Any, path: Path, row_no: int, prompt_key: str, answer_key: s
     raw = _get(row, prompt_key)
     messages = None
     if isinstance(raw, list):
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in raw):
-            raise ValueError(f"'{prompt_key}' is a list but not of chat messages with a string 'content'")
+        check_messages(raw, prompt_key)
         messages = raw
         text = "\n".join(m["content"] for m in raw)
     elif isinstance(raw, str):

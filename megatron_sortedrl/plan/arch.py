@@ -6,7 +6,8 @@
 
 No weights are read: parameter counts come from the shapes (Qwen2 / Llama layout: fused-able q, k, v with
 optional bias, SwiGLU MLP, RMSNorm, untied or tied output layer). Left out: MoE layers, sliding windows,
-multi-latent attention (none of the shipped recipes uses them).
+multi-latent attention, Qwen3's q/k norms (none of the shipped recipes uses them): such a config.json is
+refused by `convert.validate.check_architecture`, the check every command shares.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ class Arch:
     qkv_bias: bool  # Qwen2 has q/k/v biases, Llama has none
 
     @classmethod
-    def from_dict(cls, cfg: dict, name: str = "model") -> Arch:
+    def from_dict(cls, cfg: dict, name: str = "model", source: str | None = None) -> Arch:
+        """The shape of a config.json's contents; an architecture the project does not model (Qwen3, MoE, ...)
+        is refused with the line `convert` prints, not planned as if it were Qwen2."""
+        from megatron_sortedrl.convert.validate import check_architecture
+
+        check_architecture(cfg, source or f"model config {name}")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -62,7 +68,7 @@ class Arch:
             data = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise UserError(f"model config: {file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data, name=file.parent.name or str(file))
+        return cls.from_dict(data, name=file.parent.name or str(file), source=str(file))
 
     # ---------------------------------------------------------------------------------- parameter counts
 

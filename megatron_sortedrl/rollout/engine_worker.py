@@ -139,6 +139,10 @@ class EngineWorker:
 
     async def shutdown(self) -> None:
         if self.engine is not None:
+            try:  # a GPU transfer group's communicators go before the engine (a no-op without one)
+                await self.engine.collective_rpc("msrl_nccl_close")
+            except Exception:
+                pass  # an engine that cannot answer is shut down all the same
             self.engine.shutdown()
             self.engine = None
 
@@ -262,6 +266,17 @@ class EngineWorker:
             if os.path.exists(path):
                 os.unlink(path)
         return int(counts[0])
+
+    async def load_shm_bucket(self, path: str, nbytes: int, meta: list) -> int:
+        """Loads one packed bucket from a shared-memory file its sender owns and reuses (`weight_sync.ShmRing`):
+        the workers map it directly and copy out whatever vLLM's reload still holds of it (`detach`)."""
+        counts = await self.engine.collective_rpc("msrl_load_packed", args=(path, nbytes, meta, True))
+        return int(counts[0])
+
+    async def node_id(self) -> str:
+        from megatron_sortedrl.placement import node_id
+
+        return node_id()
 
     async def nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Joins the trainer->engines NCCL group (GPU, multi-sender topology; see weight_sync)."""

@@ -88,6 +88,8 @@ class PoolOptions:
     # object_store: buckets through Ray + shared memory (any device); nccl | ipc: vLLM's GPU transfer engines
     # (the caller must hold a CUDA device); auto: object_store on CPU, ipc when colocated, else nccl.
     weight_transport: str = "auto"
+    # pipelined: stages send at once, layer by layer, bounded shared memory; serial: the path before (to compare)
+    weight_sync_mode: str = "pipelined"
     colocate: bool = False
     # Placement: with gpus_per_node > 0 on GPU, engine e of TP t sits on layout GPUs first_gpu + e*t onwards,
     # i.e. on the nodes `python -m megatron_sortedrl layout` names; 0 places engines anywhere Ray packs them.
@@ -210,6 +212,8 @@ class RolloutPool:
         for slot in self.slots:
             self._stop(slot)
         t1 = time.monotonic()
+        if self._gpu_sync is not None:
+            self._gpu_sync.close()  # its NCCL communicators, before the new engines' group is made
         self._gpu_sync = None
         self.slots = []
         self._reserve(num_engines, tp)
@@ -522,7 +526,8 @@ class RolloutPool:
         # Multi-sender GPU transfer is NCCL only; colocated (ipc) engines get the object-store path.
         nccl = self.transport == "nccl"
         return sync_push(actors, pusher, version, bucket_bytes=self.opts.bucket_bytes,
-                         transport="nccl" if nccl else "object_store", nccl={} if nccl else None)
+                         transport="nccl" if nccl else "object_store", nccl={} if nccl else None,
+                         mode=self.opts.weight_sync_mode)
 
     def _reload(self, slots: list[_Slot]) -> None:
         """Gives freshly started engines the last synced weights and version (see `_replay_src`)."""

@@ -97,7 +97,10 @@ class SyncReport:
     num_buckets: int
     num_engines: int
     seconds: float  # wall time from the first tensor to every engine holding the new weights
-    transport: str  # "object_store+shm" (CPU) | "nccl" | "ipc" (GPU)
+    transport: str  # "object_store+shm" | "shm" (CPU) | "nccl" | "ipc" (GPU)
+    mode: str = ""  # trainer pushes: "pipelined" or "serial" (`weight_sync.SYNC_MODES`)
+    # The most bytes the stage senders' shared-memory slots held at once, summed over senders (CPU "shm")
+    shm_peak_bytes: int = 0
 
     @property
     def gib_per_s(self) -> float:

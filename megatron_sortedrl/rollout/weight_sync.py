@@ -7,29 +7,36 @@
 Topology (the usual call). The source is a `WeightPusher` (`trainer.group.TrainerGroup`): the pool
 pauses the engines (`begin_weight_update`), hands the engine actor handles to the trainer, and finishes
 with the version. Inside the trainer one *sender per pipeline stage* (TP rank 0 of DP replica 0) gathers
-its stage's TP shards tensor by tensor (point to point on that stage's TP group only; other DP replicas do
-nothing), packs them into buckets and sends each bucket straight to every engine. No process, the driver
-included, ever holds the whole model: a sender holds its own shard plus the bucket being packed plus the
-one HF tensor being assembled (fused weights are split first, see `trainer.weights.iter_stage_hf_weights`),
-i.e. two buckets when a bucket is max(`bucket_bytes`, largest HF tensor); at most `max_buckets_in_flight`
-(2) more are on their way in the object store (shared memory, not the sender's).
+its stage's TP shards tensor by tensor, layer by layer (`trainer.weights.export_order`: every tensor of a
+layer together, so vLLM's layerwise reload waits on at most one layer per sender), packs them into buckets
+and sends each bucket straight to every engine; all stages send at the same time. No process, the driver
+included, ever holds the whole model. `mode="serial"` (`SYNC_MODES`) keeps the path before for
+comparison: the weight table's order (every layer's q/k/v weights before any bias), buckets through Ray's
+object store, and on GPU one group for all senders, bucket after bucket.
 
 Packed buckets. A bucket is one flat contiguous uint8 buffer plus a small metadata list of
 `(name, dtype, shape, offset)` (`pack_tensors` / `unpack_tensors`); offsets are 64-byte aligned so every
-tensor is a zero-copy view of the buffer. One call per bucket per engine, not per tensor.
+tensor is a zero-copy view of the buffer. One call per bucket per engine, not per tensor. `plan_packed`
+computes the metadata from shapes alone (what an NCCL receiver is told before anything moves).
 
-CPU transport ("object_store"): the sender puts each packed buffer once into Ray's object store (which moves
-it between nodes; the engine actor reads it zero-copy), the engine actor writes it to a shared-memory file
-and every vLLM worker of the engine memory-maps that file and loads the views through vLLM's layerwise
-reload (`worker_extension.WeightSyncExtension.msrl_load_packed`). The sender drops its object ref when the
-engines have loaded the bucket, so nothing stays in the object store after a sync.
+CPU transport (`stage_push`). Engines on the sender's node: the sender packs each bucket straight into a
+slot of a `ShmRing` (two shared-memory files, reused round robin) and calls `load_shm_bucket(path, meta)`;
+every vLLM worker of the engine memory-maps the slot and loads the views through vLLM's layerwise reload
+(`worker_extension.WeightSyncExtension.msrl_load_packed`), copying out whatever the reload still holds of
+the slot. The sender waits for a slot's loads right before packing into it again, so bucket k+1 packs
+while bucket k loads and shared memory holds at most two buckets per sender. Engines on other nodes: each
+bucket is put once into Ray's object store (which moves it between nodes), at most `max_buckets_in_flight`
+(2) at once; the engine actor writes it to a shared-memory file the workers map (`push_packed`).
 
-GPU transport (`GpuWeightSync`, NCCL): one NCCL group spans the stage senders (ranks 0..S-1) and every
-engine GPU (ranks S..); buckets are packed on the sender's GPU and broadcast from it, stage after stage;
-the other senders take part in each broadcast with a scratch buffer (a broadcast is a collective of the
-whole group). Engine workers receive into a flat GPU buffer and load the views with the same layerwise
-reload. `sync_gpu_pairs` keeps the older single-sender path (this process is rank 0) for (name, tensor)
-sources. Written for GPU testing (`tests/test_weight_sync_gpu.py`, `tests/test_rollout_gpu.py`).
+GPU transport (NCCL, pipelined). Every stage sender has its own NCCL group (the sender rank 0, then every
+engine GPU), so the stages broadcast at once; the senders pack into two GPU buffers and broadcast back to
+back on a side stream (`nccl_send_stage`); each engine receives the whole sync in one call, round robin
+over the stages on one stream per stage into two buffers per stage, loading while the next buckets arrive
+(`receive_schedule`; `worker_extension.msrl_nccl_receive_stages`). Serial: one group spans the stage
+senders (ranks 0..S-1) and every engine GPU (ranks S..); buckets are broadcast stage after stage, each
+announced by a Ray call (`nccl_send_buckets`). `GpuWeightSync` keeps the single-sender path (this process
+is rank 0) for (name, tensor) sources. Written for GPU testing (`tests/test_weight_sync_gpu.py`,
+`tests/test_rollout_gpu.py`).
 
 Deliberately left out: delta/sparse updates, quantised transfer, CUDA IPC for colocated engines in the
 multi-sender topology (the single-sender `ipc` path remains for (name, tensor) sources).
@@ -37,8 +44,12 @@ multi-sender topology (the single-sender `ipc` path remains for (name, tensor) s
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
-from collections.abc import Iterable, Iterator
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -129,8 +140,26 @@ def bucket_sizes(nbytes: Iterable[int], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     return sizes
 
 
+def plan_packed(entries: Iterable[tuple[str, torch.dtype, Iterable[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                ) -> list[tuple[int, Meta]]:
+    """(bytes, metadata) of every bucket `iter_packed` makes from tensors of these names, dtypes and shapes,
+    without the data: what an NCCL receiver allocates and loads, known before anything is sent."""
+    out: list[tuple[int, Meta]] = []
+    used = cap = 0
+    for name, dtype, shape in entries:
+        shape = [int(d) for d in shape]
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        new, off, cap = _place(used, cap, nbytes, bucket_bytes)
+        if new:
+            out.append((0, []))
+        used = off + nbytes
+        out[-1] = (used, out[-1][1] + [(name, str(dtype).removeprefix("torch."), shape, off)])
+    return out
+
+
 def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: str = "cpu",
-                reuse_buffer: bool = False) -> Iterator[tuple[torch.Tensor, Meta]]:
+                reuse_buffer: bool = False, alloc: Callable[[int], torch.Tensor] | None = None
+                ) -> Iterator[tuple[torch.Tensor, Meta]]:
     """Packs (name, tensor) pairs into (flat uint8 buffer, metadata) buckets of at most `bucket_bytes`.
 
     Each tensor is copied into the bucket's buffer as soon as it arrives, so the caller may free it (the
@@ -139,7 +168,10 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
 
     `reuse_buffer`: every bucket is packed into the same buffer (grown when a larger one is needed), so
     the caller must be done with a bucket before asking for the next one (`ray.put` copies; an NCCL
-    broadcast is waited for). It saves an allocation per bucket, which otherwise fragments the heap."""
+    broadcast is waited for). It saves an allocation per bucket, which otherwise fragments the heap.
+
+    `alloc(capacity)`: where each bucket is packed (a flat uint8 tensor of at least `capacity` bytes), called
+    once per bucket after the previous bucket was yielded, e.g. the next slot of a `ShmRing`."""
     buf: torch.Tensor | None = None
     meta: Meta = []
     used = cap = 0
@@ -155,7 +187,10 @@ def iter_packed(source: WeightSource, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
             if buf is not None:
                 yield buf[:used], meta
             meta = []
-            if not (reuse_buffer and buf is not None and buf.numel() >= cap):
+            if alloc is not None:
+                buf = None
+                buf = alloc(cap)
+            elif not (reuse_buffer and buf is not None and buf.numel() >= cap):
                 buf = None  # freed before the next allocation
                 buf = torch.empty(cap, dtype=torch.uint8, device=device)
         assert buf is not None
@@ -189,7 +224,8 @@ class WeightPusher(Protocol):
     """A source that sends its weights to the engines itself (the trainer group: one sender per stage)."""
 
     def push_weights(self, engines: list[Any], *, bucket_bytes: int, max_buckets_in_flight: int,
-                     transport: str = "object_store", nccl: dict | None = None) -> dict[str, Any]: ...
+                     transport: str = "object_store", nccl: dict | None = None,
+                     mode: str = "pipelined") -> dict[str, Any]: ...
 
     @property
     def weights_epoch(self) -> int: ...
@@ -225,6 +261,96 @@ def push_packed(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]]
     return stats, kept
 
 
+SYNC_MODES = ("pipelined", "serial")
+
+
+class ShmRing:
+    """A few shared-memory files one stage sender packs its buckets into, reused round robin (CPU, one node).
+
+    The engines' vLLM workers memory-map the slot a bucket was packed into and load from it; the sender
+    packs the next bucket into the next slot meanwhile, and reuses a slot only after every engine has
+    loaded the bucket in it (`push_ring`), so shared memory holds at most `slots` buckets per sender,
+    whatever the model's size. `peak_bytes` is the most the files held at once. `close` removes them."""
+
+    def __init__(self, slots: int = 2) -> None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        base = f"msrl-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.paths = [os.path.join(shm, f"{base}-{k}.bin") for k in range(max(1, slots))]
+        self.sizes = [0] * len(self.paths)
+        self.count, self.last, self.peak_bytes = 0, -1, 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """The next slot, at least `nbytes` long, as a flat uint8 tensor mapped from its file."""
+        k = self.last = self.count % len(self.paths)
+        self.count += 1
+        if self.sizes[k] < nbytes:
+            with open(self.paths[k], "ab") as f:
+                f.truncate(nbytes)
+            self.sizes[k] = nbytes
+        self.peak_bytes = max(self.peak_bytes, sum(self.sizes))
+        return torch.from_file(self.paths[k], shared=True, size=self.sizes[k], dtype=torch.uint8)
+
+    def close(self) -> None:
+        for path in self.paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def push_ring(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]], ring: ShmRing) -> dict[str, int]:
+    """Sends buckets packed into `ring`'s slots (`iter_packed(..., alloc=ring.alloc)`) to engine actors on this
+    node: one `load_shm_bucket` call per bucket per engine, no copy on the way. The wait for a slot's loads
+    comes right before the next bucket is packed into it, so packing overlaps the engines' loads."""
+    import ray
+
+    pending: deque[tuple[list[Any], Meta]] = deque()
+    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
+    for flat, meta in buckets:
+        stats["num_tensors"] += len(meta)
+        stats["bytes"] += packed_nbytes(meta)
+        stats["num_buckets"] += 1
+        pending.append(([e.load_shm_bucket.remote(ring.paths[ring.last], flat.numel(), meta) for e in engines], meta))
+        del flat
+        while len(pending) >= len(ring.paths):  # the next bucket goes into the oldest slot
+            futs, sent = pending.popleft()
+            _check_counts(ray.get(futs), sent)
+    for futs, sent in pending:
+        _check_counts(ray.get(futs), sent)
+    return {**stats, "shm_peak_bytes": ring.peak_bytes}
+
+
+def stage_push(engines: list[Any], tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int,
+               max_buckets_in_flight: int = 2, mode: str = "pipelined") -> dict[str, int]:
+    """A stage sender's push over the CPU path (any device's tensors; buckets in host memory).
+
+    `pipelined`: engines on this node get the buckets through a `ShmRing` of `max_buckets_in_flight` slots
+    (no object store, no copy in the engine actor; shared memory bounded by the slots); engines elsewhere
+    through Ray's object store as below. `serial`: the path before, kept to compare: every bucket is put
+    into the object store and each engine actor writes it to a /dev/shm file of its own."""
+    if mode not in SYNC_MODES:
+        raise ValueError(f"weight sync mode {mode!r}: expected one of {SYNC_MODES}")
+    if mode == "pipelined" and engines and _all_local(engines):
+        ring = ShmRing(max(2, max_buckets_in_flight))
+        try:
+            return push_ring(engines, iter_packed(tensors, bucket_bytes, alloc=ring.alloc), ring)
+        finally:
+            ring.close()
+    stats, _ = push_packed(engines, iter_packed(tensors, bucket_bytes, reuse_buffer=True),
+                           max_buckets_in_flight=max_buckets_in_flight)
+    return stats
+
+
+def _all_local(engines: list[Any]) -> bool:
+    """Whether every engine actor runs on this process's node (shared memory reaches it)."""
+    import ray
+
+    from megatron_sortedrl.placement import node_id
+
+    try:
+        return set(ray.get([e.node_id.remote() for e in engines])) == {node_id()}
+    except (AttributeError, ray.exceptions.RayError):
+        return False  # an engine without the method: the object store reaches anything
+
+
 def sync_cpu(actors: list[Any], source: WeightSource, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              max_buckets_in_flight: int = 2, keep_buckets: bool = False) -> tuple[SyncReport, list[tuple[Any, Meta]]]:
     """Streams a (name, tensor) or directory source from this process into every engine actor.
@@ -242,21 +368,25 @@ def sync_cpu(actors: list[Any], source: WeightSource, version: int, *, bucket_by
 
 
 def sync_push(actors: list[Any], pusher: WeightPusher, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              max_buckets_in_flight: int = 2, transport: str = "object_store", nccl: dict | None = None) -> SyncReport:
+              max_buckets_in_flight: int = 2, transport: str = "object_store", nccl: dict | None = None,
+              mode: str = "pipelined") -> SyncReport:
     """The driver's part of a sync: pause and prepare the engines, let the trainer's stage senders push, finish.
 
     The driver never touches a tensor. `nccl` (GPU): {"master_address", "master_port"} for the transfer
-    group the senders and engines form."""
+    group the senders and engines form. `mode`: `SYNC_MODES` ("serial" is the path before, kept to compare)."""
     import ray
 
     t0 = time.monotonic()
     ray.get([a.begin_weight_update.remote() for a in actors])
     stats = pusher.push_weights(actors, bucket_bytes=bucket_bytes, max_buckets_in_flight=max_buckets_in_flight,
-                                transport=transport, nccl=nccl)
+                                transport=transport, nccl=nccl, mode=mode)
     ray.get([a.finish_weight_update.remote(version) for a in actors])
+    senders = stats.get("senders", [])
+    shm = any("shm_peak_bytes" in o for o in senders)
     return SyncReport(version=version, num_tensors=stats["num_tensors"], bytes=stats["bytes"],
                       num_buckets=stats["num_buckets"], num_engines=len(actors), seconds=time.monotonic() - t0,
-                      transport="object_store+shm" if transport == "object_store" else transport)
+                      transport=("shm" if shm else "object_store+shm") if transport == "object_store" else transport,
+                      mode=mode, shm_peak_bytes=sum(o.get("shm_peak_bytes", 0) for o in senders))
 
 
 def replay(actors: list[Any], kept: list[tuple[Any, Meta]], version: int) -> None:
@@ -274,109 +404,13 @@ def _check_counts(counts: list[int], meta: Meta) -> None:
         raise RuntimeError(f"engines loaded {counts} tensors from one bucket of {len(meta)}")
 
 
-# ----------------------------------------------------------------------------------------- GPU (NCCL)
-
-
-def nccl_ranks(num_senders: int, engine_tps: list[int]) -> tuple[int, list[int]]:
-    """World size of the transfer group and each engine's first rank: senders first, then engine GPUs."""
-    offsets = [num_senders + sum(engine_tps[:k]) for k in range(len(engine_tps))]
-    return num_senders + sum(engine_tps), offsets
-
-
-def nccl_send_buckets(comm: Any, my_rank: int, plan: list[tuple[int, int]], buckets: Iterator[tuple[torch.Tensor, Meta]],
-                      engines: list[Any]) -> dict[str, int]:
-    """One stage sender's part of an NCCL sync (GPU only).
-
-    `plan` is every sender's (sender rank, bucket bytes) in broadcast order, the same list on all senders;
-    this rank broadcasts its own buckets (first telling the engines what to receive) and joins the others'
-    broadcasts with a scratch buffer. `comm` is vLLM's PyNcclCommunicator over senders + engine GPUs."""
-    import ray
-
-    stream = torch.cuda.current_stream()
-    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
-    for src, nbytes in plan:
-        if src == my_rank:
-            flat, meta = next(buckets)
-            futs = [e.nccl_receive_bucket.remote(src, flat.numel(), meta) for e in engines]
-            comm.broadcast(flat, src=src, stream=stream)
-            stream.synchronize()
-            _check_counts(ray.get(futs), meta)
-            stats["num_tensors"] += len(meta)
-            stats["bytes"] += packed_nbytes(meta)
-            stats["num_buckets"] += 1
-            del flat
-        else:
-            scratch = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            comm.broadcast(scratch, src=src, stream=stream)
-            stream.synchronize()
-            del scratch
-    return stats
-
-
-class GpuWeightSync:
-    """GPU transports through vLLM's built-in weight-transfer engines (GPU only; tests/test_rollout_gpu.py).
-
-    `backend="nccl"`: one NCCL group spans this process (rank 0, the trainer's sender) and every rollout GPU;
-    engine k's TP rank r is 1 + (sum of earlier engines' TP) + r. For separate trainer and rollout GPUs.
-    `backend="ipc"`: CUDA IPC handles of this process's tensors; for engines colocated on the same GPUs.
-    Engines must be built with `engine_kwargs(..., weight_transfer_backend=backend)` (the pool does this).
-    """
-
-    def __init__(self, actors: list[Any], tps: list[int], backend: str = "nccl",
-                 master_address: str = "", master_port: int = 0) -> None:
-        if backend not in ("nccl", "ipc"):
-            raise ValueError(f"GPU weight transport {backend!r}: expected nccl or ipc")
-        self.actors, self.tps, self.backend = actors, tps, backend
-        self.master_address, self.master_port = master_address, master_port
-        self.group: Any = None
-        self.connected = False
-
-    def connect(self) -> None:
-        import ray
-
-        if self.backend == "ipc":
-            ray.get([a.transfer_init.remote({"packed": False}) for a in self.actors])
-        else:
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-            world = 1 + sum(self.tps)
-            offsets = [1 + sum(self.tps[:k]) for k in range(len(self.tps))]
-            # Both sides block in the rendezvous, so the engines' half is started before the trainer's.
-            futs = [a.transfer_init.remote({"master_address": self.master_address, "master_port": self.master_port,
-                                            "rank_offset": off, "world_size": world, "packed": False})
-                    for a, off in zip(self.actors, offsets)]
-            self.group = trainer_init({"master_address": self.master_address, "master_port": self.master_port,
-                                       "world_size": world}, rank=0)
-            ray.get(futs)
-        self.connected = True
-
-    def sync(self, source: WeightSource, version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
-        import ray
-
-        if not self.connected:
-            self.connect()
-        t0 = time.monotonic()
-        ray.get([a.transfer_start.remote() for a in self.actors])
-        n_tensors = n_bytes = n_buckets = 0
-        for bucket in iter_buckets(source, bucket_bytes, device="cuda"):
-            info: dict[str, Any] = {"names": list(bucket), "shapes": [list(t.shape) for t in bucket.values()],
-                                    "dtype_names": [str(t.dtype).split(".")[-1] for t in bucket.values()]}
-            if self.backend == "ipc":
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-                info["ipc_handles"] = [{uuid: reduce_tensor(t)[1]} for t in bucket.values()]
-                ray.get([a.transfer_update.remote(info) for a in self.actors])  # bucket stays alive until here
-            else:
-                futs = [a.transfer_update.remote(info) for a in self.actors]  # receivers enter the broadcasts
-                stream = torch.cuda.current_stream()
-                for t in bucket.values():
-                    self.group.broadcast(t, src=0, stream=stream)
-                stream.synchronize()
-                ray.get(futs)
-            n_tensors += len(bucket)
-            n_bytes += bucket_nbytes(bucket)
-            n_buckets += 1
-        ray.get([a.transfer_finish.remote(version) for a in self.actors])
-        return SyncReport(version=version, num_tensors=n_tensors, bytes=n_bytes, num_buckets=n_buckets,
-                          num_engines=len(self.actors), seconds=time.monotonic() - t0, transport=self.backend)
+# The GPU transports live in weight_sync_gpu.py (imported here, so callers have one module to import from).
+from megatron_sortedrl.rollout.weight_sync_gpu import (  # noqa: E402
+    DeviceRing,
+    GpuWeightSync,
+    nccl_ranks,
+    nccl_send_buckets,
+    nccl_send_stage,
+    receive_order,
+    receive_schedule,
+)

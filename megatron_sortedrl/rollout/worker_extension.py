@@ -19,8 +19,13 @@ the bases, so one extension class serves weight sync and HistoSpec history updat
 be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted path as
 `worker_extension_cls` to `EngineWorker`.
 
-GPU: `msrl_nccl_init` joins the trainer->engines NCCL group (stage senders first, then engine GPUs) and
-`msrl_nccl_receive` takes one broadcast bucket into a flat GPU buffer, then loads it the same way.
+GPU: `msrl_nccl_init_stages` joins one NCCL group per stage sender and `msrl_nccl_receive_stages` takes
+a whole sync in one call (the pipelined mode); `msrl_nccl_init` / `msrl_nccl_receive` are the serial
+mode's single group and per-bucket receive. `msrl_nccl_close` destroys them (before a relayout's new ones).
+
+What the reload holds: vLLM buffers a module's loaded tensors until all of them have arrived. After each
+bucket `_msrl_account` records how many decoder layers and bytes wait so (`msrl_reload_stats`) and, when
+the sender reuses the bucket's buffer (shared-memory slot or GPU receive buffer), copies those views out.
 
 Host memory: importing this module fixes glibc's mmap threshold (`host_heap.fix_host_mmap_threshold`) in
 the process that imports it. vLLM imports it in each worker process when it builds the Worker
@@ -72,6 +77,8 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._msrl_aliases = _tied_aliases(self._msrl_model())  # before the reload unties them on meta
+        self._msrl_reload = {"max_layers_waiting": 0, "max_modules_waiting": 0, "max_bytes_waiting": 0,
+                             "detached_bytes": 0, "loads": 0}
         initialize_layerwise_reload(self._msrl_model())
 
     def msrl_load_weights_file(self, path: str) -> int:
@@ -83,15 +90,18 @@ class WeightSyncExtension:
         with safe_open(path, framework="pt", device="cpu") as f:
             return self._msrl_load([(n, f.get_tensor(n)) for n in f.keys()])
 
-    def msrl_load_packed(self, path: str, nbytes: int, meta: list) -> int:
+    def msrl_load_packed(self, path: str, nbytes: int, meta: list, detach: bool = False) -> int:
         """Loads a packed bucket (flat buffer file of `nbytes` + (name, dtype, shape, offset) list); returns
         how many tensors. The file is memory-mapped, so every TP rank of the engine reads the same pages and
-        nothing is copied before vLLM's weight loaders copy (and shard) each view into its parameter."""
+        nothing is copied before vLLM's weight loaders copy (and shard) each view into its parameter.
+
+        `detach`: the sender reuses the file for a later bucket (`weight_sync.ShmRing`), so the views that
+        vLLM's reload still holds for a module not yet complete are copied out before returning."""
         from megatron_sortedrl.rollout.weight_sync import unpack_tensors
 
         flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) if nbytes else torch.empty(0,
                                                                                                          dtype=torch.uint8)
-        return self._msrl_load(unpack_tensors(flat, meta))
+        return self._msrl_load(unpack_tensors(flat, meta), flat if detach else None)
 
     def msrl_nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Joins the trainer->engines NCCL group (GPU only): stage senders first, then every engine GPU."""
@@ -110,7 +120,81 @@ class WeightSyncExtension:
         stream.synchronize()
         return self._msrl_load(unpack_tensors(flat, meta))
 
-    def _msrl_load(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
+    def msrl_nccl_init_stages(self, endpoints: list, rank_offset: int, world_size: int) -> None:
+        """Joins one NCCL group per stage sender (GPU only, pipelined mode): group s has sender s as rank 0
+        and every engine GPU after it (this worker is 1 + rank_offset + its TP rank). Earlier groups (of a
+        previous set of senders) are destroyed first."""
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        self.msrl_nccl_close()
+        self._msrl_stage_comms = [
+            stateless_init_process_group(addr, port, 1 + rank_offset + int(self.rank), world_size,
+                                         device=torch.cuda.current_device())
+            for addr, port in endpoints]  # the same order on every worker, so the rendezvous cannot cross
+
+    def msrl_nccl_receive_stages(self, stage_plans: list) -> int:
+        """Receives a whole pipelined sync (GPU only): `stage_plans[s]` is [(bytes, meta), ...] of sender s.
+
+        Buckets are taken round robin over the stages, each stage's on its own stream into one of two
+        buffers, the next receives posted before this round is loaded (`weight_sync.receive_schedule`), so
+        transfers of all stages overlap each other and the loads. A buffer is received into again only
+        after its load is done, and whatever vLLM's reload still holds of it (a module not yet complete) is
+        copied out first."""
+        from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule, unpack_tensors
+
+        comms = self._msrl_stage_comms
+        streams = [torch.cuda.Stream() for _ in comms]
+        bufs: dict[tuple[int, int], torch.Tensor] = {}
+        freed: dict[tuple[int, int], Any] = {}
+        order = receive_order([len(p) for p in stage_plans])
+        received: dict[int, Any] = {}
+        loaded = 0
+        for action, i in receive_schedule([len(p) for p in stage_plans]):
+            s, k = order[i]
+            slot, (nbytes, meta) = (s, k % 2), stage_plans[s][k]
+            if action == "post":
+                if slot in freed:
+                    streams[s].wait_event(freed.pop(slot))  # the bucket that used this buffer before is loaded
+                if slot not in bufs or bufs[slot].numel() < nbytes:
+                    bufs[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+                comms[s].broadcast(bufs[slot][:nbytes], src=0, stream=streams[s])
+                received[i] = torch.cuda.Event()
+                received[i].record(streams[s])
+            else:
+                torch.cuda.current_stream().wait_event(received.pop(i))
+                flat = bufs[slot][:nbytes]
+                loaded += self._msrl_load(unpack_tensors(flat, meta), flat)
+                freed[slot] = torch.cuda.Event()
+                freed[slot].record()
+        torch.cuda.current_stream().synchronize()
+        return loaded
+
+    def msrl_nccl_close(self) -> int:
+        """Destroys this worker's trainer->engines NCCL communicators (GPU); returns how many were live."""
+        comms = [c for c in [getattr(self, "_msrl_comm", None), *getattr(self, "_msrl_stage_comms", [])] if c]
+        for comm in comms:
+            comm.destroy()
+        self._msrl_comm, self._msrl_stage_comms = None, []
+        return len(comms)
+
+    def msrl_reload_stats(self) -> dict:
+        """What vLLM's layerwise reload held waiting during the last update (after each bucket): the most
+        decoder layers and modules with some but not all tensors loaded, and their bytes; bytes copied out of
+        reused buffers (`detach`), and the number of bucket loads."""
+        return dict(getattr(self, "_msrl_reload", {}))
+
+    def _msrl_waiting(self) -> list[tuple[str, Any]]:
+        """(module name, reload info) of every module holding loaded tensors until its other tensors come."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        out = []
+        for name, module in self._msrl_model().named_modules():
+            info = LAYERWISE_INFO.get(module)
+            if info is not None and info.loaded_weights:
+                out.append((name, info))
+        return out
+
+    def _msrl_load(self, pairs: list[tuple[str, torch.Tensor]], reused: torch.Tensor | None = None) -> int:
         model = self._msrl_model()
         aliases = getattr(self, "_msrl_aliases", {})
         model.load_weights(iter(pairs))
@@ -124,7 +208,33 @@ class WeightSyncExtension:
                 if loader is None:
                     from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
                 loader(param, tensor)
+        self._msrl_account(reused)
         return len(pairs)
+
+    def _msrl_account(self, reused: torch.Tensor | None) -> None:
+        """Records what the reload holds waiting now; with `reused`, copies the waiting views of that buffer."""
+        stats = getattr(self, "_msrl_reload", None)
+        if stats is None:
+            return
+        waiting = self._msrl_waiting()
+        layers, held = set(), 0
+        base = reused.untyped_storage().data_ptr() if reused is not None and reused.numel() else None
+        for name, info in waiting:
+            parts = name.split(".")
+            if "layers" in parts and parts.index("layers") + 1 < len(parts):
+                layers.add(parts[parts.index("layers") + 1])
+            for _, args in info.loaded_weights:
+                for key, value in list(args.arguments.items()):
+                    if not isinstance(value, torch.Tensor) or key == "param" or value.device.type == "meta":
+                        continue
+                    held += value.numel() * value.element_size()
+                    if base is not None and value.untyped_storage().data_ptr() == base:
+                        args.arguments[key] = value.clone()  # the sender overwrites this buffer next
+                        stats["detached_bytes"] += value.numel() * value.element_size()
+        stats["loads"] += 1
+        stats["max_layers_waiting"] = max(stats["max_layers_waiting"], len(layers))
+        stats["max_modules_waiting"] = max(stats["max_modules_waiting"], len(waiting))
+        stats["max_bytes_waiting"] = max(stats["max_bytes_waiting"], held)
 
     def msrl_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -11,6 +11,7 @@
   acceptance, staleness (`python -m megatron_sortedrl report <run_dir>`; the driver writes it at the end).
 - `record`: standalone sampling around any command (`python tools/nvml_record.py -- <command>`).
 - `demo`: a synthetic run directory for trying the report without a GPU.
+- `trackers`: the experiment trackers the per-step metrics go to (TensorBoard, wandb, MLflow).
 
 Usage and definitions: docs/telemetry.md.
 

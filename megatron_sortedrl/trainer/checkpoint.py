@@ -23,7 +23,12 @@ refuses a checkpoint whose tensors do not match the model (missing or unknown na
 what matches and leaving the rest at their initial values.
 
 Checkpoints use Megatron's sharded keys, which are the same for the local (CPU) and Transformer Engine
-(GPU) layer specs, so a CPU checkpoint loads on GPU and back.
+(GPU) layer specs: the local spec maps its `input_layernorm.weight` / `pre_mlp_layernorm.weight` to TE's fused
+`self_attention.linear_qkv.layer_norm_weight` / `mlp.linear_fc1.layer_norm_weight` when it builds its sharded
+state. Only TE's `_extra_state` objects differ (TE's final RMSNorm has one, the local norm has none), so a
+load tolerates requested `_extra_state` entries the checkpoint lacks, and ignores ones it holds that the model
+does not ask for: a CPU or converter checkpoint loads into the TE model and back
+(tests/test_checkpoint_specs.py).
 
 Deliberately left out: asynchronous saving and keeping N checkpoints (the driver deletes old ones).
 """
@@ -170,6 +175,7 @@ def read_meta(path: str | Path) -> dict:
 def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool = True) -> dict:
     """Loads model (and optimizer) state at this rank's TP/PP; returns the saved trainer state."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = Path(path)
@@ -179,11 +185,16 @@ def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool
             sharded = _sharded_state(model, opt, is_loading=True)
         else:
             sharded = {"model": model.sharded_state_dict()}
-        loaded = dist_checkpointing.load(sharded, str(path))
+        # RETURN_UNEXPECTED: what this model asks for and the checkpoint lacks is dropped from the request and
+        # returned (megatron calls it "unexpected"), instead of failing inside torch's load planner. That is
+        # how a checkpoint without Transformer Engine's extra state (CPU, local spec, `convert`) loads into
+        # the TE model; any other absent tensor is refused below.
+        loaded, _, absent = dist_checkpointing.load(sharded, str(path), strict=StrictHandling.RETURN_UNEXPECTED)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # a shard file missing or cut short
         raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from None
+    _refuse_absent(path, absent)
     _check_keys(path, model.load_state_dict(loaded["model"], strict=False))
     if load_optimizer:
         opt.load_state_dict(loaded["optimizer"])
@@ -191,6 +202,17 @@ def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool
     if sched is not None and "lr_scheduler" in state:
         sched.load_state_dict(state["lr_scheduler"])
     return state
+
+
+def _refuse_absent(path: Path, absent: set[str]) -> None:
+    """Refuses a checkpoint that lacks sharded tensors this model (or its optimizer) asked for; a missing
+    `_extra_state` (Transformer Engine's FP8 metadata, absent from checkpoints of the local spec) is fine:
+    the module keeps its own, which is what TE starts from anyway."""
+    lacking = sorted(k for k in absent if not k.endswith("_extra_state"))
+    if lacking:
+        raise CheckpointError(f"checkpoint {path} does not match this model: it lacks {len(lacking)} tensor(s), "
+                              f"e.g. {', '.join(lacking[:3])}; check model.path (the architecture must be the "
+                              "one the checkpoint was saved from) and whether it was saved with an optimizer")
 
 
 def _check_keys(path: Path, result) -> None:

@@ -227,37 +227,61 @@ class TrainerGroup:
         return getattr(self, "_epoch", 0)
 
     def push_weights(self, engines: list, *, bucket_bytes: int, max_buckets_in_flight: int = 2,
-                     transport: str = "object_store", nccl: dict | None = None) -> dict:
+                     transport: str = "object_store", nccl: dict | None = None, mode: str = "pipelined") -> dict:
         """Sends the weights straight from the trainer to the rollout engine actors `engines` (Ray handles).
 
         One sender per pipeline stage (TP rank 0 of DP replica 0) gathers its stage's shards and sends
         packed buckets to every engine (see `rollout.weight_sync`); nothing comes back through the caller.
         The engines must be inside `begin_weight_update`. Returns summed counts and one entry per sender.
-        `transport="nccl"` (GPU): the senders and the engines' GPUs form one NCCL group, set up here on the
-        first push to a set of engines (stage 0's sender hosts the rendezvous)."""
+        `transport="nccl"` (GPU): the senders and the engines' GPUs form NCCL groups, set up here on the
+        first push to a set of engines (those of an earlier set are destroyed first). `mode`: "pipelined"
+        (every stage its own group, the engines receive the whole sync in one call) or "serial" (the path
+        before: one group, bucket after bucket, a Ray round trip each; kept to compare)."""
         import ray
 
-        plan_info, init_refs = None, []
+        plan_info, init_refs, recv_refs = None, [], []
         if transport == "nccl":
-            plan_info = self._nccl_setup(engines, bucket_bytes)
+            plan_info = self._nccl_setup(engines, bucket_bytes, mode)
             init_refs = plan_info.pop("init_refs", [])
+            if mode == "pipelined":  # the engines post their receives for the whole sync at once
+                recv_refs = [e.rpc.remote("msrl_nccl_receive_stages", (plan_info["stage_plans"],)) for e in engines]
         outs = [o for o in self._all("push_weights", engines, bucket_bytes, max_buckets_in_flight, transport,
-                                     plan_info) if o]
+                                     plan_info, mode) if o]
         ray.get(init_refs)
-        return {"num_tensors": sum(o["num_tensors"] for o in outs), "bytes": sum(o["bytes"] for o in outs),
+        total = sum(o["num_tensors"] for o in outs)
+        for counts in ray.get(recv_refs):
+            if any(c != total for c in counts):
+                raise RuntimeError(f"engine workers received {counts} tensors of {total}")
+        return {"num_tensors": total, "bytes": sum(o["bytes"] for o in outs),
                 "num_buckets": sum(o["num_buckets"] for o in outs), "senders": outs}
 
-    def _nccl_setup(self, engines: list, bucket_bytes: int) -> dict:
+    def _nccl_setup(self, engines: list, bucket_bytes: int, mode: str = "pipelined") -> dict:
         import ray
 
         from megatron_sortedrl.rollout.weight_sync import nccl_ranks
 
+        key = (mode, tuple(a._actor_id.hex() for a in engines))
+        if mode == "pipelined":
+            metas = self._all("weight_bucket_metas", bucket_bytes)
+            info: dict = {"stage_plans": [m for m in metas if m is not None]}
+            if getattr(self, "_nccl_engines", None) != key:
+                self._all("nccl_close")  # the groups of the engines a relayout replaced go first
+                senders = [a for a, m in zip(self.actors, metas) if m is not None]  # stage order
+                tps = [w.tp for w in ray.get([a.load.remote() for a in engines])]
+                _, offsets = nccl_ranks(0, tps)
+                endpoints = ray.get([a.call.remote("address") for a in senders])
+                self._nccl_rdv = {"endpoints": endpoints, "stage_world_size": 1 + sum(tps)}
+                info["init_refs"] = [a.rpc.remote("msrl_nccl_init_stages", (endpoints, off, 1 + sum(tps)))
+                                     for a, off in zip(engines, offsets)]
+                self._nccl_engines = key
+            info.update(self._nccl_rdv)
+            return info
         plans = [p for p in self._all("weight_bucket_plan", bucket_bytes) if p is not None]
         senders = len(plans)  # one per stage, in stage order (rank order is stage-major for TP rank 0, DP 0)
         plan = [(stage, n) for stage, sizes in enumerate(plans) for n in sizes]
-        key = tuple(a._actor_id.hex() for a in engines)
         info = {"plan": plan}
         if getattr(self, "_nccl_engines", None) != key:
+            self._all("nccl_close")
             tps = ray.get([a.load.remote() for a in engines])
             world, offsets = nccl_ranks(senders, [w.tp for w in tps])
             addr, port = ray.get(self.actors[0].address.remote())  # rank 0 is stage 0's sender: it hosts the store

@@ -7,9 +7,10 @@
 This module knows nothing about parallelism beyond what Megatron's own layers need: it maps the HF config
 to a `TransformerConfig` (RMSNorm, SwiGLU, RoPE with the model's base and scaling, grouped-query
 attention, Qwen2's qkv bias, tied or untied embeddings, activation recompute from `parallel.recompute`,
-Megatron's fused kernels on GPU only) and picks the layer spec: the local spec (pure torch, RMSNorm via
-torch, sequence parallelism allowed) on CPU and the Transformer Engine spec on GPU. The two specs name
-parameters differently; `weights.py` knows both.
+Megatron's fused kernels on GPU where `trainer/kernels.py` found them working) and picks the layer spec:
+the local spec (pure torch, RMSNorm via torch, sequence parallelism allowed) on CPU and the Transformer
+Engine spec on GPU where TE works (`kernels.probe_transformer_engine`). The two specs name parameters
+differently; `weights.py` knows both, and checkpoints load across them (`checkpoint.py`).
 
 RoPE: the frequencies are Hugging Face's (`rope_inv_freq` reproduces `transformers.modeling_rope_utils` for
 default, linear, llama3 and yarn; a test compares them) and replace Megatron's after the model is built.
@@ -35,8 +36,6 @@ import torch.nn.functional as F
 
 from megatron_sortedrl.errors import ConfigError, UserError
 from megatron_sortedrl.rope import resolve_rope
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 
 @dataclass
@@ -66,9 +65,10 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
     if not path.is_file():
         raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
     cfg = json.loads(path.read_text())
-    model_type = cfg.get("model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"{path}: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    from megatron_sortedrl.convert.validate import check_architecture
+
+    check_architecture(cfg, str(path))  # the same line as `plan` and `convert`
+    model_type = cfg["model_type"]
     try:  # transformers >= 5 writes `rope_parameters`; older files rope_theta / rope_scaling
         rope = resolve_rope(cfg, dict(rope_override or {}), source=str(path))
     except ConfigError as err:
@@ -138,38 +138,18 @@ def recompute_kwargs(recompute, layers_per_stage: int) -> dict[str, Any]:
             "recompute_num_layers": max(1, min(recompute.num_layers, layers_per_stage))}
 
 
-def _rope_fusion_available() -> bool:
-    from megatron.core.models.common.embeddings import rope_utils
+def kernel_fusions(on_gpu: bool, probes=None) -> dict[str, bool]:
+    """Megatron's fused-kernel flags: on a GPU each one exactly where its kernel was probed to work
+    (`trainer/kernels.py`: Apex's softmax, torch.compile with a compiler, TE's RoPE, Apex's weight-gradient
+    accumulation); all off on CPU. `probes` (a `KernelProbes`) defaults to this process's cached probe of
+    the current CUDA device."""
+    from megatron_sortedrl.trainer.kernels import FUSION_FLAGS, probe_kernels
 
-    return rope_utils.fused_apply_rotary_pos_emb is not None  # Transformer Engine >= 1.4
-
-
-def _grad_accum_fusion_available() -> bool:
-    from megatron.core.tensor_parallel import layers
-
-    return bool(layers._grad_accum_fusion_available)  # the fused_weight_gradient_mlp_cuda extension (Apex)
-
-
-def kernel_fusions(on_gpu: bool) -> dict[str, bool]:
-    """Megatron's fused kernels for these models: all on a GPU, where their kernels exist; all off on CPU.
-
-    SwiGLU (bias_activation_fusion, also without a bias) and bias-dropout-add are jit fusions, and the
-    masked softmax falls back to torch by itself where its CUDA kernel is missing. Megatron refuses RoPE
-    fusion (Transformer Engine's kernel) and weight-gradient accumulation into `main_grad` (Apex's
-    extension, which Megatron's local output layer needs even under the TE spec) without their kernels,
-    so those two are switched on only where the kernel is installed. Left off:
-    persist_layer_norm (only Apex's LayerNorm reads it; these models use RMSNorm from TE) and
-    cross_entropy_loss_fusion (the trainer computes its own log-probs from the logits)."""
-    on = bool(on_gpu)
-    return {
-        "bias_activation_fusion": on,
-        "bias_dropout_fusion": on,
-        "masked_softmax_fusion": on,
-        "apply_rope_fusion": on and _rope_fusion_available(),
-        "gradient_accumulation_fusion": on and _grad_accum_fusion_available(),
-        "persist_layer_norm": False,
-        "cross_entropy_loss_fusion": False,
-    }
+    if not on_gpu:
+        return dict.fromkeys(FUSION_FLAGS, False)
+    if probes is None:
+        probes = probe_kernels(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda")
+    return probes.fusions()
 
 
 def _yarn_inv_freq(arch: HFArch, inv_extra: torch.Tensor) -> torch.Tensor:
@@ -213,7 +193,9 @@ def rope_attention_factor(arch: HFArch) -> float:
 
 
 def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
-                       sequence_parallel: bool = False, on_gpu: bool = False, recompute=None):
+                       sequence_parallel: bool = False, on_gpu: bool = False, recompute=None,
+                       fusions: dict[str, bool] | None = None):
+    """Megatron's config for `arch`; `fusions` (flag -> on) overrides `kernel_fusions(on_gpu)`."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -234,7 +216,7 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
-        **kernel_fusions(on_gpu),
+        **(kernel_fusions(on_gpu) if fusions is None else fusions),
         use_cpu_initialization=not on_gpu,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -285,11 +267,13 @@ def layer_spec(use_te: bool, config):
 
 
 def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: bool = False,
-                sequence_parallel: bool = False, recompute=None, on_gpu: bool | None = None):
+                sequence_parallel: bool = False, recompute=None, on_gpu: bool | None = None,
+                fusions: dict[str, bool] | None = None):
     """One GPTModel chunk for this rank's pipeline stage (parallel_state must be initialised).
 
     `on_gpu` (default: `use_te`) places the model on the current CUDA device; a GPU without Transformer
-    Engine runs the local spec there."""
+    Engine runs the local spec there. `fusions`: the kernel fusion flags (default: probed on a GPU, off on
+    CPU; see `kernel_fusions`)."""
     on_gpu = use_te if on_gpu is None else on_gpu
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -297,7 +281,7 @@ def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: boo
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=on_gpu,
-                                recompute=recompute)
+                                recompute=recompute, fusions=fusions)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(use_te, config),

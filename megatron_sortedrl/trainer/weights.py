@@ -26,6 +26,8 @@ order; shards are all-gathered over TP and the owning stage broadcasts over PP, 
 same full tensors. The checkpoint conversion tool builds on it. Rollout weight sync uses
 `iter_stage_hf_weights` instead: each stage's TP rank 0 gathers only its own stage's tensors
 (`stage_export_plan` says which; every HF tensor comes from exactly one stage), so no rank holds the model.
+Both export layer by layer by default (`export_order`): each layer's tensors together, which is what lets
+vLLM's layerwise reload finish one layer before the next arrives.
 
 Deliberately left out: MoE expert tables and learned position embeddings (no target model has them).
 """
@@ -230,11 +232,12 @@ def load_hf_weights(model, model_dir: str | Path, arch, *, use_te: bool = False)
 
 
 def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None,
-                      tensors: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      tensors: dict[str, torch.Tensor] | None = None, order: str = "layer"
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, full tensor) for the whole model on every rank; a collective, see module docstring.
 
     `tensors` replaces the parameters by other tensors of the same names and shapes (gradients, for tests
-    and debugging)."""
+    and debugging). `order`: see `export_order`."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -248,55 +251,72 @@ def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype |
     shapes = hf_shapes(arch)
     out_dtype = dtype or next(iter(params.values())).dtype
     device = next(iter(params.values())).device
-    for mname, hf_names, layout in _rows(use_te):
-        if mname == "output_layer.weight" and arch.tie_word_embeddings:
-            continue
-        layers = range(arch.num_layers) if "{i}" in mname else [None]
-        for gi in layers:
-            names = [n.format(i=gi) for n in hf_names]
-            if names[0] not in shapes:
-                continue  # e.g. qkv bias of a model without one
-            if gi is None:
-                owner = 0 if mname.startswith("embedding") else pp - 1
+    for mname, layout, names, gi in export_order(arch, use_te=use_te, order=order):
+        owner = (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
+        fulls: list[torch.Tensor]
+        if owner == my_stage:
+            local = params[mname.format(i=gi - owner * per) if gi is not None else mname].detach()
+            if tp > 1 and layout != "replicated":
+                gathered = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(gathered, local.contiguous(), group=tp_group)
             else:
-                owner = gi // per
-            fulls: list[torch.Tensor]
-            if owner == my_stage:
-                local = params[mname.format(i=gi - owner * per) if gi is not None else mname].detach()
-                if tp > 1 and layout != "replicated":
-                    gathered = [torch.empty_like(local) for _ in range(tp)]
-                    dist.all_gather(gathered, local.contiguous(), group=tp_group)
-                else:
-                    gathered = [local] * tp
-                fulls = [t.to(out_dtype).contiguous() for t in shards_to_full(gathered, layout, arch)]
-            else:
-                fulls = [torch.empty(shapes[n], dtype=out_dtype, device=device) for n in names]
-            if pp > 1:
-                for t in fulls:
-                    dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
-            for n, t in zip(names, fulls):
-                yield n, t
+                gathered = [local] * tp
+            fulls = [t.to(out_dtype).contiguous() for t in shards_to_full(gathered, layout, arch)]
+        else:
+            fulls = [torch.empty(shapes[n], dtype=out_dtype, device=device) for n in names]
+        if pp > 1:
+            for t in fulls:
+                dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
+        for n, t in zip(names, fulls):
+            yield n, t
 
 
-def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False) -> list[tuple[str, str, list[str]]]:
+EXPORT_ORDERS = ("layer", "table")
+
+
+def export_order(arch, *, use_te: bool = False, order: str = "layer"
+                 ) -> list[tuple[str, str, list[str], int | None]]:
+    """(Megatron name with `{i}`, layout, HF names, global layer or None) of every exported row, in send order.
+
+    `layer` (the default): the embedding, then layer by layer every tensor of that layer (norms, q/k/v
+    weights *and* biases, o, gate/up, down), then the final norm and the output layer. vLLM's layerwise
+    reload keeps a module's tensors until all of them have arrived, so in this order an engine holds at
+    most the one layer being loaded. `table`: `WEIGHT_TABLE`'s row order (every layer's q/k/v weights before
+    any q/k/v bias), the order before; it makes the engine hold every layer's q/k/v weights until the
+    biases come (kept for the before/after benchmark). A tied output layer is not exported: the embedding
+    already carries it."""
+    if order not in EXPORT_ORDERS:
+        raise ValueError(f"weight export order {order!r}: expected one of {EXPORT_ORDERS}")
+    shapes = hf_shapes(arch)
+    rows = [r for r in _rows(use_te) if not (r[0] == "output_layer.weight" and arch.tie_word_embeddings)]
+    per_layer = [r for r in rows if "{i}" in r[0]]
+    first = next(k for k, r in enumerate(rows) if "{i}" in r[0])
+    if order == "table":
+        cells = [(r, gi) for r in rows for gi in (range(arch.num_layers) if "{i}" in r[0] else [None])]
+    else:
+        cells = ([(r, None) for r in rows[:first] if "{i}" not in r[0]]
+                 + [(r, gi) for gi in range(arch.num_layers) for r in per_layer]
+                 + [(r, None) for r in rows[first:] if "{i}" not in r[0]])
+    out = []
+    for (mname, hf_names, layout), gi in cells:
+        names = [n.format(i=gi) for n in hf_names]
+        if names[0] in shapes:  # (not: e.g. the qkv bias of a model without one)
+            out.append((mname, layout, names, gi))
+    return out
+
+
+def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False, order: str = "layer"
+                      ) -> list[tuple[str, str, list[str]]]:
     """(local Megatron name, layout, HF names) of every tensor pipeline stage `stage` exports, in export order.
 
     Each HF tensor belongs to exactly one stage: layers to their stage, the embedding to the first, the final
-    norm and an untied output layer to the last. A tied output layer (the last stage's copy of the embedding)
-    is not exported: the embedding already carries it."""
-    shapes = hf_shapes(arch)
+    norm and an untied output layer to the last. `order`: see `export_order`."""
     per = arch.num_layers // pp
     plan = []
-    for mname, hf_names, layout in _rows(use_te):
-        if mname == "output_layer.weight" and arch.tie_word_embeddings:
-            continue
-        for gi in range(arch.num_layers) if "{i}" in mname else [None]:
-            names = [n.format(i=gi) for n in hf_names]
-            if names[0] not in shapes:
-                continue  # e.g. qkv bias of a model without one
-            owner = (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
-            if owner == stage:
-                plan.append((mname.format(i=gi - owner * per) if gi is not None else mname, layout, names))
+    for mname, layout, names, gi in export_order(arch, use_te=use_te, order=order):
+        owner = (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
+        if owner == stage:
+            plan.append((mname.format(i=gi - owner * per) if gi is not None else mname, layout, names))
     return plan
 
 
@@ -325,8 +345,8 @@ def _hf_pieces(local: torch.Tensor, layout: str, arch, tp: int, rank: int) -> li
     raise ValueError(f"unknown layout {layout}")
 
 
-def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None,
+                          order: str = "layer") -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's full HF tensors, yielded on the stage's TP rank 0 only (its stage sender).
 
     A collective on this stage's TP group alone: every TP rank of the stage must iterate it to the end (the
@@ -350,7 +370,7 @@ def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dty
     out_dtype = dtype or next(iter(params.values())).dtype
     shapes = hf_shapes(arch)
     plan = stage_export_plan(arch, ps.get_pipeline_model_parallel_world_size(),
-                             ps.get_pipeline_model_parallel_rank(), use_te=use_te)
+                             ps.get_pipeline_model_parallel_rank(), use_te=use_te, order=order)
     for local_name, layout, names in plan:
         local = params[local_name].detach()
         if layout == "replicated" or tp == 1:

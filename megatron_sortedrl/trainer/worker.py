@@ -57,6 +57,11 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
     # ------------------------------------------------------------------------------------- set-up
 
     def setup(self) -> dict:
+        from megatron_sortedrl.trainer import kernels
+
+        # Before megatron's first import in this process: a broken TE is blocked so megatron imports without it
+        te = kernels.probe_transformer_engine() if self.gpu else kernels.NOT_PROBED
+
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel
@@ -69,8 +74,10 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         self.host_mmap_fixed = fix_host_mmap_threshold()  # before the model and optimizer allocate anything
         if self.gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
-            self.use_te = _has_te()
+            self.kernels = kernels.probe_kernels(f"cuda:{torch.cuda.current_device()}", te=te)
+            self.use_te = self.kernels.transformer_engine.ok
         else:
+            self.kernels = kernels.cpu_probes()
             cpu_compat.activate()
             self.use_te = False
             if cfg.trainer.cpu_threads:  # (Ray pins an actor to one thread per reserved CPU: OMP_NUM_THREADS)
@@ -87,8 +94,11 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         # Sequence parallelism and recompute run on both paths (on CPU through cpu_compat); Megatron only
         # turns sequence parallelism on at TP > 1.
         sp, rc = p.sequence_parallel, p.recompute
+        fusions = self.kernels.fusions()
+        if self.rank == 0 and self.gpu:  # once per run: what was found, and what the trainer uses because of it
+            print(f"[trainer] {self.kernels.line()}", flush=True)
         model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc,
-                            on_gpu=self.gpu)
+                            on_gpu=self.gpu, fusions=fusions)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
         ddp_cfg = ddp_config(cfg, self.gpu, ps.get_data_parallel_world_size())
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
@@ -103,14 +113,15 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
             # Same layout and recompute as the policy; the reference only runs forward (no_grad), where
             # Megatron recomputes nothing, so this only keeps the two configs identical.
             self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp,
-                                         recompute=rc, on_gpu=self.gpu)
+                                         recompute=rc, on_gpu=self.gpu, fusions=fusions)
             load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
             self.ref_model.eval().requires_grad_(False)
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         return {"rank": self.rank, "dp_rank": self.dp_rank, "reporter": self.reporter, "use_te": self.use_te,
-                "device": "cuda" if self.gpu else "cpu", "cpu_threads": torch.get_num_threads()}
+                "device": "cuda" if self.gpu else "cpu", "cpu_threads": torch.get_num_threads(),
+                "kernels": self.kernels.line(), "fusions": fusions}
 
     @property
     def module(self):
@@ -303,14 +314,15 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         return out if self.rank == 0 else None
 
     def push_weights(self, engines: list, bucket_bytes: int, max_buckets_in_flight: int = 2,
-                     transport: str = "object_store", nccl: dict | None = None) -> dict | None:
+                     transport: str = "object_store", nccl: dict | None = None, mode: str = "pipelined") -> dict | None:
         """Sends this pipeline stage's weights to the rollout engine actors `engines`, bucket by bucket.
 
         The stage sender (TP rank 0 of DP replica 0) packs the stage's gathered tensors into buckets and
         sends each one to every engine; the stage's other TP ranks only take part in the gathers; other DP
         replicas hold the same weights and do nothing. Returns the sender's counts (None elsewhere).
         `transport`: "object_store" (Ray, any device) or "nccl" (GPU; `nccl` carries the rendezvous and the
-        broadcast plan, see `rollout.weight_sync.nccl_send_buckets`)."""
+        broadcast plan, see `rollout.weight_sync.nccl_send_buckets`). `mode`: "pipelined" (layer-by-layer export,
+        `weight_sync.stage_push` / `nccl_send_stage`) or "serial" (the path before, kept for comparison)."""
         from megatron.core import parallel_state as ps
 
         from megatron_sortedrl.rollout import weight_sync as ws
@@ -318,7 +330,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
 
         if ps.get_data_parallel_rank() != 0:
             return None
-        tensors = iter_stage_hf_weights(self.module, self.arch, use_te=self.use_te)
+        tensors = iter_stage_hf_weights(self.module, self.arch, use_te=self.use_te,
+                                        order="table" if mode == "serial" else "layer")
         if ps.get_tensor_model_parallel_rank() != 0:
             for _ in tensors:  # the gathers are collectives of the stage's TP group
                 pass
@@ -326,17 +339,53 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         stage = ps.get_pipeline_model_parallel_rank()
         try:
             # One packing buffer for all buckets: ray.put copies it and the NCCL broadcast is waited for.
-            if transport == "nccl":
+            if transport == "nccl" and mode == "serial":
                 buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True)
-                stats = ws.nccl_send_buckets(self._nccl_comm(nccl), stage, nccl["plan"], buckets, engines)
+                stats = ws.nccl_send_buckets(self._nccl_comm(nccl, stage), stage, nccl["plan"], buckets, engines)
+            elif transport == "nccl":  # this stage's own group: rank 0 is this sender, then every engine GPU
+                ep = nccl["endpoints"][stage]
+                comm = self._nccl_comm({"master_address": ep[0], "master_port": ep[1],
+                                        "world_size": nccl["stage_world_size"]}, 0)
+                stats = ws.nccl_send_stage(comm, tensors, bucket_bytes)
             else:
-                stats, _ = ws.push_packed(engines, ws.iter_packed(tensors, bucket_bytes, reuse_buffer=True),
-                                          max_buckets_in_flight=max_buckets_in_flight)
+                stats = ws.stage_push(engines, tensors, bucket_bytes=bucket_bytes,
+                                      max_buckets_in_flight=max_buckets_in_flight, mode=mode)
         except BaseException:
             for _ in tensors:  # release the TP peers from their gathers, so the group can still shut down
                 pass
             raise
         return {**stats, "stage": stage, "rank": self.rank}
+
+    def weight_bucket_metas(self, bucket_bytes: int) -> list[tuple[int, list]] | None:
+        """(bytes, metadata) of every bucket this stage sender will send in the pipelined mode, computed
+        without the data (the engines receive a whole NCCL sync in one call; None elsewhere)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_sortedrl.rollout.weight_sync import plan_packed
+        from megatron_sortedrl.trainer.weights import hf_shapes, stage_export_plan
+
+        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+            return None
+        shapes = hf_shapes(self.arch)
+        plan = stage_export_plan(self.arch, self.pp, ps.get_pipeline_model_parallel_rank(), use_te=self.use_te)
+        return plan_packed([(n, self.dtype, shapes[n]) for _, _, names in plan for n in names], bucket_bytes)
+
+    def nccl_close(self) -> int:
+        """Destroys this rank's trainer->engines NCCL communicator, if any (before a new set of engines)."""
+        comm, self._nccl, self._nccl_key = getattr(self, "_nccl", None), None, None
+        if comm is not None:
+            comm.destroy()
+        return int(comm is not None)
+
+    def address(self) -> tuple[str, int]:
+        """This rank's node address and a free port (a stage sender hosts its own group's rendezvous)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
     def weight_bucket_plan(self, bucket_bytes: int) -> list[int] | None:
         """Byte sizes of the buckets this stage sender will send (the NCCL broadcast plan; None elsewhere)."""
@@ -352,17 +401,17 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         return bucket_sizes((torch.Size(shapes[n]).numel() * self.dtype.itemsize for _, _, names in plan
                              for n in names), bucket_bytes)
 
-    def _nccl_comm(self, nccl: dict):
-        """This sender's endpoint of the trainer->engines NCCL group, created once per rendezvous."""
+    def _nccl_comm(self, nccl: dict, rank: int):
+        """This sender's endpoint of the trainer->engines NCCL group, created once per rendezvous; the one
+        of an earlier rendezvous (engines since replaced by a relayout) is destroyed first, so a run holds
+        one set of communicators however often its layout changes."""
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
         key = (nccl["master_address"], nccl["master_port"])
         if getattr(self, "_nccl_key", None) != key:
-            from megatron.core import parallel_state as ps
-
-            self._nccl = stateless_init_process_group(nccl["master_address"], nccl["master_port"],
-                                                      ps.get_pipeline_model_parallel_rank(), nccl["world_size"],
-                                                      device=torch.cuda.current_device())
+            self.nccl_close()
+            self._nccl = stateless_init_process_group(nccl["master_address"], nccl["master_port"], rank,
+                                                      nccl["world_size"], device=torch.cuda.current_device())
             self._nccl_key = key
         return self._nccl
 
@@ -416,12 +465,3 @@ def ddp_config(cfg, gpu: bool, dp: int):
         use_distributed_optimizer=bool(gpu and cfg.parallel.use_distributed_optimizer),
         overlap_grad_reduce=gpu, overlap_param_gather=False,
         bucket_size=max(40_000_000, 1_000_000 * dp) if gpu else None)
-
-
-def _has_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
