@@ -71,9 +71,10 @@ class SpeculativeConfig:
 
     min_history_share: float = field(
         default=0.5,
-        metadata={"help": "HistoSpec: a round runs on speculative engines only when at least this share of its prompts "
-                          "has history to draft from; other rounds (epoch 0) run on plain engines, which keep vLLM's "
-                          "fast path (speculative/fast_path.py). 0: speculative engines always."},
+        metadata={"help": "HistoSpec: a round runs on speculative engines only when at least this share of its "
+                          "prompts has responses of an earlier epoch; other rounds (epoch 0) run on plain engines, "
+                          "which keep vLLM's fast path (speculative/fast_path.py). 0: speculative engines always.",
+                  "min": 0, "max": 1},
     )
 
     def __post_init__(self) -> None:
