@@ -76,6 +76,10 @@ METHODS = {  # name -> overrides
     # (`histospec` runs with the gate on, the default, which decodes a step plainly where drafting measured slower).
     "histospec_nogate": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
                          "speculative.adaptive_draft_length=false", "speculative.cost_gate=false"],
+    # HistoSpec engines from epoch 0 on (no round switch, speculative/fast_path.py): epoch 0 drafts from siblings,
+    # own text and other requests on the speculative path; `histospec` runs epoch 0 on plain engines.
+    "histospec_epoch0": ["speculative.enabled=true", "speculative.method=histospec", "speculative.max_draft_tokens=16",
+                         "speculative.adaptive_draft_length=false", "speculative.min_history_share=0"],
     # The adaptive length rule (start at 2, x2 after a full accept, /2 after a miss) on top of the confidence.
     "histospec_adaptive": ["speculative.enabled=true", "speculative.method=histospec",
                            "speculative.max_draft_tokens=16", "speculative.adaptive_draft_length=true",

@@ -56,6 +56,7 @@ from megatron_sortedrl.round_stream import compose_round, hand_over_rewards, str
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
 from scheduler.selective import shape_batch
+from speculative.fast_path import apply_speculation, initial_speculative_config
 
 
 @dataclass
@@ -135,7 +136,9 @@ class Driver:
         self.say("starting trainer group ...")
         self.trainer = TrainerGroup(cfg)
         self.say("starting rollout pool ...")
-        self.pool = RolloutPool(PoolOptions.from_config(cfg))
+        # HistoSpec's round switch starts the engines plain while no prompt has history (speculative/fast_path.py).
+        spec = initial_speculative_config(cfg.speculative)
+        self.pool = RolloutPool(PoolOptions.from_config(cfg, speculative_config=spec))
         self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
         planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/layout_driver.py)
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
@@ -223,6 +226,7 @@ class Driver:
         rnd = compose_round(self)  # hands the policy the rewards that arrived while the last step trained
         if rnd is not None:  # the planner's layout for the round, on the engines (a relayout phase if it changed)
             apply_layout(self, rnd, self.layout_row)
+            apply_speculation(self, rnd, self.layout_row)  # plain engines for a round without history
         self._phase("rollout", "start", layout=layout_name(*self.pool.layout))
         if rnd is None:  # data used up: close the phase, or it would stretch over the final eval
             self._phase("rollout", "end")

@@ -69,6 +69,14 @@ class SpeculativeConfig:
                           "pay. Always on with one running request."},
     )
 
+    min_history_share: float = field(
+        default=0.5,
+        metadata={"help": "HistoSpec: a round runs on speculative engines only when at least this share of its "
+                          "prompts has responses of an earlier epoch; other rounds (epoch 0) run on plain engines, "
+                          "which keep vLLM's fast path (speculative/fast_path.py). 0: speculative engines always.",
+                  "min": 0, "max": 1},
+    )
+
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError("speculative.method", self.method, "one of " + ", ".join(METHODS))
@@ -96,5 +104,7 @@ class SpeculativeConfig:
             raise ConfigError("speculative.sibling_ship_interval_s", self.sibling_ship_interval_s, "a float >= 0")
         if self.max_batch_rows < 0:
             raise ConfigError("speculative.max_batch_rows", self.max_batch_rows, "an integer >= 0 (0: no limit)")
+        if not 0.0 <= self.min_history_share <= 1.0:
+            raise ConfigError("speculative.min_history_share", self.min_history_share, "a float in [0, 1]")
         if self.step_draft_budget < 0:
             raise ConfigError("speculative.step_draft_budget", self.step_draft_budget, "an integer >= 0 (0: no limit)")

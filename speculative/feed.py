@@ -26,6 +26,9 @@ since the start of the run (as before). vLLM's own counters (`EngineWorker.spec_
 proposer's drafter time of the step and `spec/round_long` (1.0 for a long round) to split by round kind.
 The `spec/step/*` figures and `spec/round_long` are logged without speculation too (tokens per forward
 1.0), so a run without speculation is the baseline of one with it.
+Plain rounds: with `speculative.min_history_share` > 0 a round whose prompts mostly lack history runs on
+plain engines (`speculative.fast_path.apply_speculation`); nothing is shipped to them, and the switch to
+HistoSpec engines ships the settings and the whole history (`engines_replaced`).
 Left out: pushing history to engines of other methods (ngram/suffix answer "inactive" and are skipped).
 """
 
@@ -35,6 +38,7 @@ import logging
 import time
 from typing import Any, Iterable
 
+from speculative.fast_path import RoundEngineSwitch
 from speculative.history import HistoryStore
 from speculative.metrics import summarize
 
@@ -70,6 +74,7 @@ class HistoryFeed:
         self.ship_s = 0.0  # driver time spent shipping (reported per step)
         self.shipments = 0
         self._by_kind: dict[str, list[float]] = {}  # "short"/"long" -> [tokens, target forwards] this run
+        self.switch = RoundEngineSwitch(cfg)  # plain engines for rounds without history (speculative/fast_path.py)
 
     # -- recording ----------------------------------------------------------------------------------
     def _record(self, s: Any) -> None:
@@ -101,8 +106,8 @@ class HistoryFeed:
     def ship(self, full: bool = False, wait: bool = True) -> None:
         """Sends what changed since the last shipment (everything when `full`) to every engine. With `wait`
         false (and a pool that can) the call returns once sent; `_settle` reads the engines' answers later."""
-        if not self.active:
-            return
+        if not self.active or self.plain_engines():
+            return  # plain engines have no drafter; the switch to HistoSpec engines ships everything
         t0 = time.monotonic()
         self._settle(block=True)  # one shipment at a time: the engines apply them in order
         if not self._configured:
@@ -149,6 +154,18 @@ class HistoryFeed:
         """After a resume or an engine restart: the next shipment configures and sends everything."""
         self._configured, self._inflight = False, None  # (an unanswered shipment no longer matters)
         self.ship(full=True)
+
+    def plain_engines(self) -> bool:
+        """Whether the round switch has the engines plain now (no speculative config)."""
+        return self.switch.active and getattr(getattr(self.pool, "opts", None), "speculative_config", 1) is None
+
+    def engines_replaced(self) -> None:
+        """New engines (a switch between plain and HistoSpec engines): their proposer counters start at zero,
+        and their drafters get the settings and the whole history (nothing to ship to plain engines)."""
+        self._before = {k: v for k, v in self._before.items() if k.startswith("vllm_")}
+        self._configured, self._inflight = False, None
+        if self.pool.opts.speculative_config is not None:
+            self.ship(full=True)
 
     # -- metrics ------------------------------------------------------------------------------------
     def _engine_stats(self) -> list[dict[str, Any]]:

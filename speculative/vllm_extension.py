@@ -4,6 +4,7 @@
               worker_extension_cls="speculative.vllm_extension.HistoSpecWorkerMixin")
     llm.collective_rpc("histospec_update", args=(delta.to_bytes(),))      # or a file path
     totals = llm.collective_rpc("histospec_stats", kwargs={"drain": True})[0]
+    llm.collective_rpc("histospec_fast_path")     # async scheduling / V2 runner of this engine, and why not
 
 vLLM mixes `worker_extension_cls` into its Worker, so `self` here is the Worker: the proposer is
 `self.model_runner.drafter` (one per worker process, built by vLLM from `speculative_config`). The rollout
@@ -55,6 +56,13 @@ class HistoSpecWorkerMixin:
         if proposer is None:
             return {"active": False}
         return {"active": True, **proposer.configure(**settings)}
+
+    def histospec_fast_path(self) -> dict[str, Any]:
+        """What this engine's resolved config runs: async scheduling, the V2 model runner, and whether its
+        speculative method alone turns them off (`speculative.fast_path.fast_path_report`). Any engine."""
+        from speculative.fast_path import fast_path_report
+
+        return fast_path_report(self.vllm_config)
 
     def histospec_stats(self, drain: bool = False, reset: bool = False) -> dict[str, Any]:
         """Raw totals and summary figures; `drain` also returns (and forgets) per-step/per-request records."""

@@ -32,6 +32,9 @@ def test_short_rl_loop(tiny_model_dir, tmp_path):
         "trainer.warmup_sft_steps=5", "trainer.eval_interval=0", "checkpoint.save_interval=0",
         "rollout.max_response_length=48", "data.num_eval_prompts=8", "logging.tensorboard=false",
         "scheduler.rollout_batch_size=4", "scheduler.update_batch_size=8", "scheduler.group_size=4",
+        # HistoSpec engines from the first round (epoch 0 would otherwise run on plain engines, which get no
+        # history shipments): this test checks the sibling shipments during a round.
+        "speculative.min_history_share=0",
     ])
     driver = Driver(cfg, printer=print, reward_fn=sometimes_raises)
     steps = []
