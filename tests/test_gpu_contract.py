@@ -46,7 +46,7 @@ def test_our_gpu_code_matches_the_pinned_packages(report):
     uses = re.sub(r"\.py:\d+:", ".py:", "\n".join(report.uses))
     # Each kind of use is found in our code, not listed by hand: a sample of each.
     for expected in [
-        "weight_sync.py: from vllm.distributed.weight_transfer.nccl_common import trainer_init",
+        "weight_sync_gpu.py: from vllm.distributed.weight_transfer.nccl_common import trainer_init",
         "collective_rpc('init_weight_transfer_engine') -> vLLM Worker.init_weight_transfer_engine",
         "collective_rpc('update_weights') -> vLLM Worker.update_weights",
         "AsyncEngineArgs(weight_transfer_config=...)",
@@ -85,7 +85,7 @@ def test_a_new_call_is_checked_without_listing_it(roots):
 # (module, text in it, replacement, what the failure names, our call site)
 ALTERATIONS = {
     "removed function": ("vllm.distributed.weight_transfer.nccl_common", "def trainer_init(", "def trainer_init_v2(",
-                         "nccl_common has no trainer_init", "megatron_sortedrl/rollout/weight_sync.py:"),
+                         "nccl_common has no trainer_init", "megatron_sortedrl/rollout/weight_sync_gpu.py:"),
     "removed worker method": ("vllm.v1.worker.gpu_worker", "def update_weights(", "def apply_weights(",
                               "collective_rpc('update_weights')", "megatron_sortedrl/rollout/engine_worker.py:"),
     "removed engine argument": ("vllm.engine.arg_utils", "    weight_transfer_config: WeightTransferConfig | None",
@@ -94,7 +94,7 @@ ALTERATIONS = {
                                 "megatron_sortedrl/rollout/engine_worker.py:"),
     "renamed payload field": ("vllm.distributed.weight_transfer.nccl_common", "    rank_offset: int\n",
                               "    rank_start: int\n", "NCCLWeightTransferInitInfo requires ['rank_start']",
-                              "megatron_sortedrl/rollout/weight_sync.py:"),
+                              "megatron_sortedrl/rollout/weight_sync_gpu.py:"),
     "dropped literal": ("vllm.v1.engine", 'PauseMode = Literal["abort", "wait", "keep"]',
                         'PauseMode = Literal["abort", "wait"]', "pause_generation(mode='keep')",
                         "megatron_sortedrl/rollout/engine_worker.py:"),

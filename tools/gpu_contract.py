@@ -67,7 +67,7 @@ KWARG_BUILDERS = {
 # Dicts passed as the first argument of these actor methods reach vLLM's weight-transfer engine of the
 # configured backend, which builds `<engine>.<attribute>(**dict)`.
 PAYLOADS = {"transfer_init": "init_info_cls", "transfer_update": "update_info_cls"}
-PAYLOAD_FILE = "megatron_sortedrl/rollout/weight_sync.py"
+PAYLOAD_FILE = "megatron_sortedrl/rollout/weight_sync_gpu.py"
 WEIGHT_TRANSFER_FACTORY = "vllm.distributed.weight_transfer.factory"
 # Classes whose `self` is a vLLM object at run time (mixins), and attributes set from outside.
 HOOK_MODULES = {"megatron_sortedrl/rollout/worker_extension.py": "vllm.v1.worker.gpu_worker.Worker",
