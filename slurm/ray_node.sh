@@ -21,7 +21,9 @@ set -euo pipefail
 python=$1 node=$2 asked_cpus=$3 asked_gpus=$4
 shift 4
 
-cpus=$(nproc)
+# Without OMP_NUM_THREADS / OMP_THREAD_LIMIT: GNU nproc honours them, and a job that sets OMP_NUM_THREADS=1 (as
+# many do for their ranks) would otherwise make Ray advertise one CPU.
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 gpus=$asked_gpus
 if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
     if [[ -z "$CUDA_VISIBLE_DEVICES" ]]; then gpus=0; else gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | wc -l); fi

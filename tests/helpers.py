@@ -123,3 +123,29 @@ def round_tail_ratios(generate) -> tuple[list[float], int]:
             chunk = lengths[r:r + 16] * 4
             ratios.append(max(chunk) / statistics.median(chunk))
     return ratios, longest
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a gloo or NCCL rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_rank_world():
+    """A generator for a module fixture: one gloo rank with megatron's TP=PP=1 groups in this process, torn down
+    after the module (`yield from one_rank_world()`)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_sortedrl.trainer import cpu_compat
+
+    cpu_compat.activate()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    cpu_compat.seed_model_parallel(0)
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -8,13 +8,22 @@ driven without Ray (a loaded machine cannot time out its start-up).
 
 from __future__ import annotations
 
-import socket
+from pathlib import Path
+
+import pytest
+
+from helpers import free_port  # noqa: F401 - re-exported for the stream tests
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The stream tests' tiny model (seed 5), built once per module (`from stream_support import model_dir`)."""
+    from megatron_sortedrl.config import TinyModelConfig
+    from megatron_sortedrl.tiny_model import build_tiny_model
+
+    d = tmp_path_factory.mktemp("stream") / "tiny"
+    build_tiny_model(d, TinyModelConfig(seed=5))
+    return d
 
 
 def in_process_group(cfg):

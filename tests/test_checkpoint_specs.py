@@ -27,21 +27,16 @@ the plain megatron optimizer the CPU path uses).
 from __future__ import annotations
 
 import pickle
-import socket
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
+from helpers import one_rank_world  # noqa: E402
+
 from megatron_sortedrl.config import TinyModelConfig  # noqa: E402
 from megatron_sortedrl.errors import CheckpointError  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _ExtraState:
@@ -144,18 +139,7 @@ def _logits(model, seq: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def world():
     """One gloo rank with megatron's TP=PP=1 groups, in this process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_sortedrl.trainer import cpu_compat
-
-    cpu_compat.activate()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    cpu_compat.seed_model_parallel(0)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    yield from one_rank_world()
 
 
 @pytest.fixture(scope="module")

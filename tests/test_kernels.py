@@ -15,12 +15,13 @@ and the Apex import probe against stand-in modules.
 from __future__ import annotations
 
 import importlib.abc
-import socket
 import sys
 import types
 
 import pytest
 import torch
+
+from helpers import free_port, one_rank_world
 
 from megatron_sortedrl.trainer import kernels
 
@@ -104,26 +105,9 @@ def test_compile_probe_positive_path_runs_here():
     assert probe.ok, probe.why
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_sortedrl.trainer import cpu_compat
-
-    cpu_compat.activate()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    cpu_compat.seed_model_parallel(0)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    yield from one_rank_world()
 
 
 def _forward(model, arch) -> torch.Tensor:
@@ -188,7 +172,7 @@ def test_probed_fusions_run_on_this_gpu(tmp_path):
     torch.cuda.set_device(0)
     probes = kernels.probe_kernels("cuda:0")
     print(f"\n{probes.line()}")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ps.initialize_model_parallel(1, 1)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -120,6 +120,10 @@ def test_ray_node_advertises_what_the_step_got(tmp_path):
                                            "--num-cpus=7")
     assert out.stderr.strip() == ("ray_on_slurm: nodeX: the step got 1 CPUs and 0 GPUs of the 2 and 1 asked for; "
                                   "Ray advertises what it got")
+    # A job that sets OMP_NUM_THREADS=1 for its ranks (GNU nproc honours it) still advertises its step's cores.
+    if len(os.sched_getaffinity(0)) >= 2:
+        out = _ray_node(tmp_path, "0-1", 2, 0, "max", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        assert out.stdout.splitlines()[-1].startswith("ray-args: -m ray.scripts.scripts start --num-cpus=2 "), out
 
 
 def test_ray_node_finds_the_limit_above_its_own_cgroup(tmp_path):

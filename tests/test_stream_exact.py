@@ -13,12 +13,10 @@ old code) does not.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import random_rl_samples
-from stream_support import free_port, in_process_group, run_child
+from stream_support import free_port, in_process_group, model_dir, run_child  # noqa: F401 - model_dir is a fixture
 
 from megatron_sortedrl.config import RunConfig, load_config
 from megatron_sortedrl.errors import ConfigError
@@ -29,14 +27,6 @@ def _samples(n: int = 8, seed: int = 11) -> list[Sample]:
     return random_rl_samples(n, seed)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from megatron_sortedrl.config import TinyModelConfig
-    from megatron_sortedrl.tiny_model import build_tiny_model
-
-    d = tmp_path_factory.mktemp("stream") / "tiny"
-    build_tiny_model(d, TinyModelConfig(seed=5))
-    return d
 
 
 
