@@ -149,3 +149,10 @@ def one_rank_world():
     yield
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+    # megatron's torch_dist writer keeps a spawned multiprocessing Manager for its results queue for the life of
+    # the process; end it with the fixture, or the suite's leftover-process check finds it.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue, filesystem_async._results_queue = filesystem_async._results_queue, None
+    if queue is not None and getattr(queue, "_manager", None) is not None:
+        queue._manager.shutdown()

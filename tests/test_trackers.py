@@ -37,6 +37,16 @@ ROWS = [  # three steps as the driver logs them: scalars, a bool, a non-finite v
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _wandb_service_ends():
+    """wandb keeps a service process until interpreter exit; end it with this module, so the suite's
+    leftover-process check does not find (and kill) it and wandb's exit hook does not then fail."""
+    yield
+    import wandb
+
+    wandb.teardown()
+
+
 def _config(run_dir: Path):
     return load_config(None, [f"logging.run_dir={run_dir}", "logging.trackers=[wandb,mlflow]",
                               "logging.wandb_mode=offline", f"logging.mlflow_tracking_uri=file:{run_dir / 'mlruns'}",
