@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks"))
     ap.add_argument("--variants", nargs="+", default=["pipelined", "serial"], choices=VARIANTS)
     ap.add_argument("--name", default="weight_sync", help="output file stem (<name>.json, <name>.png)")
+    ap.add_argument("--beside", default="nothing else of this project",
+                    help="what else ran on the machine during the run, for the JSON's machine note")
     ap.add_argument("--estimate-only", action="store_true",
                     help="only (re)write planner_estimate_32b into an existing <name>.json; runs nothing")
     ap.add_argument("--plot-only", action="store_true", help="only redraw <name>.png from an existing <name>.json")
@@ -445,8 +447,8 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
         "planner_estimate_32b": planner_estimate_32b or estimate_32b_sync(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": load0,
                     "load_avg_end": os.getloadavg(), "wall_s": time.time() - t0,
-                    "note": "2 cores shared with seven other engineers' test runs (load averages recorded per layout "
-                            "and per sync); timings are noisy, ratios within a run are what counts"},
+                    "note": f"beside the run: {args.beside} (load averages recorded per layout and per sync); "
+                            "ratios within a run are what counts"},
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
