@@ -16,7 +16,8 @@ That list is derived by reading the files, not kept by hand: every `import` in t
 (`gpu_check.gpu_test_files()`, `benchmarks/gpu_trainer.py`, `tests/conftest.py`), at any depth, and, through
 every project module they name, that module's own imports at any depth (a function's imports run when a GPU test
 calls it). Vendor packages the image lacks by design (`ABSENT`: Ray, vLLM, Transformer Engine; arctic-inference,
-which only vLLM engines use) may be missing where the code guards them: after `pytest.importorskip`, an import
+which only vLLM engines use; the optional metric writers wandb, MLflow and TensorBoard, which only a run's
+metrics use) may be missing where the code guards them: after `pytest.importorskip`, an import
 of one of them or a conditional `pytest.skip` in the same scope, inside `try/except ImportError`, or in a
 function of project code or a conftest fixture (those run on the Ray/vLLM paths the GPU tests skip without
 them). Any other failure fails the check.
@@ -52,7 +53,9 @@ import gpu_check  # noqa: E402
 
 # docs/gpu.md: the GPU image has neither Ray, vLLM nor Transformer Engine, and gpu-check does not carry them: the
 # gpu tests skip with a reason without them. arctic-inference (HistoSpec's suffix trees) runs only inside vLLM.
-ABSENT = ("ray", "vllm", "transformer_engine", "arctic_inference")
+ABSENT = ("ray", "vllm", "transformer_engine", "arctic_inference", "wandb", "mlflow", "tensorboard")
+# Modules of packages the image has that need an ABSENT one (the TensorBoard writer needs `tensorboard`).
+NEEDS_ABSENT = ("torch.utils.tensorboard",)
 # Where imports of project code are looked up: packages at the repository root, then these folders (the
 # benchmark puts tools/ on its path; tests import tests/helpers.py as `helpers`).
 LOCAL_DIRS = (REPO, REPO / "tools", REPO / "tests", REPO / "benchmarks")
@@ -81,7 +84,7 @@ def _local_file(module: str) -> Path | None:
 
 
 def _absent(module: str) -> bool:
-    return module.split(".")[0] in ABSENT
+    return module.split(".")[0] in ABSENT or any(module == m or module.startswith(m + ".") for m in NEEDS_ABSENT)
 
 
 def _catches_import_error(handler: ast.ExceptHandler) -> bool:
