@@ -69,6 +69,9 @@ def _engine(model_dir, speculative_config):
 
 @pytest.fixture(scope="module")
 def engines(policy):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     vanilla = _engine(policy["dir"], vllm_speculative_config(SpeculativeConfig(enabled=False)))
     spec = _engine(policy["dir"], vllm_speculative_config(SpeculativeConfig(max_draft_tokens=8)))
     yield {"vanilla": vanilla, "spec": spec}
@@ -76,6 +79,13 @@ def engines(policy):
         llm.llm_engine.engine_core.shutdown()
     del vanilla, spec
     gc.collect()
+    # vLLM's shutdown asks its engine-core process to exit and does not always wait for it: once, on a loaded
+    # machine, one engine core and its worker outlived the whole suite. End what these engines started.
+    started = [p for p in psutil.Process().children(recursive=True)
+               if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    _, alive = psutil.wait_procs(started, timeout=10)
+    for p in alive:
+        p.kill()
 
 
 def _generate(llm, prompts, **sampling):

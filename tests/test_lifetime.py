@@ -296,7 +296,7 @@ def test_the_suite_reports_and_ends_a_process_a_test_left_behind(tmp_path):
         f"    p = subprocess.Popen([sys.executable, '-c', {_SLEEPER!r}], start_new_session=True)\n"
         f"    open({str(pidfile)!r}, 'w').write(str(p.pid))\n")
     tests_dir = Path(__file__).resolve().parent
-    env = {**os.environ, "MSRL_LEFTOVERS_GRACE_S": "1",
+    env = {**os.environ, "MSRL_LEFTOVERS_GRACE_S": "1", "MSRL_LEFTOVERS": "fail",
            "PYTHONPATH": os.pathsep.join([str(tests_dir), *sys.path])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-q", "-p", "no:cacheprovider",
                            "-p", "no:hypothesispytest",

@@ -69,9 +69,14 @@ def _job_processes(marker: str) -> list[int]:
 
 def _has_env(pid: int, entry: str) -> bool:
     try:
-        return entry.encode() in (Path(f"/proc/{pid}") / "environ").read_bytes().split(b"\0")
+        entries = (Path(f"/proc/{pid}") / "environ").read_bytes().split(b"\0")
     except OSError:  # gone meanwhile
         return True
+    if b"=" not in entries[0]:
+        # Ray's dashboard and runtime-env agents write their process title over the start of the environment
+        # block (setproctitle): it can no longer be read, whether or not the variable was there.
+        return True
+    return entry.encode() in entries
 
 
 def _wait_gone(marker: str, timeout: float = 30) -> list[int]:
