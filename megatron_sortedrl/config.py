@@ -275,6 +275,12 @@ class ParallelConfig:
         "Megatron sequence parallelism: norms and residuals run on 1/TP of each micro-batch's tokens per TP rank "
         "(TP > 1; no effect at TP 1; micro-batches are padded to a multiple of TP). CPU and GPU.", False)
     use_distributed_optimizer: bool = help_field("Megatron distributed optimizer (GPU only; CPU uses the plain optimizer).", False)
+    expert_model_parallel_size: int = help_field(
+        "MoE models: expert parallelism (EP); the experts of each layer are split over EP ranks, carved out of "
+        "TP x DP as megatron-core does; must divide the number of experts. 1 for dense models.", 1, min=1)
+    expert_tensor_parallel_size: int = help_field(
+        "MoE models: tensor parallelism inside each expert (ETP); 0 means the same as tensor_model_parallel_size.",
+        0, min=0)
     recompute: RecomputeConfig = help_field("Activation recompute (trades compute for activation memory).",
                                             factory=RecomputeConfig)
 
