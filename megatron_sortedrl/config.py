@@ -48,7 +48,7 @@ def help_field(text: str, default: Any = None, factory: Any = None, **checks: An
     return field(default=default, metadata=meta)
 
 
-# Tasks whose reward reads a direct `#### <answer>` line (trainer.warmup_answer_only_share cuts solutions to it).
+# Tasks whose warm-start solutions trainer.warmup_answer_only_share can cut to a `#### <answer>` line.
 ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition")
 
 
@@ -580,8 +580,8 @@ class RunConfig:
                               "groups are streamed); use grpo or rloo to stream")
         if self.trainer.warmup_answer_only_share > 0 and self.data.task not in ANSWER_LINE_TASKS:
             raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
-                              f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} rewards read "
-                              "a direct '#### <answer>' line)")
+                              f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "
+                              "an answer to cut them to)")
         if self.sampling.overlong_buffer >= r.max_response_length:
             raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
                               f"fewer tokens than rollout.max_response_length ({r.max_response_length})")

@@ -52,7 +52,8 @@ def sft_problems(cfg, train_prompts: list[Prompt]) -> list[Prompt]:
 
 def answer_only(solution: str, answer: str) -> str:
     """A worked solution cut to its answer: its last line where that is the `#### <answer>` line (arithmetic,
-    long_addition), else `#### <answer>` (column_addition, whose reward reads such a line as a direct answer)."""
+    long_addition, whose rewards read that line: a right direct answer scores 1), else `#### <answer>`
+    (column_addition, whose reward reads only the column lines: a direct answer scores 0, show your work)."""
     last = solution.rstrip().splitlines()[-1]
     return last if last.startswith("####") else f"#### {answer}"
 

@@ -31,13 +31,15 @@ def test_answer_only_share_cuts_a_fixed_share_to_the_answer_line():
     assert answer_only("a1+1+0=10\n", "10") == "#### 10"  # column_addition writes no answer line: one is made
 
 
-def test_a_direct_answer_is_scored_like_a_worked_one_in_column_addition():
+def test_a_direct_answer_scores_0_in_column_addition():
     from megatron_sortedrl.data.column_addition import answer_of, solve
+    from megatron_sortedrl.rewards.column_addition import reward
+    from megatron_sortedrl.sample import Sample
 
-    assert answer_of("#### 1100") == "1100" == answer_of(solve("101", "111"))
-    assert answer_of("#### 0011\n") == "11"
-    assert answer_of("a1+1+0=10\n#### 1100") is None  # working and a direct line together: malformed
-    assert answer_of("#### 12") is None  # not binary
+    # the learning workload's premise: its reward reads only the column lines, so skipping the work never pays
+    assert answer_of(solve("101", "111")) == "1100"
+    for text in ("#### 1100", "a1+1+0=10\nb0+1+1=10\nc1+1+1=11\n#### 1100"):
+        assert reward(Sample(prompt_id="p", index=0, response_text=text), "1100") == 0.0
 
 
 def test_answer_only_share_is_refused_where_solutions_have_no_answer_line():

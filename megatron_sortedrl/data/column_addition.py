@@ -48,7 +48,6 @@ __all__ = ["LABELS", "MAX_DIGITS", "SHORT_SHARE", "SHORT_SPAN", "answer_of", "ge
 SHORT_SPAN = 3  # short problems have min..min+2 digits: 21 distinct binary problems of 1-3 digits, not 5 of 1-2
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"  # one per column: at most 52 digits
 MAX_DIGITS = len(LABELS)
-_DIRECT = re.compile(r"#### ([01]+)")  # a direct answer without working (the warm start's answer-only share)
 _LINE = re.compile(r"[A-Za-z]([01])\+([01])\+([01])=([01])([01])")
 
 
@@ -76,11 +75,7 @@ def solve(x: str, y: str) -> str:
 
 def answer_of(response: str) -> str | None:
     """The binary sum a response states: its lines' result digits, last column first, after the last carry
-    out, without leading zeros; or, for a response that is one `#### <binary>` line (a direct answer, no
-    working), that number. None when a non-empty line is not a column line, or there is none."""
-    lines = [line.strip() for line in response.split("\n") if line.strip()]
-    if len(lines) == 1 and (m := _DIRECT.fullmatch(lines[0])):
-        return m.group(1).lstrip("0") or "0"
+    out, without leading zeros. None when a non-empty line is not a column line, or there is none."""
     digits, carry = [], ""
     for line in response.split("\n"):
         if not line.strip():
