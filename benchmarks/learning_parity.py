@@ -298,8 +298,31 @@ def markdown(result: dict, stem: str) -> str:
                    "the difference is within what the seeds can resolve. \"learns as well\": neither final accuracy nor "
                    "AUC is worse than sync beyond the interval. Accuracy at equal time: each run's accuracy after "
                    f"{summ['equal_time_s']:.0f} s of RL steps (the fastest variant's median run)."), ""]
+    lines += ["## Speed and learning side by side", "", result["side_by_side"], ""]
     if result.get("reading"):
         lines += ["## Reading", "", result["reading"], ""]
+    return "\n".join(lines)
+
+
+def side_by_side(result: dict, sim_path: Path) -> str:
+    """One table per policy: the simulator's speed at scale (`throughput_vs_sync` of the committed 128-GPU
+    scenario) beside this benchmark's measured speed and learning on CPU."""
+    sim = {r["policy"]: r for r in json.loads(sim_path.read_text())["rows"]} if sim_path.is_file() else {}
+    sim_name = {"twotier+histospec+ds+skip": "twotier+histospec"}  # the simulator has no dynamic sampling rows
+    rows = {r["variant"]: r for r in result["summary"]["rows"]}
+    base = rows[BASELINE]
+    lines = [f"| policy | simulated x sync ({sim_path.stem}) | measured x sync (ms/sample, CPU) | final accuracy | "
+             "gain over warm start | AUC | vs sync: final, AUC (95% CI) | updates | stale share |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        srow = sim.get(sim_name.get(name, name), {})
+        speed = base["ms_per_sample"]["median"] / r["ms_per_sample"]["median"]
+        v = result["summary"]["verdict"].get(name)
+        vs = f"{_ci(v['final_accuracy_diff'])}; {_ci(v['auc_diff'])}" if v else "-"
+        simx = f"{srow['throughput_vs_sync']:.2f}" if srow.get("throughput_vs_sync") else "-"
+        lines.append(f"| {name} | {simx} | {speed:.2f} | {r['final_accuracy']['median']:.3f} | "
+                     f"{r['gain']['median']:+.3f} | {r['auc']['median']:.3f} | {vs} | {r['updates']['median']:.0f} | "
+                     f"{r['stale_share']['median']:.2f} |")
     return "\n".join(lines)
 
 
@@ -321,6 +344,8 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--machine-note", default="")
     ap.add_argument("--reading", type=Path, default=None, help="a markdown file with the reading, put into the .md")
+    ap.add_argument("--sim-json", type=Path, default=ROOT / "docs" / "benchmarks" / "simulation_qwen32b_128gpu.json",
+                    help="the simulator's committed scenario whose speed figures go beside the learning figures")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args()
 
@@ -426,6 +451,7 @@ def main() -> int:
         "summary": summarize(runs, budget, every),
         "runs": runs,
     }
+    result["side_by_side"] = side_by_side(result, args.sim_json)
     if args.reading and args.reading.is_file():
         result["reading"] = args.reading.read_text().strip()
     args.out.mkdir(parents=True, exist_ok=True)
