@@ -379,6 +379,14 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         (f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
          f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of up to {row_len_mb} (a bound: rows x len <= budget)"),
     ]
+    if is_moe:
+        explain.insert(2, (
+            f"MoE: {arch.num_experts} experts of ffn {arch.moe_intermediate_size} in {len(arch.moe_layers)} sparse layers "
+            f"(ffn {arch.intermediate_size} above: dense layers only), top-{arch.experts_per_token}"
+            + (" (top-k weights renormalised)" if arch.norm_topk_prob else "")
+            + (f", shared experts ffn {arch.shared_expert_intermediate_size}" if arch.shared_expert_intermediate_size else "")
+            + f"; {arch.num_experts // ep} experts per EP rank, each split over ETP={etp}; the busiest EP rank receives "
+            f"{moe_imbalance:g} x the mean tokens (plan/moe_memory.py)"))
     stages = []
     for st in range(pp):
         first, last = st == 0, st == pp - 1
