@@ -175,7 +175,7 @@ def _plan_lines(args: list[str]) -> tuple[int, list[str]]:
     ("parallel.sequence_parallel=false", "set parallel.sequence_parallel=true"),
 ])
 def test_plan_refuses_an_expert_layout_megatron_cannot_build(override, text):
-    rc, lines = _plan_lines(["plan", "configs/qwen3_235b_a22b_128gpu.yaml", "--model-config",
+    rc, lines = _plan_lines(["plan", str(REPO / "configs" / "qwen3_235b_a22b_128gpu.yaml"), "--model-config",
                              str(SHAPES / "qwen3-235b-a22b"), override])
     assert rc == 2 and len(lines) == 1 and text in lines[0], lines
 

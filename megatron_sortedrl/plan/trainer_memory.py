@@ -122,6 +122,8 @@ class TrainerMemory:
 # ----------------------------------------------------------------------------------------- parameters
 
 def _moe(arch) -> bool:
+    if getattr(arch, "num_experts", 0) and not hasattr(arch, "moe_layers"):  # would silently plan it dense
+        raise ValueError(f"an MoE shape needs plan.arch.Arch (it knows which layers are sparse), not {type(arch).__name__}")
     return bool(getattr(arch, "num_experts", 0) and getattr(arch, "moe_layers", ()))
 
 
