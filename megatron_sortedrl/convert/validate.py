@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_sortedrl.errors import CheckpointError, UserError
 
 # What the weight table (trainer/weights.py) models: config.json `model_type` -> its `architectures` entry
-# (Qwen2 / Qwen2.5 / Llama-3 families). `plan`, `train` and `convert` all refuse anything else through
+# (Qwen2 / Qwen2.5 / Llama-3 / Qwen3 / Qwen3-MoE). `plan`, `train` and `convert` all refuse anything else through
 # `check_architecture`, with the same line.
 MODELLED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -32,7 +32,7 @@ SUPPORTED_ARCHITECTURES = tuple(MODELLED.values())
 # config that turns one on is refused even under a supported model_type.
 UNMODELLED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "use_sliding_window")
 # ... unless the model_type models them (Qwen3-MoE's experts).
-MODELLED_KEYS = {"qwen3_moe": ("num_experts",)}
+MODELLED_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts")}
 # Tensors some HF checkpoints carry that are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
