@@ -48,6 +48,10 @@ def help_field(text: str, default: Any = None, factory: Any = None, **checks: An
     return field(default=default, metadata=meta)
 
 
+# Tasks whose warm-start solutions trainer.warmup_answer_only_share can cut to a `#### <answer>` line.
+ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition")
+
+
 @dataclass
 class TinyModelConfig:
     """Shape of the built-in tiny Qwen2-architecture model (used when model.path does not exist yet)."""
@@ -353,6 +357,12 @@ class TrainerConfig:
         "Procedural tasks: warm start on this many fresh problems (another seed than train and eval) instead of "
         "the training prompts, so it learns the procedure rather than the RL prompts' answers (0: the training "
         "prompts).", 0, min=0)
+    warmup_answer_only_share: float = help_field(
+        "Share of warm-start solutions cut to their answer line (`#### <answer>`; arithmetic, long_addition and "
+        "column_addition): "
+        "a teacher that sometimes skips the worked steps. The model then answers some problems without working, "
+        "and RL has to learn that the steps pay off, as reasoning RL learns to think longer (the learning-parity "
+        "workload, configs/learning_cpu.yaml). 0 keeps every worked solution.", 0.0, min=0, max=1)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10, min=0)
     stream: bool = help_field(
         "Stream training (trainer/stream.py): backward of each finished prompt group while the round still "
@@ -568,6 +578,10 @@ class RunConfig:
             raise ConfigError("trainer.stream", True,
                               f"false with algorithm.advantage={adv} (it whitens over the whole batch, unknown while "
                               "groups are streamed); use grpo or rloo to stream")
+        if self.trainer.warmup_answer_only_share > 0 and self.data.task not in ANSWER_LINE_TASKS:
+            raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
+                              f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "
+                              "an answer to cut them to)")
         if self.sampling.overlong_buffer >= r.max_response_length:
             raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
                               f"fewer tokens than rollout.max_response_length ({r.max_response_length})")
