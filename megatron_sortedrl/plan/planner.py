@@ -17,6 +17,11 @@ a stage is as lean as uniform), so compute is only spent where memory needs it.
 Written here rather than taken from a library: no maintained package plans memory for Megatron-core
 trainers next to vLLM engines; the formulas are spelled out by `plan --explain`.
 
+Mixture-of-Experts models (an `Arch` with experts): the trainer adds experts per EP rank and ETP slice, the
+router, token-dispatch buffers and expert activations (`moe_memory.py`), engines hold the total parameters;
+an expert layout megatron-core cannot build (EP not dividing the experts, EP x ETP not dividing TP x DP, TP > 1
+without sequence parallelism) is refused in one line before any arithmetic (`check_moe_layout`).
+
 Left out: heterogeneous nodes, the trainer's temporary buffers outside the items listed (NCCL workspaces,
 allocator fragmentation: that is what the margin is for), and checkpoint saves.
 """
@@ -153,7 +158,7 @@ def trainer_stages(cfg, arch: Arch, recompute: dict, device: str) -> tuple[list[
 
 def check_moe_layout(cfg, arch: Arch) -> None:
     """Refuses, in one line, an expert layout megatron-core cannot build (before any arithmetic)."""
-    from megatron_sortedrl.plan.trainer_memory import check_expert_layout
+    from megatron_sortedrl.plan.moe_memory import check_expert_layout
 
     p = cfg.parallel
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
