@@ -23,13 +23,16 @@ from pathlib import Path
 from megatron_sortedrl.errors import CheckpointError, UserError
 
 # What the weight table (trainer/weights.py) models: config.json `model_type` -> its `architectures` entry
-# (Qwen2 / Qwen2.5 / Llama-3 families). `plan`, `train` and `convert` all refuse anything else through
+# (Qwen2 / Qwen2.5 / Llama-3 / Qwen3 / Qwen3-MoE). `plan`, `train` and `convert` all refuse anything else through
 # `check_architecture`, with the same line.
-MODELLED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+MODELLED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(MODELLED.values())
 # config.json keys of features the table does not model (experts, latent attention, sliding windows): a
 # config that turns one on is refused even under a supported model_type.
 UNMODELLED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "use_sliding_window")
+# ... unless the model_type models them (Qwen3-MoE's experts).
+MODELLED_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts")}
 # Tensors some HF checkpoints carry that are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -93,7 +96,10 @@ def check_architecture(cfg: dict, source: str) -> None:
     if bad is not None:
         raise UserError(f"{source}: architecture {bad} is not supported; expected one of "
                         f"{', '.join(f'{a} (model_type {t})' for t, a in MODELLED.items())}")
-    on = next((k for k in UNMODELLED_KEYS if cfg.get(k)), None)
+    if archs and MODELLED.get(model_type) not in archs:  # Qwen2's class with a Qwen3 model_type, or the reverse
+        raise UserError(f"{source}: architecture {archs[0]} with model_type {model_type!r} is not supported; "
+                        f"model_type {model_type!r} expects {MODELLED[model_type]}")
+    on = next((k for k in UNMODELLED_KEYS if cfg.get(k) and k not in MODELLED_KEYS.get(model_type, ())), None)
     if on is not None:
         raise UserError(f"{source}: architecture {archs[0] if archs else model_type} with {on}={cfg[on]!r} is not "
                         "supported; the model table covers dense models without sliding windows")
