@@ -45,9 +45,10 @@ _CHANGES_WEIGHTS = ("train_step", "load", "stream_step")  # methods after which 
 
 
 def _use_rollout(samples: list[Sample], cfg) -> bool:
-    """TIS against the rollout log-probs: only when every sample has them (a batch-wide choice)."""
+    """The rollout log-probs go to the trainer (mismatch metrics always, corrections as `algorithm.*` sets) only
+    when every sample has them (a batch-wide choice)."""
     with_rollout = [bool(s.response_tokens) and len(s.rollout_logprobs) == len(s.response_tokens) for s in samples]
-    return all(with_rollout) and cfg.algorithm.tis_cap > 0
+    return all(with_rollout)
 
 
 class TrainerActor:
