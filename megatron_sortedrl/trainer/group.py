@@ -51,6 +51,14 @@ def _use_rollout(samples: list[Sample], cfg) -> bool:
     return all(with_rollout)
 
 
+def _with_routes(item: dict, sample: Sample, cfg) -> dict:
+    """Routing replay: the sample's engine routes (`RoutedExperts`, one row per input position, or None) ride with
+    its item to the ranks, which hand them to `trainer/routing_replay.py` per micro-batch."""
+    if cfg.algorithm.routing_replay:
+        item["routes"] = sample.routed_experts
+    return item
+
+
 class TrainerActor:
     """Ray actor body: holds one `TrainerWorker` and forwards calls to it."""
 
@@ -149,7 +157,7 @@ class TrainerGroup:
 
     def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
         """Per-response-token log-probs under the current policy (or the frozen reference)."""
-        items = [self._item(s.prompt_tokens, s.response_tokens) for s in samples]
+        items = [_with_routes(self._item(s.prompt_tokens, s.response_tokens), s, self.cfg) for s in samples]
         merged: dict[int, list[float]] = {}
         for out in self._all("logprobs", items, reference):
             if out:
@@ -195,7 +203,9 @@ class TrainerGroup:
             if ref is not None:
                 ex["ref_logprobs"] = ref[i]
             # Overlong filtering (scheduler/selective.py) masks a truncated response out of the loss entirely.
-            items.append(self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked") else None))
+            items.append(_with_routes(
+                self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked") else None), s,
+                self.cfg))
         return items
 
     def _report(self, outs: list) -> dict:

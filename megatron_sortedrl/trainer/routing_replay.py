@@ -147,3 +147,12 @@ def microbatch_routes(rows: Sequence[torch.Tensor | None], seq_len: int, topk: i
                              f"[<= {seq_len}, {layers}, {topk}]")
         out[: r.shape[0], b] = r.to(torch.int64)
     return out.view(seq_len * len(rows), layers, topk)
+
+
+def route_rows(routes, num_positions: int) -> torch.Tensor | None:
+    """One item's routes (`sample.RoutedExperts` or None) as the [num_positions, L, k] int64 rows of
+    `microbatch_routes`; None unless they cover every input position (prompt + response - 1): a batch whose
+    samples do not all have them is trained without replay, as the trainer-rollout log-probs are."""
+    if routes is None or routes.num_rows != num_positions:
+        return None
+    return torch.from_numpy(routes.array().astype("int64"))
