@@ -172,3 +172,26 @@ def test_bad_routes_are_refused(world):
         replay.set_routes(torch.full((SEQ * BATCH, LAYERS, TOPK), EXPERTS))
     with pytest.raises(ValueError, match="moe_enable_routing_replay"):
         RoutingReplay(_model(replay=False))
+
+
+def test_routes_for_microbatch_follow_the_trainers_padding_and_order():
+    import numpy as np
+
+    from megatron_sortedrl.sample import RoutedExperts
+    from megatron_sortedrl.trainer.logprobs import SeqItem, make_microbatches
+    from megatron_sortedrl.trainer.routing_replay import routes_for_microbatch
+
+    g = np.random.default_rng(0)
+    items = [SeqItem(0, [1, 2, 3], [4, 5]), SeqItem(1, [1, 2], [7, 8, 9, 10, 11])]  # 4 and 6 input positions
+    routes = {i: RoutedExperts.from_array(g.integers(0, EXPERTS, (n, LAYERS, TOPK)), EXPERTS)
+              for i, n in ((0, 4), (1, 6))}
+    (mb,) = make_microbatches(items, budget_tokens=1000)
+    out = routes_for_microbatch(mb, routes, TOPK, LAYERS)
+    grid = out.view(mb.tokens.shape[1], len(mb.indices), LAYERS, TOPK)  # [s, b, layers, k]
+    for row, idx in enumerate(mb.indices):
+        n = routes[idx].num_rows
+        assert torch.equal(grid[:n, row], torch.from_numpy(routes[idx].array().astype("int64")))
+        assert (grid[n:, row] == torch.arange(TOPK)).all()  # padding
+    short = dict(routes)
+    short[1] = RoutedExperts.from_array(routes[1].array()[:5], EXPERTS)  # a sample whose routes miss a position
+    assert routes_for_microbatch(mb, short, TOPK, LAYERS) is None

@@ -8,6 +8,9 @@
     replay.clear()                       # after the step (or to go back to the router's own choice)
     pytest tests/test_routing_replay.py
 
+In the trainer's micro-batch loop (worker.py's forward step, log-prob and training passes) the routes of a
+`MicroBatch` come from `routes_for_microbatch(mb, {item index: item["routes"]}, topk, moe_layers)`.
+
 It drives megatron-core 0.16.1's own replay (`transformer/moe/router_replay.py`): every `TopKRouter` built with
 `TransformerConfig.moe_enable_routing_replay=True` owns a `RouterReplay` that, when told to replay, takes the
 given top-k expert ids instead of the router's top-k and gathers the router's scores at those ids (so the gate
@@ -31,7 +34,7 @@ needed.
 
 Deliberately left out: the fused router (`moe_router_fusion`, Transformer Engine's top-k kernel) ignores
 megatron's replay, so it is refused; sinkhorn routing (no top-k) likewise; capacity-factor token dropping is
-applied after the replayed choice, as megatron does. Wiring into the trainer's micro-batch loop (worker.py).
+applied after the replayed choice, as megatron does. The wiring into worker.py comes with the MoE model builder.
 """
 
 from __future__ import annotations
@@ -156,3 +159,19 @@ def route_rows(routes, num_positions: int) -> torch.Tensor | None:
     if routes is None or routes.num_rows != num_positions:
         return None
     return torch.from_numpy(routes.array().astype("int64"))
+
+
+def routes_for_microbatch(mb, routes_by_index: dict, topk: int, num_moe_layers: int) -> torch.Tensor | None:
+    """The routes of one `trainer.logprobs.MicroBatch` for `RoutingReplay.set_routes`, from the items' routes keyed
+    by their caller index (`item["routes"]`); None when a real row's routes do not cover its input positions
+    (the caller then leaves the routers to choose, for the whole batch). Dummy rows (index -1) route like padding."""
+    rows = []
+    for idx, (_, end) in zip(mb.indices, mb.response_slices):
+        if idx < 0:
+            rows.append(None)
+            continue
+        r = route_rows(routes_by_index.get(idx), end)  # `end`: the row's input positions (prompt + response - 1)
+        if r is None:
+            return None
+        rows.append(r)
+    return microbatch_routes(rows, mb.tokens.shape[1], topk, num_moe_layers)
