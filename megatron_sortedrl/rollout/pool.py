@@ -131,10 +131,8 @@ class PoolOptions:
                    executor=cfg.rollout.executor)
         from megatron_sortedrl.rollout.engine_worker import capture_routed_experts
 
-        if capture_routed_experts(cfg.rollout.return_routed_experts, cfg.algorithm.routing_replay, shape, device,
-                                  opts.speculative_config):
-            # vLLM serves the routes of cached prompt blocks from its prefix cache's route store, so it needs it on
-            opts.engine_extra.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        opts.engine_extra.update(capture_routed_experts(cfg.rollout.return_routed_experts, cfg.algorithm.routing_replay,
+                                                        shape, device, opts.speculative_config))
         opts.gpus_per_node, opts.first_gpu, opts.startup_timeout_s = engine_placement_from(cfg)
         if rope is not None and rope.hf_overrides():
             opts.engine_extra["hf_overrides"] = rope.hf_overrides()
