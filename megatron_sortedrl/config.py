@@ -228,8 +228,15 @@ class RolloutConfig:
         "TP rank) | uni (the model in the engine-core process; TP 1 only, a TP > 1 layout uses mp). On 2 CPU cores "
         "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto",
         choices=("auto", "mp", "uni"))
+    return_routed_experts: str = help_field(
+        "MoE engines return each token's routed experts for routing replay: auto (on for an MoE model with "
+        "algorithm.routing_replay; CPU engines capture them in the worker extension, without prefix caching) | on | "
+        "off.", "auto",
+        choices=("auto", "on", "off"))
 
     def __post_init__(self) -> None:
+        if self.return_routed_experts not in ("auto", "on", "off"):
+            raise ConfigError("rollout.return_routed_experts", self.return_routed_experts, "one of auto, on, off")
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
                     "max_response_length", "max_num_seqs"):
             if getattr(self, key) < 1:
@@ -316,8 +323,33 @@ class AlgorithmConfig:
     log_ratio_clamp: float = help_field(
         "Clamp of log(pi / pi_old) to [-x, x] before exp (verl: 20), so a stale token cannot overflow the ratio; "
         "0 turns it off.", 20.0, min=0)
+    routing_replay: bool = help_field(
+        "MoE models: the trainer replays the experts the engines routed each token to (R3) in the log-prob and "
+        "training passes (rollout.return_routed_experts); dense models ignore it.", False)
+    # Trainer/rollout mismatch corrections beside TIS (algorithms.py: rollout_correction); each 0 = off.
+    mis_high: float = help_field(
+        "Masked importance sampling: tokens whose trainer/engine ratio leaves [mis_low, mis_high] are masked from "
+        "the loss, the rest weighted by the ratio (replaces TIS's truncation; tis_cap then unused); > 1, or 0 off.",
+        0.0, min=0)
+    mis_low: float = help_field("Masked importance sampling: lower end of the kept ratio band, in [0, 1).", 0.0,
+                                min=0, lt=1)
+    icepop_beta: float = help_field(
+        "IcePop token masking: tokens whose trainer/engine ratio leaves [1/beta, beta] get no gradient; > 1, or 0 off.",
+        0.0, min=0)
+    seq_mask_geo_band: float = help_field(
+        "Sequence mask: drop a whole sequence whose geometric-mean trainer/engine ratio leaves [1/x, x]; > 1, or 0 off.",
+        0.0, min=0)
+    seq_mask_token_band: float = help_field(
+        "Sequence mask: drop a whole sequence any of whose tokens' trainer/engine ratio leaves [1/x, x]; > 1, or 0 off.",
+        0.0, min=0)
 
     def __post_init__(self) -> None:
+        for key in ("mis_high", "icepop_beta", "seq_mask_geo_band", "seq_mask_token_band"):
+            v = getattr(self, key)
+            if v != 0 and not v > 1:
+                raise ConfigError(f"algorithm.{key}", v, "a float > 1, or 0 to turn it off")
+        if not 0 <= self.mis_low < 1:
+            raise ConfigError("algorithm.mis_low", self.mis_low, "a float in [0, 1)")
         if self.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"):
             raise ConfigError("algorithm.advantage", self.advantage, "one of grpo, reinforce_pp, reinforce_pp_baseline, rloo")
         if self.loss_aggregation not in ("token", "sequence"):
