@@ -302,7 +302,7 @@ def _main_lines(argv: list[str]) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("change", [
-    {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128},  # Qwen2's field names
+    {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": True},  # Qwen2's names
     {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen3"},
     {"num_experts": 64},  # a dense name with experts on
 ])

@@ -93,7 +93,8 @@ def inputs(tmp_path_factory, tiny_model_dir):
     p["qwen3"].mkdir()
     shape = json.loads((REPO / "configs" / "model_shapes" / "qwen2.5-7b-instruct" / "config.json").read_text())
     (p["qwen3"] / "config.json").write_text(json.dumps(
-        {**shape, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128}))
+        {**shape, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
+         "use_sliding_window": True}))
     shutil.copy(tiny_model_dir / "tokenizer.json", p["qwen3"])
     p["no_config"] = t / "no_config"
     p["no_config"].mkdir()
