@@ -331,6 +331,10 @@ def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: boo
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
+    if arch.num_experts:
+        from megatron_sortedrl.trainer.moe import fix_megatron_without_te
+
+        fix_megatron_without_te()
     config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=on_gpu,
                                 recompute=recompute, fusions=fusions, moe=moe,
                                 ep=ps.get_expert_model_parallel_world_size(),

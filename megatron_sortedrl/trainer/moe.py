@@ -81,6 +81,15 @@ def moe_config_kwargs(arch, settings: MoESettings | None, *, on_gpu: bool, use_t
     }
 
 
+def fix_megatron_without_te() -> None:
+    """megatron-core 0.16.1's router reads `moe_utils.te_general_gemm`, which it only defines when Transformer
+    Engine imports (a NameError on CPU and on a GPU without TE); None selects its plain torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def expert_tp(parallel) -> int:
     """The expert TP size a `parallel` config section asks for (0 means: the attention TP)."""
     return parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
