@@ -114,7 +114,7 @@ def _job_hf_to_mcore(rank: int, *, hf: str, out: str, tp: int, pp: int, dtype: s
     model = build_model(arch, getattr(torch, dtype), use_te=False)
     load_hf_weights(model, hf, arch, use_te=False)
     if rank == 0:
-        _log(f"loaded HF weights into the rank shards; writing torch_dist")
+        _log("loaded HF weights into the rank shards; writing torch_dist")
     meta = {"step": 0, "tp": tp, "pp": pp, "dp": expert_dp(tp, ep, etp or tp), "ep": ep, "etp": etp or tp,
             "model_type": arch.model_type, "model_only": True,
             "source": str(Path(hf).resolve()), "dtype": dtype}
@@ -125,7 +125,8 @@ def _job_mcore_to_hf(rank: int, *, ckpt: str, out: str, hf_config: str, tp: int,
                      etp: int | None = None) -> None:
     from megatron_sortedrl.trainer.checkpoint import load_checkpoint
     from megatron_sortedrl.trainer.model import build_model, read_hf_config
-    from megatron_sortedrl.trainer.weights import export_hf_weights, hf_shapes, write_hf_dir
+    from megatron_sortedrl.trainer.hf_files import write_hf_dir
+    from megatron_sortedrl.trainer.weights import export_hf_weights, hf_shapes
 
     arch = read_hf_config(hf_config)
     model = build_model(arch, getattr(torch, dtype), use_te=False)
@@ -222,7 +223,7 @@ def hf_to_mcore(hf: str | Path, out: str | Path, tp: int = 1, pp: int = 1, *, dt
     """HF directory -> model-only Megatron torch_dist checkpoint laid out for TP=tp, PP=pp, EP=ep and expert
     TP=etp (None: tp)."""
     from megatron_sortedrl.convert.validate import check_hf_dir, check_layout
-    from megatron_sortedrl.trainer.weights import HF_SIDE_FILES
+    from megatron_sortedrl.trainer.hf_files import HF_SIDE_FILES
 
     hf, out = Path(hf).resolve(), Path(out).resolve()
     arch = check_hf_dir(hf)

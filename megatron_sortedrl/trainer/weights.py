@@ -25,13 +25,16 @@ MoE layers take their MLP rows from `EXPERT_TABLE` instead of the dense MLP rows
 router (`mlp.gate`, replicated), the pre-MLP norm (not fused into a linear layer in TE's MoE layer) and, per
 expert `{e}`, `gate_up` / `row` layouts split over the *expert* TP group (ETP) instead of TP. Expert `e` lives
 on expert-parallel rank `e // (num_experts / EP)` as its local expert `e % (num_experts / EP)`; the local spec
-names it `mlp.experts.local_experts.{e}.*` (SequentialMLP), TE's grouped GEMM `mlp.experts.linear_fc1.weight{e}`. Pipeline stages hold a contiguous slice of layers; local layer
+names it `mlp.experts.local_experts.{e}.*` (SequentialMLP), TE's grouped GEMM `mlp.experts.linear_fc1.weight{e}`.
+
+Pipeline stages hold a contiguous slice of layers; local layer
 `i` on stage `s` is global layer `s * num_layers / pp + i`. With tied embeddings the last stage holds a
 copy of the embedding as `output_layer.weight`.
 
 The export iterator is a collective: every rank of the trainer calls it and consumes it in the same
 order; shards are all-gathered over TP (experts over ETP, then broadcast over EP from the rank that holds
-the expert) and the owning stage broadcasts over PP, so every rank yields the same full tensors. The checkpoint conversion tool builds on it. Rollout weight sync uses
+the expert) and the owning stage broadcasts over PP, so every rank yields the same full tensors. The
+checkpoint conversion tool builds on it (HF files themselves: `hf_files.py`). Rollout weight sync uses
 `iter_stage_hf_weights` instead: each stage's TP rank 0 gathers only its own stage's tensors
 (`stage_export_plan` says which; every HF tensor comes from exactly one stage), so no rank holds the model.
 Both export layer by layer by default (`export_order`): each layer's tensors together, which is what lets
@@ -44,13 +47,13 @@ sender holds only its own experts; conversion and checkpoint export work at any 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_sortedrl.errors import CheckpointError
+from megatron_sortedrl.trainer.hf_files import HFReader
 
 L = "model.layers.{i}."
 # (megatron name, TE megatron name, HF names, layout)
@@ -200,36 +203,6 @@ def hf_shapes(arch) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.k_proj.bias": (arch.num_kv_heads * hd,),
                            p + "self_attn.v_proj.bias": (arch.num_kv_heads * hd,)})
     return shapes
-
-
-# --------------------------------------------------------------------------------------- reading HF files
-
-
-class HFReader:
-    """Reads single tensors from a HF safetensors checkpoint (sharded or not) without loading it all."""
-
-    def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
-        d = Path(model_dir)
-        index = d / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (d / "model.safetensors").is_file():
-            weight_map = None
-        else:
-            raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        self._handles = {f: safe_open(str(d / f), framework="pt") for f in files}
-        self._where = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise CheckpointError(f"HF checkpoint has no tensor {name}")
-        return self._handles[self._where[name]].get_tensor(name)
 
 
 # -------------------------------------------------------------------------------------------- load/export
@@ -487,56 +460,3 @@ def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dty
                     dist.recv(full.narrow(0, r * per, rows), src=ranks[r], group=tp_group)
             yield names[k], (full.t() if transposed else full).to(out_dtype)
             del full
-
-
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt")
-
-
-def write_hf_dir(out_dir: str | Path, tensors: Iterator[tuple[str, torch.Tensor]], source_dir: str | Path,
-                 shard_bytes: int = 2 << 30) -> str:
-    """Writes streamed HF tensors as a loadable HF directory (safetensors shards + config/tokenizer copies).
-
-    Written into `<out_dir>.partial` and renamed at the end, so readers (rollout weight sync) never see a
-    half-written directory."""
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    shard: dict[str, torch.Tensor] = {}
-    size, files, weight_map = 0, [], {}
-
-    def flush():
-        nonlocal shard, size
-        if shard:
-            name = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            files.append(name)
-            weight_map.update({k: name for k in shard})
-            shard, size = {}, 0
-
-    for name, t in tensors:
-        shard[name] = t.detach().cpu().contiguous().clone()
-        size += t.numel() * t.element_size()
-        if size >= shard_bytes:
-            flush()
-    flush()
-    if len(files) == 1:
-        os.rename(tmp / files[0], tmp / "model.safetensors")
-    else:
-        total = sum((tmp / f).stat().st_size for f in files)
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    for f in HF_SIDE_FILES:
-        if (Path(source_dir) / f).is_file():
-            shutil.copy(Path(source_dir) / f, tmp / f)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
-    return str(out)

@@ -447,7 +447,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         return self._nccl
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> str | None:
-        from megatron_sortedrl.trainer.weights import export_hf_weights, write_hf_dir
+        from megatron_sortedrl.trainer.hf_files import write_hf_dir
+        from megatron_sortedrl.trainer.weights import export_hf_weights
 
         tensors = export_hf_weights(self.module, self.arch, use_te=self.use_te,
                                     dtype=getattr(torch, dtype) if dtype else None)
