@@ -93,6 +93,14 @@ class ModelConfig:
         "RoPE scaling applied to trainer and engines instead of config.json's (empty: config.json's). Types: "
         "default | linear | llama3 | yarn, e.g. {rope_type: yarn, factor: 4.0, original_max_position_embeddings: "
         "32768} to run Qwen2.5 past 32k tokens.", factory=dict)
+    moe_aux_loss_coef: float = help_field(
+        "MoE models: load-balancing auxiliary loss coefficient (0: off, the RL default, so only the policy gradient "
+        "moves the router; pretraining uses about 1e-3).", 0.0, min=0, max=1)
+    moe_z_loss_coef: float = help_field("MoE models: router z-loss coefficient (0: off; about 1e-3 when used).", 0.0,
+                                        min=0, max=1)
+    moe_grouped_gemm: bool = help_field(
+        "MoE models on GPU with Transformer Engine: run each rank's experts as one grouped GEMM; CPU always runs "
+        "them one after another.", True)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

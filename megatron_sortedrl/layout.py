@@ -3,7 +3,10 @@
     python -m megatron_sortedrl layout configs/qwen32b_128gpu.yaml      # prints the plan, starts nothing
 
 The trainer takes TP x PP x DP GPUs from the first nodes, ranks in Megatron's order (TP fastest, then
-DP, then PP), so a TP group always sits inside one node. Rollout engines take the GPUs after the trainer,
+DP, then PP), so a TP group always sits inside one node. An MoE trainer with expert parallelism also shows
+its expert groups: Megatron carves EP x expert-TP out of each stage's TP x DP ranks (expert TP fastest,
+then EP, then expert DP), so every rank also has an `ep=` and `etp=` coordinate, and the EP groups (the
+ranks that exchange tokens by all-to-all in every MoE layer) are listed with the nodes they span. Rollout engines take the GPUs after the trainer,
 for both layouts of elastic parallelism: the short-round layout (`rollout.num_workers` engines at
 `rollout.tensor_parallel_size`) and the long-round layout (the same GPUs regrouped at
 `rollout.long_round_tensor_parallel_size`). An engine never spans two nodes.
@@ -42,6 +45,7 @@ class LayoutPlan:
     trainer: list[Placement] = field(default_factory=list)
     rollout_short: list[Placement] = field(default_factory=list)
     rollout_long: list[Placement] = field(default_factory=list)
+    expert_groups: list[list[int]] = field(default_factory=list)  # trainer ranks of each EP group (EP > 1)
 
     @property
     def total_gpus(self) -> int:
@@ -59,6 +63,11 @@ class LayoutPlan:
                 here = [p for p in group if p.node == node]
                 cells = " ".join(f"{p.index}[{p.detail}]@{_ranges(p.gpus)}" for p in here)
                 lines.append(f"  node {node}: {cells}")
+            if title == "trainer" and self.expert_groups:
+                nodes_of = {p.index: p.node for p in self.trainer}
+                groups = " ".join(f"[{','.join(map(str, g))}]@nodes {_ranges(sorted({nodes_of[r] for r in g}))}"
+                                  for g in self.expert_groups)
+                lines.append(f"  expert-parallel groups (EP {len(self.expert_groups[0])}): {groups}")
         return "\n".join(lines)
 
 
@@ -75,10 +84,18 @@ def plan_layout(cfg) -> LayoutPlan:
     c, p, r = cfg.cluster, cfg.parallel, cfg.rollout
     plan = LayoutPlan(c.num_nodes, c.gpus_per_node)
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or tp
+    groups: dict[tuple[int, int, int], list[int]] = {}
     for rank in range(tp * pp * dp):
         node, gpu = divmod(rank, c.gpus_per_node)
         detail = f"tp={rank % tp} dp={(rank // tp) % dp} pp={rank // (tp * dp)}"
+        if ep > 1:
+            local = rank % (tp * dp)  # Megatron's expert order inside a stage: expert TP, EP, expert DP
+            detail += f" ep={(local // etp) % ep} etp={local % etp}"
+            key = (rank // (tp * dp), local // (etp * ep), local % etp)  # (stage, expert DP rank, expert TP rank)
+            groups.setdefault(key, []).append(rank)
         plan.trainer.append(Placement("trainer", rank, node, [gpu], detail))
+    plan.expert_groups = list(groups.values())
     first = rollout_first_gpu(cfg)
     rollout_gpus = r.num_workers * r.tensor_parallel_size
     for role, engine_tp, out in (("rollout-short", r.tensor_parallel_size, plan.rollout_short),
@@ -109,6 +126,11 @@ def rollout_first_gpu(cfg) -> int:
 def check_layout(cfg) -> None:
     """Raises ConfigError when the trainer and rollout layouts do not fit the declared cluster."""
     c, p, r = cfg.cluster, cfg.parallel, cfg.rollout
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if (p.tensor_model_parallel_size * p.data_parallel_size) % (ep * etp):
+        raise ConfigError("parallel.expert_model_parallel_size", ep,
+                          f"such that EP x expert TP ({ep} x {etp}) divides TP x DP ({p.tensor_model_parallel_size} x "
+                          f"{p.data_parallel_size}): Megatron carves the expert groups out of each stage's TP x DP ranks")
     if c.gpus_per_node == 0:
         return
     for key, tp in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),

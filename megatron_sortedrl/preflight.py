@@ -32,6 +32,7 @@ def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> No
 
     check_planner(cfg)  # a planner the driver cannot honour fails here, in one line
     check_model_dir(cfg.model)
+    check_expert_parallel(cfg)
     if cfg.data.apply_chat_template:
         check_chat_template(Path(cfg.model.path))
     check_reward(cfg.data, reward_fn)
@@ -70,6 +71,21 @@ def check_model_config(file: Path) -> None:
     except (OSError, ValueError) as exc:
         raise UserError(f"{file}: cannot be read as JSON ({exc}); copy the model's config.json again") from None
     check_architecture(cfg if isinstance(cfg, dict) else {}, str(file))
+
+
+def check_expert_parallel(cfg) -> None:
+    """EP / expert TP against the model's experts (EP > 1 on a dense model included), before Ray; a model not
+    built yet is the dense tiny one."""
+    from megatron_sortedrl.trainer.moe import check_expert_layout
+
+    p = cfg.parallel
+    if (Path(cfg.model.path) / "config.json").is_file():
+        from megatron_sortedrl.trainer.model import read_hf_config
+
+        check_expert_layout(read_hf_config(cfg.model.path, cfg.model.rope_scaling), p)
+    elif p.expert_model_parallel_size > 1:
+        raise ConfigError("parallel.expert_model_parallel_size", p.expert_model_parallel_size,
+                          "1 for the built-in tiny model (it is dense)")
 
 
 def check_chat_template(path: Path) -> None:

@@ -8,6 +8,8 @@ offline. The tokenizer is a byte-level BPE with no merges (the same pipeline as 
 `transformers` substitutes for any model_type=qwen2 directory), so every printable ASCII character and
 newline is exactly one token and decoding is exact.
 
+`build_tiny_qwen3` writes tiny Qwen3 and Qwen3-MoE models the same way (tests of those families).
+
 Deliberately left out: chat templates (the procedural tasks use plain prompts) and any pretrained
 weights (weights are randomly initialised with a seed; the RL driver warm-starts them on the task).
 """
@@ -104,21 +106,71 @@ def build_tiny_model(out: str | Path, tiny: TinyModelConfig | None = None, overw
         torch.manual_seed(tiny.seed)
         model = Qwen2ForCausalLM(Qwen2Config(**qwen2_config(tiny))).to(torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
-        build_tokenizer().save(str(tmp / "tokenizer.json"))
-        eos_id = SPECIAL_TOKENS.index(EOS)
-        (tmp / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "Qwen2Tokenizer",
-            "eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>", "bos_token": None,
-            "model_max_length": tiny.max_position_embeddings,
-            "clean_up_tokenization_spaces": False,
-            "add_bos_token": False, "add_eos_token": False,
-        }, indent=2))
-        (tmp / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>"}))
-        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id}))
+        _write_tokenizer_files(tmp, tiny.max_position_embeddings)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_tokenizer_files(d: Path, max_positions: int) -> None:
+    build_tokenizer().save(str(d / "tokenizer.json"))
+    eos_id = SPECIAL_TOKENS.index(EOS)
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>", "bos_token": None,
+        "model_max_length": max_positions,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False, "add_eos_token": False,
+    }, indent=2))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>"}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id}))
+
+
+def qwen3_config(moe: bool = False, **overrides) -> dict:
+    """A tiny Qwen3 (dense) or Qwen3-MoE config: head_dim 32 (not hidden / heads = 16, and one vLLM's CPU
+    attention supports), q/k norms, untied embeddings, 4 experts of which 2 per token for MoE."""
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu",
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "initializer_range": 0.02,
+        "bos_token_id": SPECIAL_TOKENS.index(EOS), "eos_token_id": SPECIAL_TOKENS.index(EOS),
+        "pad_token_id": SPECIAL_TOKENS.index(EOS), "torch_dtype": "float32",
+    }
+    if moe:
+        cfg.update({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0})
+    cfg.update(overrides)
+    return cfg
+
+
+def build_tiny_qwen3(out: str | Path, moe: bool = False, seed: int = 0, **overrides) -> Path:
+    """Writes a tiny random Qwen3 or Qwen3-MoE model directory (float32, the character tokenizer) at `out`.
+
+    Norm weights (q/k norms included) are drawn from [0.5, 1.5] rather than left at 1, so that a norm loaded
+    into the wrong place changes the output; the router's weights are scaled up so that routing decisions
+    are clear-cut (no near-ties between the k-th and (k+1)-th expert that rounding could flip)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = qwen3_config(moe, **overrides)
+    torch.manual_seed(seed)
+    model = (Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)) if moe else Qwen3ForCausalLM(Qwen3Config(**cfg)))
+    model = model.to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer_files(out, cfg["max_position_embeddings"])
     return out

@@ -113,3 +113,27 @@ def test_layout_command_dry_run(recipe_env):
                          capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert "16 nodes x 8 GPUs = 128 GPUs" in out
     assert "rollout, long rounds: 16 engines, 64 GPUs on nodes 8-15" in out
+
+
+@pytest.mark.parametrize("tp, dp, pp, ep, etp", [(2, 2, 2, 2, 1), (1, 4, 2, 4, 1), (2, 4, 1, 2, 2), (2, 2, 1, 4, 1)])
+def test_expert_groups_are_megatrons(tp, dp, pp, ep, etp):
+    """`layout` shows the EP groups Megatron forms (its own rank generator, no process group needed)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    over = {"tensor_model_parallel_size": tp, "data_parallel_size": dp, "pipeline_model_parallel_size": pp,
+            "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+    cfg = load_config(None, ["cluster.num_nodes=2", "cluster.gpus_per_node=8", "rollout.num_workers=4",
+                             "rollout.tensor_parallel_size=2", "rollout.long_round_tensor_parallel_size=2",
+                             *(f"parallel.{k}={v}" for k, v in over.items())])
+    plan = plan_layout(cfg)
+    megatron = RankGenerator(tp=etp, ep=ep, dp=tp * dp // (ep * etp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    assert sorted(plan.expert_groups) == sorted(megatron.get_ranks("ep"))
+    assert f"expert-parallel groups (EP {ep}): [" in plan.format()
+    for p in plan.trainer:  # each rank's ep= coordinate is its position in its group
+        group = next(g for g in plan.expert_groups if p.index in g)
+        assert f"ep={group.index(p.index)} " in p.detail + " "
+
+
+def test_an_expert_layout_megatron_cannot_build_is_refused_at_load():
+    with pytest.raises(ConfigError, match=r"parallel.expert_model_parallel_size=2 .*divides TP x DP \(2 x 1\)"):
+        load_config(None, ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"])

@@ -89,12 +89,13 @@ def inputs(tmp_path_factory, tiny_model_dir):
     p["bad_chat"] = write("badchat.jsonl", json.dumps({"prompt": [{"role": "user", "content": "1+1="},
                                                                {"role": "bot", "content": "="}],
                                                     "ground_truth": "2"}) + "\n")
-    p["unmodelled"] = t / "unmodelled"
-    p["unmodelled"].mkdir()
+    p["qwen3"] = t / "qwen3"
+    p["qwen3"].mkdir()
     shape = json.loads((REPO / "configs" / "model_shapes" / "qwen2.5-7b-instruct" / "config.json").read_text())
-    (p["unmodelled"] / "config.json").write_text(json.dumps(
-        {**shape, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 256}))
-    shutil.copy(tiny_model_dir / "tokenizer.json", p["unmodelled"])
+    (p["qwen3"] / "config.json").write_text(json.dumps(
+        {**shape, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128,
+         "use_sliding_window": True}))
+    shutil.copy(tiny_model_dir / "tokenizer.json", p["qwen3"])
     p["no_config"] = t / "no_config"
     p["no_config"].mkdir()
     shutil.copy(tiny_model_dir / "tokenizer_config.json", p["no_config"])

@@ -105,7 +105,7 @@ def test_export_is_layer_by_layer(tiny_model_dir, tied):
             assert _layers_contiguous(layer)
             if arch.num_layers // pp > 1:
                 assert not _layers_contiguous(table)  # what the engine had to hold before
-    names = [n for *_, hf, _ in export_order(arch) for n in hf]
+    names = [n for _, _, hf, *_ in export_order(arch) for n in hf]
     assert names[0] == "model.embed_tokens.weight" and names[-1] == ("model.norm.weight" if tied else "lm_head.weight")
     with pytest.raises(ValueError, match="order"):
         export_order(arch, order="random")

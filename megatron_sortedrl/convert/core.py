@@ -1,11 +1,13 @@
-"""Hugging Face <-> Megatron torch_dist checkpoint conversion at any TP/PP, on CPU.
+"""Hugging Face <-> Megatron torch_dist checkpoint conversion at any TP/PP (and EP for MoE models), on CPU.
 
     from megatron_sortedrl.convert.core import hf_to_mcore, mcore_to_hf, verify
     hf_to_mcore("models/qwen2.5-7b", "ckpt/qwen_tp2pp2", tp=2, pp=2)      # model-only torch_dist checkpoint
+    hf_to_mcore("models/qwen3-30b-a3b", "ckpt/moe", tp=2, pp=2, ep=2, etp=1)   # experts split over 2 EP ranks
     mcore_to_hf("runs/x/checkpoints/iter_0000100", "out/hf", hf_config="models/qwen2.5-7b")
     verify("ckpt/qwen_tp2pp2", "models/qwen2.5-7b")                       # max |logit diff| (raises if off)
 
-How: one CPU process per Megatron rank (TP*PP of them, gloo), each running exactly the trainer's code:
+How: one CPU process per Megatron rank (TP*PP*DP of them, gloo; DP is 1 unless expert parallelism needs more
+ranks per stage than TP: EP x expert TP must divide TP x DP), each running exactly the trainer's code:
 `build_model` + `load_hf_weights` (reads only the tensors its shard needs, one at a time, through
 `safe_open`) + `save_checkpoint`; export is `load_checkpoint` + `export_hf_weights` + `write_hf_dir`.
 We use a world of processes rather than slicing HF tensors into torch_dist files in one process because
@@ -22,7 +24,7 @@ hf-to-mcore checkpoints hold the model only (no optimizer); the trainer loads th
 `load_checkpoint(..., load_optimizer=False)`. They also keep the HF config and tokenizer files in
 `<ckpt>/hf_config/`, so mcore-to-hf needs no `--hf-config` for them.
 
-Deliberately left out: virtual pipeline stages, MoE, conversion on GPU (CPU is fast enough: it is I/O
+Deliberately left out: virtual pipeline stages, conversion on GPU (CPU is fast enough: it is I/O
 bound), and converting optimizer state.
 """
 
@@ -58,7 +60,14 @@ def _free_port() -> int:
 # ------------------------------------------------------------------------------------------ rank side
 
 
-def _init_rank(rank: int, world: int, port: int, tp: int, pp: int) -> None:
+def expert_dp(tp: int, ep: int, etp: int) -> int:
+    """The fewest DP replicas whose TP x DP ranks per stage hold the EP x expert-TP expert groups."""
+    import math
+
+    return math.lcm(tp, ep * etp) // tp
+
+
+def _init_rank(rank: int, world: int, port: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -68,7 +77,7 @@ def _init_rank(rank: int, world: int, port: int, tp: int, pp: int) -> None:
     cpu_compat.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=60))
-    ps.initialize_model_parallel(tp, pp)
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     cpu_compat.seed_model_parallel(0)
 
 
@@ -78,7 +87,7 @@ def _rank_main(job: str, rank: int, world: int, port: int, kw: dict, err_dir: st
     warnings.filterwarnings("ignore")  # Megatron's "Apex is not installed" notes, once per rank
     os.setpgrp()  # own process group: the launcher can end this rank with the helpers it starts
     try:
-        _init_rank(rank, world, port, kw["tp"], kw["pp"])
+        _init_rank(rank, world, port, kw["tp"], kw["pp"], kw.get("ep", 1), kw.get("etp"))
         globals()[f"_job_{job}"](rank, **kw)
         import resource
 
@@ -95,7 +104,8 @@ def _rank_main(job: str, rank: int, world: int, port: int, kw: dict, err_dir: st
         sys.exit(1)
 
 
-def _job_hf_to_mcore(rank: int, *, hf: str, out: str, tp: int, pp: int, dtype: str) -> None:
+def _job_hf_to_mcore(rank: int, *, hf: str, out: str, tp: int, pp: int, dtype: str, ep: int = 1,
+                     etp: int | None = None) -> None:
     from megatron_sortedrl.trainer.checkpoint import save_checkpoint
     from megatron_sortedrl.trainer.model import build_model, read_hf_config
     from megatron_sortedrl.trainer.weights import load_hf_weights
@@ -104,16 +114,19 @@ def _job_hf_to_mcore(rank: int, *, hf: str, out: str, tp: int, pp: int, dtype: s
     model = build_model(arch, getattr(torch, dtype), use_te=False)
     load_hf_weights(model, hf, arch, use_te=False)
     if rank == 0:
-        _log(f"loaded HF weights into {tp * pp} rank shards; writing torch_dist")
-    meta = {"step": 0, "tp": tp, "pp": pp, "dp": 1, "model_type": arch.model_type, "model_only": True,
+        _log("loaded HF weights into the rank shards; writing torch_dist")
+    meta = {"step": 0, "tp": tp, "pp": pp, "dp": expert_dp(tp, ep, etp or tp), "ep": ep, "etp": etp or tp,
+            "model_type": arch.model_type, "model_only": True,
             "source": str(Path(hf).resolve()), "dtype": dtype}
     save_checkpoint(out, model, None, None, {"step": 0, "skipped_steps": 0, "extra": {}}, meta)
 
 
-def _job_mcore_to_hf(rank: int, *, ckpt: str, out: str, hf_config: str, tp: int, pp: int, dtype: str) -> None:
+def _job_mcore_to_hf(rank: int, *, ckpt: str, out: str, hf_config: str, tp: int, pp: int, dtype: str, ep: int = 1,
+                     etp: int | None = None) -> None:
     from megatron_sortedrl.trainer.checkpoint import load_checkpoint
     from megatron_sortedrl.trainer.model import build_model, read_hf_config
-    from megatron_sortedrl.trainer.weights import export_hf_weights, hf_shapes, write_hf_dir
+    from megatron_sortedrl.trainer.hf_files import write_hf_dir
+    from megatron_sortedrl.trainer.weights import export_hf_weights, hf_shapes
 
     arch = read_hf_config(hf_config)
     model = build_model(arch, getattr(torch, dtype), use_te=False)
@@ -206,21 +219,25 @@ def _replace_guard(out: Path, overwrite: bool) -> None:
 
 
 def hf_to_mcore(hf: str | Path, out: str | Path, tp: int = 1, pp: int = 1, *, dtype: str | None = None,
-                overwrite: bool = False) -> Path:
-    """HF directory -> model-only Megatron torch_dist checkpoint laid out for TP=tp, PP=pp."""
+                overwrite: bool = False, ep: int = 1, etp: int | None = None) -> Path:
+    """HF directory -> model-only Megatron torch_dist checkpoint laid out for TP=tp, PP=pp, EP=ep and expert
+    TP=etp (None: tp)."""
     from megatron_sortedrl.convert.validate import check_hf_dir, check_layout
-    from megatron_sortedrl.trainer.weights import HF_SIDE_FILES
+    from megatron_sortedrl.trainer.hf_files import HF_SIDE_FILES
 
     hf, out = Path(hf).resolve(), Path(out).resolve()
     arch = check_hf_dir(hf)
-    check_layout(arch, tp, pp)
+    check_layout(arch, tp, pp, ep, etp)
+    etp = etp or tp
+    world = tp * pp * expert_dp(tp, ep, etp)
     _replace_guard(out, overwrite)
     dtype = dtype or str(arch.raw.get("torch_dtype") or arch.raw.get("dtype") or "float32").replace("torch.", "")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype {dtype!r} is not supported; expected float32, bfloat16 or float16")
-    _log(f"{hf} -> {out} (torch_dist, TP={tp}, PP={pp}, {dtype}, {tp * pp} CPU processes)")
+    _log(f"{hf} -> {out} (torch_dist, TP={tp}, PP={pp}, EP={ep}, ETP={etp}, {dtype}, {world} CPU processes)")
     t0 = time.time()
-    run_ranks("hf_to_mcore", tp * pp, {"hf": str(hf), "out": str(out), "tp": tp, "pp": pp, "dtype": dtype})
+    run_ranks("hf_to_mcore", world, {"hf": str(hf), "out": str(out), "tp": tp, "pp": pp, "ep": ep, "etp": etp,
+                                     "dtype": dtype})
     side = out / HF_CONFIG_SUBDIR  # the checkpoint is complete already; these files only help export
     side.mkdir(exist_ok=True)
     for f in HF_SIDE_FILES:
@@ -231,7 +248,8 @@ def hf_to_mcore(hf: str | Path, out: str | Path, tp: int = 1, pp: int = 1, *, dt
 
 
 def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None, *,
-                tp: int | None = None, pp: int | None = None, overwrite: bool = False) -> Path:
+                tp: int | None = None, pp: int | None = None, overwrite: bool = False, ep: int | None = None,
+                etp: int | None = None) -> Path:
     """Megatron checkpoint (from hf_to_mcore or a training run) -> HF directory (safetensors + config)."""
     from megatron_sortedrl.convert.validate import check_layout, check_mcore_dir
     from megatron_sortedrl.trainer.model import padded_vocab_size, read_hf_config
@@ -243,16 +261,19 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     if meta.get("model_type") and meta["model_type"] != arch.model_type:
         raise UserError(f"{ckpt} holds a {meta['model_type']} model but {cfg_dir}/config.json is {arch.model_type}")
     tp, pp = tp or int(meta.get("tp", 1)), pp or int(meta.get("pp", 1))
-    check_layout(arch, tp, pp)
+    ep = ep or (int(meta.get("ep", 1)) if arch.num_experts else 1)
+    etp = etp or (int(meta.get("etp", tp)) if ep > 1 else tp)
+    check_layout(arch, tp, pp, ep, etp)
     if padded_vocab_size(arch, tp) != padded_vocab_size(arch, int(meta.get("tp", tp))):
         raise UserError(f"--tp {tp} pads the vocabulary ({arch.vocab_size}) differently from the checkpoint's TP "
                         f"{meta.get('tp')}; use --tp {meta.get('tp')}")
     _replace_guard(out, overwrite)
     dtype = meta.get("dtype") or str(arch.raw.get("torch_dtype") or arch.raw.get("dtype") or "float32")
-    _log(f"{ckpt} -> {out} (HF safetensors, read at TP={tp}, PP={pp}, {dtype})")
+    _log(f"{ckpt} -> {out} (HF safetensors, read at TP={tp}, PP={pp}, EP={ep}, ETP={etp}, {dtype})")
     t0 = time.time()
-    run_ranks("mcore_to_hf", tp * pp, {"ckpt": str(ckpt), "out": str(out), "hf_config": str(cfg_dir),
-                                       "tp": tp, "pp": pp, "dtype": dtype})
+    run_ranks("mcore_to_hf", tp * pp * expert_dp(tp, ep, etp), {"ckpt": str(ckpt), "out": str(out),
+                                                                "hf_config": str(cfg_dir), "tp": tp, "pp": pp,
+                                                                "ep": ep, "etp": etp, "dtype": dtype})
     _log(f"done in {time.time() - t0:.1f}s: {out}")
     return out
 

@@ -1,7 +1,9 @@
 """Checks that run before any conversion writes a byte: architecture, shards, shapes, TP/PP fit.
 
 `check_architecture` is also what `plan` (plan/arch.py) and `train` (preflight.py, trainer/model.py) call,
-so every command refuses an architecture the project does not model with the same line.
+so every command refuses an architecture the project does not model with the same line: Qwen2/2.5,
+Llama-3, Qwen3 and Qwen3-MoE are modelled (`MODELLED`); a config field the table does not model (sliding
+windows, latent attention, a sigmoid or grouped router, shared experts; `MODELLED_VALUES`) is refused by key.
 
     from megatron_sortedrl.convert.validate import check_hf_dir, check_layout, check_mcore_dir
     arch = check_hf_dir("models/qwen2.5-7b")           # raises UserError / CheckpointError with one line
@@ -22,17 +24,38 @@ from pathlib import Path
 
 from megatron_sortedrl.errors import CheckpointError, UserError
 
-# What the weight table (trainer/weights.py) models: config.json `model_type` -> its `architectures` entry
-# (Qwen2 / Qwen2.5 / Llama-3 / Qwen3 / Qwen3-MoE). `plan`, `train` and `convert` all refuse anything else through
-# `check_architecture`, with the same line.
-MODELLED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(MODELLED.values())
-# config.json keys of features the table does not model (experts, latent attention, sliding windows): a
-# config that turns one on is refused even under a supported model_type.
-UNMODELLED_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank", "use_sliding_window")
-# ... unless the model_type models them (Qwen3-MoE's experts).
-MODELLED_KEYS = {"qwen3_moe": ("num_experts", "num_local_experts")}
+# The architectures the weight table (trainer/weights.py) models, as data: config.json `model_type` -> its
+# `architectures` entry and the traits the trainer derives from the family (`trainer/model.read_hf_config`):
+# q/k/v biases (Qwen2), RMSNorm on q and k per head (Qwen3), routed experts (Qwen3-MoE). `plan`, `train` and
+# `convert` all refuse anything else through `check_architecture`, with the same line.
+MODELLED: dict[str, tuple[str, dict]] = {
+    "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True, "qk_norm": False, "moe": False}),
+    "llama": ("LlamaForCausalLM", {"qkv_bias": False, "qk_norm": False, "moe": False}),
+    "qwen3": ("Qwen3ForCausalLM", {"qkv_bias": False, "qk_norm": True, "moe": False}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {"qkv_bias": False, "qk_norm": True, "moe": True}),
+}
+SUPPORTED_ARCHITECTURES = tuple(a for a, _ in MODELLED.values())
+# config.json keys that name the number of routed experts (Qwen3-MoE writes num_experts, or num_local_experts
+# from transformers 5; Mixtral num_local_experts; DeepSeek n_routed_experts). A dense family with one of them
+# on is refused.
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# config.json keys of features the table does not model, with the values it does model (an absent key is
+# fine): sliding windows, multi-head latent attention, another activation, MLP biases, a router other than
+# softmax top-k (DeepSeek-V3's sigmoid scores, grouped or bias-corrected top-k), shared experts. Any other
+# value is refused, naming the key.
+MODELLED_VALUES: dict[str, tuple] = {
+    "use_sliding_window": (False, None),
+    "kv_lora_rank": (None, 0),
+    "q_lora_rank": (None, 0),
+    "hidden_act": ("silu",),
+    "mlp_bias": (False, None),
+    "scoring_func": ("softmax", None),
+    "topk_method": ("greedy", None),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+}
 # Tensors some HF checkpoints carry that are recomputed, never loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -86,23 +109,44 @@ def read_hf_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_architecture(cfg: dict, source: str) -> None:
-    """Refuses, in one line, a config.json whose architecture the project does not model (a Qwen3 or MoE
-    config has the field names of a Qwen2 one; planning or training it as Qwen2 would be silently wrong)."""
+    """Refuses, in one line naming the key, a config.json whose architecture the project does not model (a
+    Qwen3 or MoE config has the field names of a Qwen2 one; planning or training it as Qwen2 would be silently
+    wrong)."""
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type", "")
-    bad = next((a for a in archs if a not in SUPPORTED_ARCHITECTURES), None)
-    if bad is None and model_type not in MODELLED:
+    expected = MODELLED.get(model_type, (None, {}))[0]
+    bad = next((a for a in archs if a != expected), None) if expected else None
+    if expected is None:
         bad = f"{archs[0] if archs else '(none)'} with model_type {model_type!r}"
+    elif bad is not None:
+        bad = f"{bad} with model_type {model_type!r}"
     if bad is not None:
         raise UserError(f"{source}: architecture {bad} is not supported; expected one of "
-                        f"{', '.join(f'{a} (model_type {t})' for t, a in MODELLED.items())}")
-    if archs and MODELLED.get(model_type) not in archs:  # Qwen2's class with a Qwen3 model_type, or the reverse
-        raise UserError(f"{source}: architecture {archs[0]} with model_type {model_type!r} is not supported; "
-                        f"model_type {model_type!r} expects {MODELLED[model_type]}")
-    on = next((k for k in UNMODELLED_KEYS if cfg.get(k) and k not in MODELLED_KEYS.get(model_type, ())), None)
-    if on is not None:
-        raise UserError(f"{source}: architecture {archs[0] if archs else model_type} with {on}={cfg[on]!r} is not "
-                        "supported; the model table covers dense models without sliding windows")
+                        f"{', '.join(f'{a} (model_type {t})' for t, (a, _) in MODELLED.items())}")
+    name = archs[0] if archs else model_type
+    moe = MODELLED[model_type][1]["moe"]
+
+    def refuse(key: str, what: str) -> None:
+        raise UserError(f"{source}: architecture {name} with {key}={cfg.get(key)!r} is not supported; {what}")
+
+    for key in EXPERT_KEYS:
+        if cfg.get(key) and not moe:
+            refuse(key, f"model_type {model_type} is a dense family (MoE: model_type qwen3_moe)")
+    for key, allowed in MODELLED_VALUES.items():
+        if key in cfg and cfg[key] not in allowed:
+            refuse(key, "the model table covers full attention, SiLU gated MLPs without bias and softmax top-k "
+                        "routed experts without shared experts")
+    kinds = set(cfg.get("layer_types") or []) - {"full_attention"}
+    if kinds:
+        refuse("layer_types", f"only full_attention layers are modelled, not {sorted(kinds)[0]}")
+    if moe:
+        experts = next((cfg[k] for k in EXPERT_KEYS if cfg.get(k)), 0)
+        topk = cfg.get("num_experts_per_tok") or 0
+        if not experts or not 0 < topk <= experts:
+            key = "num_experts_per_tok" if experts else "num_experts"
+            refuse(key, "an MoE model needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts")
+        if int(cfg.get("decoder_sparse_step") or 1) < 1:
+            refuse("decoder_sparse_step", "it must be >= 1 (every n-th layer is an MoE layer)")
 
 
 def check_hf_dir(model_dir: str | Path):
@@ -132,10 +176,18 @@ def check_hf_dir(model_dir: str | Path):
     return arch
 
 
-def check_layout(arch, tp: int, pp: int) -> None:
-    """TP must divide attention heads and query groups (each rank holds whole groups); PP the layers."""
-    if tp < 1 or pp < 1:
-        raise UserError(f"--tp {tp} --pp {pp}: both must be >= 1")
+def check_layout(arch, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """TP must divide attention heads and query groups (each rank holds whole query groups); PP the layers;
+    EP the experts (and only an MoE model has experts to split); ETP the expert FFN size."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise UserError(f"--tp {tp} --pp {pp} --ep {ep}: all must be >= 1")
+    if ep > 1 and not arch.num_experts:
+        raise UserError(f"--ep {ep}: expert parallelism needs an MoE model; {arch.model_type} is dense (use --ep 1)")
+    if arch.num_experts and arch.num_experts % ep:
+        raise UserError(f"--ep {ep} does not divide the number of experts ({arch.num_experts})")
+    etp = tp if etp is None else etp
+    if arch.num_experts and arch.moe_ffn_size % etp:
+        raise UserError(f"expert TP {etp} does not divide the expert FFN size ({arch.moe_ffn_size})")
     if arch.num_heads % tp or arch.num_kv_heads % tp:
         raise UserError(f"--tp {tp} does not divide the attention heads ({arch.num_heads}) and query groups "
                         f"({arch.num_kv_heads}); each TP rank must hold whole query groups")

@@ -17,6 +17,10 @@ active:
   state instead of asking torch for a CUDA generator, and the backward of every Python autograd
   Function (the recomputed forward, sequence parallelism's gathers and scatters) runs with the device
   redirection active, on whatever thread the autograd engine uses;
+* CUDA streams and events are stand-ins that order nothing (CPU work is already in order): the MoE
+  all-to-all token dispatcher creates a side stream for its device-to-host copies and waits on its event;
+  the split sizes it then passes to `all_to_all_single` stay CPU tensors (the copy to numpy only happens
+  for CUDA tensors), which gloo's binding refuses, so they are handed over as lists;
 * `seed_model_parallel(seed)` seeds Megatron's RNG tracker with `inference_rng_tracker=True` on CPU
   (that tracker never forks the CUDA generator) and with the normal tracker on GPU.
 
@@ -121,6 +125,57 @@ def _patch_backward_functions() -> None:
         setattr(BackwardCFunction, name, redirected)
 
 
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _CpuStream:
+    """A CUDA stream stand-in: on the CPU every operation already runs in program order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return event or _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+def _patch_all_to_all() -> None:
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = (lambda s: s.tolist() if isinstance(s, torch.Tensor) else s)
+        return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def _patch_streams() -> None:
+    import contextlib
+
+    torch.cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = lambda *a, **k: _CpuEvent()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+
+
 def activate() -> bool:
     """Activates the layer in this process and thread when CUDA is absent; returns whether it is active."""
     global _patched
@@ -132,6 +187,8 @@ def activate() -> bool:
             torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
             _patch_checkpoint_rng()
             _patch_backward_functions()
+            _patch_streams()
+            _patch_all_to_all()
             _patched = True
     if not getattr(_local, "mode", None):
         _local.mode = CpuDeviceMode()

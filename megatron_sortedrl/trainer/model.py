@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel built from a Hugging Face config (Qwen2 / Qwen2.5 / Llama-3 architectures).
+"""Megatron-core GPTModel built from a Hugging Face config (Qwen2 / Qwen2.5, Llama-3, Qwen3, Qwen3-MoE).
 
     from megatron_sortedrl.trainer.model import read_hf_config, build_model
     arch = read_hf_config("runs/tiny_model")
@@ -6,10 +6,11 @@
 
 This module knows nothing about parallelism beyond what Megatron's own layers need: it maps the HF config
 to a `TransformerConfig` (RMSNorm, SwiGLU, RoPE with the model's base and scaling, grouped-query
-attention, Qwen2's qkv bias, tied or untied embeddings, activation recompute from `parallel.recompute`,
-Megatron's fused kernels on GPU where `trainer/kernels.py` found them working) and picks the layer spec:
-the local spec (pure torch, RMSNorm via torch, sequence parallelism allowed) on CPU and the Transformer
-Engine spec on GPU where TE works (`kernels.probe_transformer_engine`). The two specs name parameters
+attention, Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm and explicit head_dim, Qwen3-MoE's routed experts
+(`trainer/moe.py`: router, top-k, aux/z losses, expert parallelism), tied or untied embeddings, activation
+recompute from `parallel.recompute`, Megatron's fused kernels on GPU where `trainer/kernels.py` found
+them working) and picks the layer spec: the local spec (pure torch, RMSNorm via torch, sequence parallelism
+allowed) on CPU and the Transformer Engine spec on GPU where TE works (`kernels.probe_transformer_engine`). The two specs name parameters
 differently; `weights.py` knows both, and checkpoints load across them (`checkpoint.py`).
 
 RoPE: the frequencies are Hugging Face's (`rope_inv_freq` reproduces `transformers.modeling_rope_utils` for
@@ -19,8 +20,9 @@ attention applies that factor when the config carries `yarn_*` fields, which `bu
 comes from config.json unless `model.rope_scaling` overrides it (`megatron_sortedrl.rope`), the same
 dictionary the engines get.
 
-Deliberately left out: MoE, sliding-window attention and learned absolute positions (none of the target
-families need them); dynamic NTK and other rope types are rejected with a clear error (see `rope.py`).
+Deliberately left out: sliding-window attention, latent attention (MLA), shared experts and learned absolute
+positions (`convert/validate.check_architecture` refuses configs that use them); dynamic NTK and other rope
+types are rejected with a clear error (see `rope.py`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class HFArch:
     qkv_bias: bool
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)  # the full config.json, for rope init functions
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every q and k head (Megatron's qk_layernorm)
+    num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    moe_topk: int = 0  # experts per token
+    moe_ffn_size: int = 0  # FFN size of one expert
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1 (Qwen3-MoE: true)
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or dense MLP (False); () when dense
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
 
 
 def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None = None) -> HFArch:
@@ -65,21 +76,28 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
     if not path.is_file():
         raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
     cfg = json.loads(path.read_text())
-    from megatron_sortedrl.convert.validate import check_architecture
+    from megatron_sortedrl.convert.validate import EXPERT_KEYS, MODELLED, check_architecture
 
     check_architecture(cfg, str(path))  # the same line as `plan` and `convert`
     model_type = cfg["model_type"]
+    traits = MODELLED[model_type][1]
     try:  # transformers >= 5 writes `rope_parameters`; older files rope_theta / rope_scaling
         rope = resolve_rope(cfg, dict(rope_override or {}), source=str(path))
     except ConfigError as err:
         raise UserError(str(err)) from None
     heads = cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    experts = next((int(cfg[k]) for k in EXPERT_KEYS if cfg.get(k)), 0) if traits["moe"] else 0
+    # Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th
+    # layer is (transformers' Qwen3MoeDecoderLayer); the others are dense MLPs of intermediate_size.
+    step, dense_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers)) if experts else ()
     return HFArch(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
@@ -87,9 +105,15 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
         rope_theta=rope.rope_theta,
         max_position_embeddings=rope.max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qkv_bias=traits["qkv_bias"] or bool(cfg.get("attention_bias", False)),
         rope_scaling=dict(rope.params),
         raw=cfg,
+        qk_norm=traits["qk_norm"],
+        num_experts=experts,
+        moe_topk=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_ffn_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if experts else False,
+        moe_layers=moe_layers,
     )
 
 
@@ -194,10 +218,18 @@ def rope_attention_factor(arch: HFArch) -> float:
 
 def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int = 1,
                        sequence_parallel: bool = False, on_gpu: bool = False, recompute=None,
-                       fusions: dict[str, bool] | None = None):
-    """Megatron's config for `arch`; `fusions` (flag -> on) overrides `kernel_fusions(on_gpu)`."""
+                       fusions: dict[str, bool] | None = None, moe=None, ep: int = 1, etp: int | None = None,
+                       use_te: bool | None = None):
+    """Megatron's config for `arch`; `fusions` (flag -> on) overrides `kernel_fusions(on_gpu)`. `moe` (a
+    `trainer.moe.MoESettings`, default: its defaults), `ep`, `etp` (None: `tp`) and `use_te` (default:
+    `on_gpu`; grouped expert GEMMs need it) only matter for an MoE model."""
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_sortedrl.trainer.moe import moe_config_kwargs, needs_sequence_parallel
+
+    # Megatron's MoE layer refuses to train at TP > 1 without sequence parallelism (its dispatcher expects
+    # each TP rank to hold only its own tokens); an MoE model turns it on there.
+    sequence_parallel = sequence_parallel or needs_sequence_parallel(arch, tp)
     return TransformerConfig(
         **recompute_kwargs(recompute, arch.num_layers // pp),
         num_layers=arch.num_layers,
@@ -212,6 +244,7 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -226,7 +259,10 @@ def transformer_config(arch: HFArch, dtype: torch.dtype, *, tp: int = 1, pp: int
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
         variable_seq_lengths=True,  # micro-batches are padded to their own length, not a global maximum
-        moe_token_dispatcher_type="alltoall",  # only to satisfy a check tied to variable_seq_lengths; no MoE
+        # alltoall: the dispatcher for expert parallelism (and what variable_seq_lengths needs on a dense model)
+        moe_token_dispatcher_type="alltoall",
+        **moe_config_kwargs(arch, moe, on_gpu=on_gpu, use_te=on_gpu if use_te is None else use_te, ep=ep,
+                            etp=etp, tp=tp),
         deallocate_pipeline_outputs=on_gpu,
         calculate_per_token_loss=False,
     )
@@ -251,37 +287,58 @@ class LocalRMSNorm(torch.nn.RMSNorm):
 def layer_spec(use_te: bool, config):
     """Transformer Engine spec on GPU (fused norms in linear_qkv / linear_fc1), local spec on CPU.
 
-    The local spec comes back as a whole block (this stage's layers and the final norm, built for
-    `config`, the model's TransformerConfig) so that all its norms are `LocalRMSNorm`."""
+    Either comes back as a whole block for this pipeline stage (`config` is the model's TransformerConfig):
+    MoE models mix MoE and dense layers (`config.moe_layer_freq`), and the local spec's norms, q/k norms
+    included, are all `LocalRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
+        get_transformer_layer_offset,
     )
 
-    if use_te:
+    if use_te and not config.num_moe_experts and not config.qk_layernorm:
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LocalRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
+    if use_te:
+        return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+    pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else [0] * config.num_layers
+    offset = get_transformer_layer_offset(config)
+    kinds = {}  # one spec object per kind of layer (dense, MoE), shared by the layers of that kind
+    for kind in (0, 1):
+        layer = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts if kind else None,
+                                               qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        sub = layer.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
+        if config.qk_layernorm:
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = LocalRMSNorm
+        kinds[kind] = layer
+    layers = [kinds[k] for k in pattern[offset:offset + get_num_layers_to_build(config)]]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)
 
 
 def build_model(arch: HFArch, dtype: torch.dtype = torch.float32, *, use_te: bool = False,
                 sequence_parallel: bool = False, recompute=None, on_gpu: bool | None = None,
-                fusions: dict[str, bool] | None = None):
+                fusions: dict[str, bool] | None = None, moe=None):
     """One GPTModel chunk for this rank's pipeline stage (parallel_state must be initialised).
 
     `on_gpu` (default: `use_te`) places the model on the current CUDA device; a GPU without Transformer
     Engine runs the local spec there. `fusions`: the kernel fusion flags (default: probed on a GPU, off on
-    CPU; see `kernel_fusions`)."""
+    CPU; see `kernel_fusions`). `moe`: `trainer.moe.MoESettings` (MoE models; default: its defaults). EP and
+    expert TP come from parallel_state."""
     on_gpu = use_te if on_gpu is None else on_gpu
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
+    if arch.num_experts:
+        from megatron_sortedrl.trainer.moe import fix_megatron_without_te
+
+        fix_megatron_without_te()
     config = transformer_config(arch, dtype, tp=tp, pp=pp, sequence_parallel=sequence_parallel, on_gpu=on_gpu,
-                                recompute=recompute, fusions=fusions)
+                                recompute=recompute, fusions=fusions, moe=moe,
+                                ep=ps.get_expert_model_parallel_world_size(),
+                                etp=ps.get_expert_tensor_parallel_world_size(), use_te=use_te)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(use_te, config),

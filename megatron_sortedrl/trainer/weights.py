@@ -17,30 +17,43 @@ tensors it is made of and how it is laid out across tensor-parallel ranks:
 * `gate_up` - `[gate_i; up_i]` on TP rank i (gate and up each split along dim 0, then stacked).
 
 The Transformer Engine spec fuses the two RMSNorm weights into the following linear layer; the TE
-column of the table gives those names. Pipeline stages hold a contiguous slice of layers; local layer
+column of the table gives those names. Qwen3's q/k norms (`q_norm`, `k_norm`: one head_dim vector shared by
+every head) are replicated rows of the same table; rows whose HF tensor a model lacks (biases, q/k norms, the
+dense MLP of an MoE layer) are skipped.
+
+MoE layers take their MLP rows from `EXPERT_TABLE` instead of the dense MLP rows (`DENSE_MLP_ROWS`): the
+router (`mlp.gate`, replicated), the pre-MLP norm (not fused into a linear layer in TE's MoE layer) and, per
+expert `{e}`, `gate_up` / `row` layouts split over the *expert* TP group (ETP) instead of TP. Expert `e` lives
+on expert-parallel rank `e // (num_experts / EP)` as its local expert `e % (num_experts / EP)`; the local spec
+names it `mlp.experts.local_experts.{e}.*` (SequentialMLP), TE's grouped GEMM `mlp.experts.linear_fc1.weight{e}`.
+
+Pipeline stages hold a contiguous slice of layers; local layer
 `i` on stage `s` is global layer `s * num_layers / pp + i`. With tied embeddings the last stage holds a
 copy of the embedding as `output_layer.weight`.
 
 The export iterator is a collective: every rank of the trainer calls it and consumes it in the same
-order; shards are all-gathered over TP and the owning stage broadcasts over PP, so every rank yields the
-same full tensors. The checkpoint conversion tool builds on it. Rollout weight sync uses
+order; shards are all-gathered over TP (experts over ETP, then broadcast over EP from the rank that holds
+the expert) and the owning stage broadcasts over PP, so every rank yields the same full tensors. The
+checkpoint conversion tool builds on it (HF files themselves: `hf_files.py`). Rollout weight sync uses
 `iter_stage_hf_weights` instead: each stage's TP rank 0 gathers only its own stage's tensors
 (`stage_export_plan` says which; every HF tensor comes from exactly one stage), so no rank holds the model.
 Both export layer by layer by default (`export_order`): each layer's tensors together, which is what lets
 vLLM's layerwise reload finish one layer before the next arrives.
 
-Deliberately left out: MoE expert tables and learned position embeddings (no target model has them).
+Deliberately left out: learned position embeddings and shared experts (no modelled family has them), and
+weight sync from an expert-parallel trainer (`iter_stage_hf_weights` refuses EP > 1 and ETP != TP: the stage
+sender holds only its own experts; conversion and checkpoint export work at any EP).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_sortedrl.errors import CheckpointError
+from megatron_sortedrl.trainer.hf_files import HFReader
 
 L = "model.layers.{i}."
 # (megatron name, TE megatron name, HF names, layout)
@@ -52,6 +65,10 @@ WEIGHT_TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
      (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"), "qkv"),
     ("decoder.layers.{i}.self_attention.linear_qkv.bias", "decoder.layers.{i}.self_attention.linear_qkv.bias",
      (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"), "qkv"),
+    ("decoder.layers.{i}.self_attention.q_layernorm.weight", "decoder.layers.{i}.self_attention.q_layernorm.weight",
+     (L + "self_attn.q_norm.weight",), "replicated"),
+    ("decoder.layers.{i}.self_attention.k_layernorm.weight", "decoder.layers.{i}.self_attention.k_layernorm.weight",
+     (L + "self_attn.k_norm.weight",), "replicated"),
     ("decoder.layers.{i}.self_attention.linear_proj.weight", "decoder.layers.{i}.self_attention.linear_proj.weight",
      (L + "self_attn.o_proj.weight",), "row"),
     ("decoder.layers.{i}.pre_mlp_layernorm.weight", "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight",
@@ -63,10 +80,32 @@ WEIGHT_TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("decoder.final_layernorm.weight", "decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     ("output_layer.weight", "output_layer.weight", ("lm_head.weight",), "vocab"),
 ]
+# The dense MLP's rows: an MoE layer has `EXPERT_TABLE`'s instead.
+DENSE_MLP_ROWS = frozenset({"decoder.layers.{i}.pre_mlp_layernorm.weight", "decoder.layers.{i}.mlp.linear_fc1.weight",
+                            "decoder.layers.{i}.mlp.linear_fc2.weight"})
+# MoE layers (Qwen3-MoE names): rows with `{e}` are one per expert, split over the expert TP group.
+EXPERT_TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
+    ("decoder.layers.{i}.pre_mlp_layernorm.weight", "decoder.layers.{i}.pre_mlp_layernorm.weight",
+     (L + "post_attention_layernorm.weight",), "replicated"),
+    ("decoder.layers.{i}.mlp.router.weight", "decoder.layers.{i}.mlp.router.weight", (L + "mlp.gate.weight",),
+     "replicated"),
+    ("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight", "decoder.layers.{i}.mlp.experts.linear_fc1.weight{e}",
+     (L + "mlp.experts.{e}.gate_proj.weight", L + "mlp.experts.{e}.up_proj.weight"), "gate_up"),
+    ("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight", "decoder.layers.{i}.mlp.experts.linear_fc2.weight{e}",
+     (L + "mlp.experts.{e}.down_proj.weight",), "row"),
+]
 
 
-def _rows(use_te: bool) -> list[tuple[str, tuple[str, ...], str]]:
-    return [(te if use_te else local, hf, layout) for local, te, hf, layout in WEIGHT_TABLE]
+def _rows(use_te: bool, table=None) -> list[tuple[str, tuple[str, ...], str]]:
+    return [(te if use_te else local, hf, layout) for local, te, hf, layout in (table or WEIGHT_TABLE)]
+
+
+def _layer_rows(arch, gi: int, use_te: bool) -> list[tuple[str, tuple[str, ...], str]]:
+    """The table rows of global layer `gi`: a dense layer's, or an MoE layer's attention rows + EXPERT_TABLE."""
+    if not arch.is_moe_layer(gi):
+        return [r for r in _rows(use_te) if "{i}" in r[0]]
+    dense = [r for r, (local, *_) in zip(_rows(use_te), WEIGHT_TABLE) if "{i}" in local and local not in DENSE_MLP_ROWS]
+    return dense + _rows(use_te, EXPERT_TABLE)
 
 
 # ------------------------------------------------------------------------------------------ layout math
@@ -145,45 +184,25 @@ def hf_shapes(arch) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
             p + "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
             p + "self_attn.o_proj.weight": (h, arch.num_heads * hd),
-            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
         })
+        if arch.is_moe_layer(i):
+            f = arch.moe_ffn_size
+            shapes[p + "mlp.gate.weight"] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h),
+                               q + "down_proj.weight": (h, f)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+                           p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+                           p + "mlp.down_proj.weight": (h, arch.intermediate_size)})
+        if arch.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if arch.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (arch.num_heads * hd,),
                            p + "self_attn.k_proj.bias": (arch.num_kv_heads * hd,),
                            p + "self_attn.v_proj.bias": (arch.num_kv_heads * hd,)})
     return shapes
-
-
-# --------------------------------------------------------------------------------------- reading HF files
-
-
-class HFReader:
-    """Reads single tensors from a HF safetensors checkpoint (sharded or not) without loading it all."""
-
-    def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
-        d = Path(model_dir)
-        index = d / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (d / "model.safetensors").is_file():
-            weight_map = None
-        else:
-            raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        self._handles = {f: safe_open(str(d / f), framework="pt") for f in files}
-        self._where = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise CheckpointError(f"HF checkpoint has no tensor {name}")
-        return self._handles[self._where[name]].get_tensor(name)
 
 
 # -------------------------------------------------------------------------------------------- load/export
@@ -201,34 +220,61 @@ def _local_params(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if "_extra_state" not in k}
 
 
+def _expert_layout() -> tuple[int, int, int, int]:
+    """(EP size, EP rank, expert TP size, expert TP rank) of this rank (1, 0, TP, TP rank without experts)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
+
+
+def _owner_stage(mname: str, gi: int | None, pp: int, per: int) -> int:
+    return (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
+
+
 def load_hf_weights(model, model_dir: str | Path, arch, *, use_te: bool = False) -> None:
-    """Copies a HF checkpoint into this rank's Megatron chunk (its TP shard of its PP stage's layers)."""
+    """Copies a HF checkpoint into this rank's Megatron chunk (its TP shard of its PP stage's layers, and its
+    EP rank's experts, each its expert-TP shard)."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep, ep_rank, etp, etp_rank = _expert_layout()
+    local_experts = arch.num_experts // ep if arch.num_experts else 0
     first, per = _stage_layers(arch)
     reader = HFReader(model_dir)
     params = _local_params(model)
     done = set()
-    for mname, hf_names, layout in _rows(use_te):
-        for local_i in range(per) if "{i}" in mname else [None]:
-            name = mname.format(i=local_i) if local_i is not None else mname
-            if name not in params:
-                continue
-            gi = first + local_i if local_i is not None else None
-            names = [n.format(i=gi) for n in hf_names]
-            if name == "output_layer.weight" and arch.tie_word_embeddings:
-                names = ["model.embed_tokens.weight"]  # last stage's copy of the tied embedding
-            shard = full_to_shard([reader.get(n) for n in names], layout, tp, tp_rank, arch)
-            target = params[name]
-            if target.shape != shard.shape:
-                raise CheckpointError(f"{name}: checkpoint shard {tuple(shard.shape)} != model {tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(shard.to(target.dtype))
-            done.add(name)
+
+    def put(name: str, names: list[str], layout: str, expert: bool) -> None:
+        size, rank = (etp, etp_rank) if expert else (tp, tp_rank)
+        shard = full_to_shard([reader.get(n) for n in names], layout, size, rank, arch)
+        target = params[name]
+        if target.shape != shard.shape:
+            raise CheckpointError(f"{name}: checkpoint shard {tuple(shard.shape)} != model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(shard.to(target.dtype))
+        done.add(name)
+
+    for mname, layout, names, gi, e in export_order(arch, use_te=use_te, order="table"):
+        if gi is not None and not first <= gi < first + per:
+            continue
+        if e is not None and e // local_experts != ep_rank:
+            continue
+        name = _local_name(mname, gi, e, first, local_experts)
+        if name in params:
+            put(name, names, layout, e is not None)
+    if arch.tie_word_embeddings and "output_layer.weight" in params:
+        put("output_layer.weight", ["model.embed_tokens.weight"], "vocab", False)  # last stage's copy
     missing = set(params) - done
     if missing:
         raise CheckpointError(f"parameters not covered by the HF weight table: {sorted(missing)}")
+
+
+def _local_name(mname: str, gi: int | None, e: int | None, first_layer: int, local_experts: int) -> str:
+    """A table name with its layer and expert made local to this stage and EP rank."""
+    if gi is None:
+        return mname
+    return mname.format(i=gi - first_layer, e=e % local_experts if e is not None else None)
 
 
 def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None,
@@ -245,25 +291,35 @@ def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype |
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else [dist.get_rank()]
+    ep, ep_rank, etp, _ = _expert_layout()
+    if arch.num_experts:
+        ep_group, etp_group = ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+        ep_ranks = dist.get_process_group_ranks(ep_group) if ep > 1 else [dist.get_rank()]
+    local_experts = arch.num_experts // ep if arch.num_experts else 0
     my_stage = ps.get_pipeline_model_parallel_rank()
     per = arch.num_layers // pp
     params = tensors if tensors is not None else _local_params(model)
     shapes = hf_shapes(arch)
     out_dtype = dtype or next(iter(params.values())).dtype
     device = next(iter(params.values())).device
-    for mname, layout, names, gi in export_order(arch, use_te=use_te, order=order):
-        owner = (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
+    for mname, layout, names, gi, e in export_order(arch, use_te=use_te, order=order):
+        owner = _owner_stage(mname, gi, pp, per)
+        owner_ep = e // local_experts if e is not None else ep_rank
+        size, group = (etp, etp_group) if e is not None else (tp, tp_group)
         fulls: list[torch.Tensor]
-        if owner == my_stage:
-            local = params[mname.format(i=gi - owner * per) if gi is not None else mname].detach()
-            if tp > 1 and layout != "replicated":
-                gathered = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(gathered, local.contiguous(), group=tp_group)
+        if owner == my_stage and owner_ep == ep_rank:
+            local = params[_local_name(mname, gi, e, owner * per, local_experts or 1)].detach()
+            if size > 1 and layout != "replicated":
+                gathered = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(gathered, local.contiguous(), group=group)
             else:
-                gathered = [local] * tp
+                gathered = [local] * size
             fulls = [t.to(out_dtype).contiguous() for t in shards_to_full(gathered, layout, arch)]
         else:
             fulls = [torch.empty(shapes[n], dtype=out_dtype, device=device) for n in names]
+        if e is not None and ep > 1 and owner == my_stage:  # the expert's EP rank hands it to the others
+            for t in fulls:
+                dist.broadcast(t, src=ep_ranks[owner_ep], group=ep_group)
         if pp > 1:
             for t in fulls:
                 dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
@@ -275,33 +331,38 @@ EXPORT_ORDERS = ("layer", "table")
 
 
 def export_order(arch, *, use_te: bool = False, order: str = "layer"
-                 ) -> list[tuple[str, str, list[str], int | None]]:
-    """(Megatron name with `{i}`, layout, HF names, global layer or None) of every exported row, in send order.
+                 ) -> list[tuple[str, str, list[str], int | None, int | None]]:
+    """(Megatron name with `{i}` / `{e}`, layout, HF names, global layer or None, global expert or None) of every
+    exported row, in send order.
 
     `layer` (the default): the embedding, then layer by layer every tensor of that layer (norms, q/k/v
-    weights *and* biases, o, gate/up, down), then the final norm and the output layer. vLLM's layerwise
-    reload keeps a module's tensors until all of them have arrived, so in this order an engine holds at
-    most the one layer being loaded. `table`: `WEIGHT_TABLE`'s row order (every layer's q/k/v weights before
-    any q/k/v bias), the order before; it makes the engine hold every layer's q/k/v weights until the
-    biases come (kept for the before/after benchmark). A tied output layer is not exported: the embedding
-    already carries it."""
+    weights *and* biases, q/k norms, o, then gate/up, down, or an MoE layer's router and experts in expert
+    order), then the final norm and the output layer. vLLM's layerwise reload keeps a module's tensors until
+    all of them have arrived, so in this order an engine holds at most the one layer being loaded. `table`:
+    `WEIGHT_TABLE`'s row order for every layer, then `EXPERT_TABLE`'s (every layer's q/k/v weights before any
+    q/k/v bias), the order before; it makes the engine hold every layer's q/k/v weights until the biases
+    come (kept for the before/after benchmark). A tied output layer is not exported: the embedding already
+    carries it."""
     if order not in EXPORT_ORDERS:
         raise ValueError(f"weight export order {order!r}: expected one of {EXPORT_ORDERS}")
     shapes = hf_shapes(arch)
     rows = [r for r in _rows(use_te) if not (r[0] == "output_layer.weight" and arch.tie_word_embeddings)]
-    per_layer = [r for r in rows if "{i}" in r[0]]
-    first = next(k for k, r in enumerate(rows) if "{i}" in r[0])
+    head = [(r, None) for r in rows[:next(k for k, r in enumerate(rows) if "{i}" in r[0])] if "{i}" not in r[0]]
+    tail = [(r, None) for r in rows if "{i}" not in r[0] and (r, None) not in head]
     if order == "table":
-        cells = [(r, gi) for r in rows for gi in (range(arch.num_layers) if "{i}" in r[0] else [None])]
+        dense = [(r, local not in DENSE_MLP_ROWS) for r, (local, *_) in zip(_rows(use_te), WEIGHT_TABLE)]
+        cells = ([(r, gi) for r, in_moe in dense if "{i}" in r[0] for gi in range(arch.num_layers)
+                  if in_moe or not arch.is_moe_layer(gi)]
+                 + [(r, gi) for r in _rows(use_te, EXPERT_TABLE) for gi in range(arch.num_layers)
+                    if arch.is_moe_layer(gi)])
     else:
-        cells = ([(r, None) for r in rows[:first] if "{i}" not in r[0]]
-                 + [(r, gi) for gi in range(arch.num_layers) for r in per_layer]
-                 + [(r, None) for r in rows[first:] if "{i}" not in r[0]])
+        cells = [(r, gi) for gi in range(arch.num_layers) for r in _layer_rows(arch, gi, use_te)]
     out = []
-    for (mname, hf_names, layout), gi in cells:
-        names = [n.format(i=gi) for n in hf_names]
-        if names[0] in shapes:  # (not: e.g. the qkv bias of a model without one)
-            out.append((mname, layout, names, gi))
+    for (mname, hf_names, layout), gi in head + cells + tail:
+        for e in range(arch.num_experts) if "{e}" in mname else [None]:
+            names = [n.format(i=gi, e=e) for n in hf_names]
+            if names[0] in shapes:  # (not: e.g. the qkv bias of a model without one)
+                out.append((mname, layout, names, gi, e))
     return out
 
 
@@ -310,13 +371,14 @@ def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False, order:
     """(local Megatron name, layout, HF names) of every tensor pipeline stage `stage` exports, in export order.
 
     Each HF tensor belongs to exactly one stage: layers to their stage, the embedding to the first, the final
-    norm and an untied output layer to the last. `order`: see `export_order`."""
+    norm and an untied output layer to the last. `order`: see `export_order`. Experts are named as the stage
+    holds them without expert parallelism (`iter_stage_hf_weights` refuses EP > 1)."""
     per = arch.num_layers // pp
     plan = []
-    for mname, layout, names, gi in export_order(arch, use_te=use_te, order=order):
-        owner = (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
+    for mname, layout, names, gi, e in export_order(arch, use_te=use_te, order=order):
+        owner = _owner_stage(mname, gi, pp, per)
         if owner == stage:
-            plan.append((mname.format(i=gi - owner * per) if gi is not None else mname, layout, names))
+            plan.append((_local_name(mname, gi, e, owner * per, arch.num_experts or 1), layout, names))
     return plan
 
 
@@ -362,6 +424,9 @@ def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dty
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
+    if arch.num_experts and (_expert_layout()[0] > 1 or _expert_layout()[2] != tp):
+        raise NotImplementedError("weight sync from an expert-parallel trainer (parallel.expert_model_parallel_size "
+                                  "> 1, or expert TP != TP) is not implemented; export a checkpoint instead")
     tp_group = ps.get_tensor_model_parallel_group()
     tp_rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
     ranks = dist.get_process_group_ranks(tp_group) if tp > 1 else [None]
@@ -395,56 +460,3 @@ def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dty
                     dist.recv(full.narrow(0, r * per, rows), src=ranks[r], group=tp_group)
             yield names[k], (full.t() if transposed else full).to(out_dtype)
             del full
-
-
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt")
-
-
-def write_hf_dir(out_dir: str | Path, tensors: Iterator[tuple[str, torch.Tensor]], source_dir: str | Path,
-                 shard_bytes: int = 2 << 30) -> str:
-    """Writes streamed HF tensors as a loadable HF directory (safetensors shards + config/tokenizer copies).
-
-    Written into `<out_dir>.partial` and renamed at the end, so readers (rollout weight sync) never see a
-    half-written directory."""
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    tmp = out.parent / f".{out.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    shard: dict[str, torch.Tensor] = {}
-    size, files, weight_map = 0, [], {}
-
-    def flush():
-        nonlocal shard, size
-        if shard:
-            name = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            files.append(name)
-            weight_map.update({k: name for k in shard})
-            shard, size = {}, 0
-
-    for name, t in tensors:
-        shard[name] = t.detach().cpu().contiguous().clone()
-        size += t.numel() * t.element_size()
-        if size >= shard_bytes:
-            flush()
-    flush()
-    if len(files) == 1:
-        os.rename(tmp / files[0], tmp / "model.safetensors")
-    else:
-        total = sum((tmp / f).stat().st_size for f in files)
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    for f in HF_SIDE_FILES:
-        if (Path(source_dir) / f).is_file():
-            shutil.copy(Path(source_dir) / f, tmp / f)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
-    return str(out)

@@ -71,6 +71,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         from megatron.core.distributed import DistributedDataParallel
 
         from megatron_sortedrl.trainer.model import build_model, read_hf_config
+        from megatron_sortedrl.trainer.moe import MoESettings, check_expert_layout, expert_tp, needs_sequence_parallel
         from megatron_sortedrl.trainer.optimizer import build_optimizer
         from megatron_sortedrl.trainer.weights import load_hf_weights
 
@@ -90,19 +91,25 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         dist.init_process_group("nccl" if self.gpu else "gloo", init_method=f"tcp://{addr}:{port}",
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=30))
         p = cfg.parallel
-        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-        cpu_compat.seed_model_parallel(cfg.seed)
         self.arch = read_hf_config(cfg.model.path, cfg.model.rope_scaling)
         cfg.validate_model_shape(self.arch.num_heads, self.arch.num_kv_heads, self.arch.num_layers)
+        check_expert_layout(self.arch, p)  # before any group: a layout Megatron cannot build, named by its key
+        # Expert parallelism (MoE): EP x expert-TP groups carved out of each stage's TP x DP ranks (trainer/moe.py)
+        ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     expert_model_parallel_size=p.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=expert_tp(p))
+        cpu_compat.seed_model_parallel(cfg.seed)
         self.dtype = getattr(torch, cfg.model.dtype)
         # Sequence parallelism and recompute run on both paths (on CPU through cpu_compat); Megatron only
-        # turns sequence parallelism on at TP > 1.
-        sp, rc = p.sequence_parallel, p.recompute
+        # turns sequence parallelism on at TP > 1, and an MoE model needs it there (trainer/moe.py).
+        sp, rc = p.sequence_parallel or needs_sequence_parallel(self.arch, p.tensor_model_parallel_size), p.recompute
+        self.sequence_parallel = sp
+        moe = MoESettings.from_config(cfg)
         fusions = self.kernels.fusions()
         if self.rank == 0 and self.gpu:  # once per run: what was found, and what the trainer uses because of it
             print(f"[trainer] {self.kernels.line()}", flush=True)
         model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp, recompute=rc,
-                            on_gpu=self.gpu, fusions=fusions)
+                            on_gpu=self.gpu, fusions=fusions, moe=moe)
         load_hf_weights(model, cfg.model.path, self.arch, use_te=self.use_te)
         ddp_cfg = ddp_config(cfg, self.gpu, ps.get_data_parallel_world_size())
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
@@ -117,7 +124,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
             # Same layout and recompute as the policy; the reference only runs forward (no_grad), where
             # Megatron recomputes nothing, so this only keeps the two configs identical.
             self.ref_model = build_model(self.arch, self.dtype, use_te=self.use_te, sequence_parallel=sp,
-                                         recompute=rc, on_gpu=self.gpu, fusions=fusions)
+                                         recompute=rc, on_gpu=self.gpu, fusions=fusions, moe=moe)
             load_hf_weights(self.ref_model, cfg.model.path, self.arch, use_te=self.use_te)
             self.ref_model.eval().requires_grad_(False)
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -151,14 +158,32 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
 
     def _microbatches(self, seq_items: list[SeqItem]):
         # sequence parallelism splits each micro-batch's sequence across the TP ranks
-        multiple = self.tp if self.cfg.parallel.sequence_parallel else 1
+        multiple = self.tp if self.sequence_parallel else 1
         mbs = make_microbatches(seq_items, self.cfg.trainer.micro_batch_tokens, multiple)
+        if self.arch.num_experts and self.dp > 1:
+            mbs += self._expert_padding(len(mbs), seq_items, multiple)
         if self.gpu:
             for mb in mbs:
                 for name in ("tokens", "position_ids", "labels", "loss_mask"):
                     setattr(mb, name, getattr(mb, name).cuda(non_blocking=True))
                 mb.extras = {k: v.cuda(non_blocking=True) for k, v in mb.extras.items()}
         return mbs
+
+    def _expert_padding(self, count: int, seq_items: list[SeqItem], multiple: int) -> list:
+        """Fully masked micro-batches that bring this replica to the largest micro-batch count of any replica.
+
+        Expert parallelism dispatches tokens between DP replicas inside every MoE layer (an all-to-all per
+        layer and micro-batch), so all replicas must run the same number of micro-batches, which their own
+        shards do not guarantee. A masked row adds nothing to the loss or the gradients."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        n = torch.tensor([count], device="cuda" if self.gpu else "cpu")
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        keys = seq_items[0].extras.keys() if seq_items else ()
+        dummy = SeqItem(-1, [0], [0], {k: [0.0] for k in keys}, [0.0])
+        return [make_microbatches([dummy], self.cfg.trainer.micro_batch_tokens, multiple)[0]
+                for _ in range(int(n.item()) - count)]
 
     def _run(self, model, mbs, loss_fn, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -427,7 +452,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         return self._nccl
 
     def export_hf(self, out_dir: str, dtype: str | None = None) -> str | None:
-        from megatron_sortedrl.trainer.weights import export_hf_weights, write_hf_dir
+        from megatron_sortedrl.trainer.hf_files import write_hf_dir
+        from megatron_sortedrl.trainer.weights import export_hf_weights
 
         tensors = export_hf_weights(self.module, self.arch, use_te=self.use_te,
                                     dtype=getattr(torch, dtype) if dtype else None)
