@@ -170,8 +170,11 @@ def _plan_lines(args: list[str]) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("override, text", [
-    ("parallel.expert_model_parallel_size=3", "EP=3 does not divide the 128 experts"),
-    ("parallel.expert_model_parallel_size=64", "EP=64 x ETP=1 does not divide TP x DP = 32"),
+    # (the config check at load, layout.check_layout, refuses these before the planner's own copy of it runs)
+    ("parallel.expert_model_parallel_size=3", "parallel.expert_model_parallel_size=3 is not allowed; expected such "
+                                              "that EP x expert TP (3 x 1) divides TP x DP (4 x 8)"),
+    ("parallel.expert_model_parallel_size=64", "parallel.expert_model_parallel_size=64 is not allowed; expected such "
+                                               "that EP x expert TP (64 x 1) divides TP x DP (4 x 8)"),
     ("parallel.sequence_parallel=false", "set parallel.sequence_parallel=true"),
 ])
 def test_plan_refuses_an_expert_layout_megatron_cannot_build(override, text):
