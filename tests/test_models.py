@@ -58,16 +58,10 @@ def test_qwen3_moe_refuses_an_unsupported_router(change, key):
 
 
 @pytest.mark.parametrize("archs, model_type", [(["Qwen2ForCausalLM"], "qwen3"), (["Qwen3ForCausalLM"], "qwen3_moe"),
-                                               (["Qwen3MoeForCausalLM"], "qwen3"), (["Qwen3ForCausalLM"], "mixtral")])
+                                               (["Qwen3MoeForCausalLM"], "qwen3"), (["MixtralForCausalLM"], "mixtral")])
 def test_an_architecture_that_does_not_match_its_model_type_is_refused(archs, model_type):
     with pytest.raises(UserError, match=f"architecture {archs[0]} with model_type '{model_type}' is not supported"):
         check_architecture({**QWEN3, "architectures": archs, "model_type": model_type}, "config.json")
-
-
-def test_an_unknown_architecture_is_named():
-    with pytest.raises(UserError, match="config.json: architecture MixtralForCausalLM is not supported; expected one "
-                                        "of .*Qwen3MoeForCausalLM \\(model_type qwen3_moe\\)"):
-        check_architecture({**QWEN3, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "config.json")
 
 
 def test_read_hf_config_derives_head_dim_norms_and_the_moe_layer_pattern(tmp_path):

@@ -117,8 +117,7 @@ def check_architecture(cfg: dict, source: str) -> None:
     expected = MODELLED.get(model_type, (None, {}))[0]
     bad = next((a for a in archs if a != expected), None) if expected else None
     if expected is None:
-        bad = (next((a for a in archs if a not in SUPPORTED_ARCHITECTURES), None)
-               or f"{archs[0] if archs else '(none)'} with model_type {model_type!r}")
+        bad = f"{archs[0] if archs else '(none)'} with model_type {model_type!r}"
     elif bad is not None:
         bad = f"{bad} with model_type {model_type!r}"
     if bad is not None:
