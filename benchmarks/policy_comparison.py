@@ -107,10 +107,11 @@ class Session:
     counters are new: each run sees what a fresh `train` with `model.path=<warm start>` would.
     """
 
-    def __init__(self, args, spec: bool, work: Path) -> None:
+    def __init__(self, args, spec: bool, work: Path, overrides=None) -> None:
         from megatron_sortedrl.driver import Driver
 
         self.args, self.spec, self.work = args, spec, work
+        self.overrides = overrides or workload_overrides  # args -> the config keys every run shares
         self.cfg = self.run_config("sync", args.seed, work / f"session_{'spec' if spec else 'plain'}", warmup=True)
         print(f"starting a driver (speculative.enabled={str(spec).lower()}) ...", flush=True)
         t0 = time.monotonic()
@@ -120,17 +121,18 @@ class Session:
         self.startup_s = time.monotonic() - t0
         print(f"driver up in {self.startup_s:.0f}s", flush=True)
 
-    def run_config(self, policy: str, seed: int, run_dir: Path, warmup: bool = False, stream: bool = False):
+    def run_config(self, policy: str, seed: int, run_dir: Path, warmup: bool = False, stream: bool = False,
+                   extra: tuple[str, ...] = ()):
         from megatron_sortedrl.config import load_config
 
         args = self.args
-        keys = workload_overrides(args) + [
+        keys = self.overrides(args) + [
             f"seed={seed}", f"model.path={self.work / 'base_model'}", "model.build_tiny_if_missing=true",
             f"data.num_epochs={args.epochs}", f"trainer.total_steps={args.prompts * args.epochs}",
             "trainer.eval_interval=0", "checkpoint.save_interval=0", "checkpoint.resume=never",
             f"logging.run_dir={run_dir}", f"scheduler.policy={policy}",
             f"speculative.enabled={str(self.spec).lower()}", "speculative.method=histospec",
-            f"trainer.stream={str(stream).lower()}"]
+            f"trainer.stream={str(stream).lower()}", *extra]
         if not warmup:
             keys.append("trainer.warmup_sft_steps=0")
         elif args.warmup_steps is not None:
@@ -145,12 +147,12 @@ class Session:
         import random
         from dataclasses import replace
 
-        from megatron_sortedrl.data import load_prompts
+        from megatron_sortedrl.warmup import sft_problems
 
         d, steps = self.driver, self.cfg.trainer.warmup_sft_steps
         problems = self.args.sft_prompts or self.cfg.trainer.warmup_sft_problems or 2048
-        pool = load_prompts(replace(self.cfg.data, num_train_prompts=problems,
-                                    seed=self.cfg.data.seed + 2_000_003), "train")
+        # the driver's own pool (fresh problems, another seed; `warmup_answer_only_share` applied)
+        pool = sft_problems(replace(self.cfg, trainer=replace(self.cfg.trainer, warmup_sft_problems=problems)), [])
         rng = random.Random(self.cfg.seed)
         t0, out = time.monotonic(), {}
         for i in range(steps):
@@ -165,7 +167,11 @@ class Session:
         (ckpt.parent / "warm_start.json").write_text(json.dumps(info, indent=1))
         return info
 
-    def run(self, name: str, repeat: int, ckpt: Path) -> dict:
+    def run(self, name: str, repeat: int, ckpt: Path, variant: tuple | None = None, on_step=None,
+            replay: bool = True) -> dict:
+        """One run of variant `name` (`VARIANTS[name]`, or `variant` = (policy, speculative, stream[, extra
+        config keys])) from the warm start; `on_step(driver, StepResult)` is called after every step (the
+        driver's hook); `replay` adds sync's packed replay (the `ceiling` block)."""
         import random
 
         from megatron_sortedrl.trainer.stream import DriverStream
@@ -173,11 +179,12 @@ class Session:
         from scheduler.policies import make_policy
         from speculative.history import HistoryStore
 
-        policy, spec, stream = VARIANTS[name]
+        policy, spec, stream, *rest = variant or VARIANTS[name]
+        extra = tuple(rest[0]) if rest else ()
         assert spec == self.spec
         run_dir = self.work / f"{name.replace('+', '_')}_r{repeat}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        cfg = self.run_config(policy, self.args.seed + repeat, run_dir, stream=stream)
+        cfg = self.run_config(policy, self.args.seed + repeat, run_dir, stream=stream, extra=extra)
         d = self.driver
         for close in d.records.closers():
             close()
@@ -207,7 +214,7 @@ class Session:
         load = [os.getloadavg()[0]]
         t0 = time.monotonic()
         try:
-            summary = d.run()
+            summary = d.run(on_step=(lambda result: on_step(d, result)) if on_step else None)
         except Exception as exc:
             raise RunFailed(f"{name} (repeat {repeat}) failed: {type(exc).__name__}: {exc}") from exc
         process_s = time.monotonic() - t0
@@ -216,7 +223,7 @@ class Session:
             raise RunFailed(f"{name} (repeat {repeat}) did not use up its data: {summary}")
         out = {**figures(run_dir, cfg.rollout.max_num_seqs), "process_s": process_s, "driver_wall_s": summary["wall_s"],
                "load_average": load, "accuracy_before_rl": summary["accuracy_before_rl"], "run_dir": str(run_dir)}
-        if name == BASELINE:  # the floor of every plain schedule on this run's responses (the `ceiling` block)
+        if name == BASELINE and replay:  # the floor of every plain schedule on this run's responses (the `ceiling` block)
             out["packed_replay"] = packed_replay(d, run_dir)
         return out
 

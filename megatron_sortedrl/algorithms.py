@@ -23,6 +23,19 @@ Conventions (each matches the reference formula in tests/test_algorithms.py):
   detached, multiplies the per-token policy loss. `logp_old` is the trainer's proximal policy; for tokens
   of a partial rollout sampled by older versions `logp_rollout` is the per-token behaviour log-prob of the
   version that sampled it, so the same weight also corrects staleness.
+* Trainer-rollout mismatch (logged for every model whenever the engines' log-probs are known), with
+  `log rho = logp_old - logp_rollout` per trained token: `mismatch/logp_abs_diff` = |log rho|,
+  `mismatch/k3_kl` = `rho - 1 - log rho` (k3 estimate of KL(engine || trainer) on the engine's own samples),
+  `mismatch/ratio_out_of_band` = 1 when rho leaves [0.5, 2].
+* Corrections beside TIS (each off at 0; the weight multiplies the per-token policy loss, detached; a masked
+  token keeps its place in the aggregation's denominator, as a zero-weight token does under TIS):
+  - MIS (`mis_high`, `mis_low`): `w_t = rho_t` inside [mis_low, mis_high], 0 outside: masked instead of
+    truncated; it replaces TIS's `min(rho, cap)`.
+  - IcePop (`icepop_beta`): tokens with rho outside [1/beta, beta] are masked (w_t = 0); the others keep their
+    importance weight (TIS or MIS), so TIS with cap = beta gives IcePop's `rho * 1[1/beta <= rho <= beta]`.
+  - Sequence mask (`seq_geo_band`, `seq_token_band`): a whole sequence gets w = 0 when its geometric-mean
+    ratio `exp(mean_t log rho_t)` leaves [1/b, b], or when any of its tokens' rho leaves [1/b', b']
+    (max deviation `max_t |log rho_t| > log b'`); the means and maxima run over trained tokens only.
 * KL to the reference: the k3 estimator `exp(ref - logp) - (ref - logp) - 1` (non-negative, unbiased).
 * DAPO soft overlong penalty (`overlong_penalty`): 0 up to `max_len - buffer` tokens, then
   `((max_len - buffer) - L) / buffer * factor`, linear down to `-factor` at `max_len`, and `-factor` beyond.
@@ -31,7 +44,7 @@ Conventions (each matches the reference formula in tests/test_algorithms.py):
   parallel ranks) can sum its parts against global counts.
 
 Deliberately left out: value functions / GAE (no critic in this project) and sequence-level importance
-ratios (GSPO).
+ratios (GSPO); the sequence mask only masks, it does not reweight by the sequence ratio.
 """
 
 from __future__ import annotations
@@ -167,6 +180,60 @@ def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, cap: float) 
     return torch.exp(logp_old - logp_rollout).clamp(max=cap).detach()
 
 
+MISMATCH_BAND = (0.5, 2.0)  # importance ratios outside it count in `mismatch/ratio_out_of_band`
+_LOG_RHO_CLAMP = 20.0  # exp() of a log-ratio beyond this overflows float32 arithmetic downstream (verl's clamp)
+
+
+def mismatch_terms(logp_old: torch.Tensor, logp_rollout: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token trainer-rollout mismatch (detached; average over the trained tokens to log it)."""
+    log_rho = (logp_old - logp_rollout).detach()
+    lo, hi = math.log(MISMATCH_BAND[0]), math.log(MISMATCH_BAND[1])
+    d = log_rho.clamp(max=_LOG_RHO_CLAMP)  # a finite KL even for a wild token (exp(20) still fits)
+    return {"mismatch/logp_abs_diff": log_rho.abs(),
+            "mismatch/k3_kl": torch.exp(d) - d - 1.0,  # = kl_k3(logp_rollout, logp_old), clamped
+            "mismatch/ratio_out_of_band": ((log_rho < lo) | (log_rho > hi)).to(logp_old.dtype)}
+
+
+def _outside(log_rho: torch.Tensor, band: float) -> torch.Tensor:
+    """1 where rho leaves [1/band, band] (band > 1), as a bool tensor."""
+    return log_rho.abs() > math.log(band)
+
+
+def rollout_correction(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor | None = None, *,
+                       tis_cap: float = 0.0, mis_low: float = 0.0, mis_high: float = 0.0, icepop_beta: float = 0.0,
+                       seq_geo_band: float = 0.0, seq_token_band: float = 0.0
+                       ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The detached per-token weight of the trainer/rollout correction ([B, T], rows are sequences) and its
+    per-token indicator terms; weight None when every correction is off. See the module docstring."""
+    log_rho = (logp_old - logp_rollout).detach()
+    mask = torch.ones_like(log_rho) if mask is None else mask.to(log_rho.dtype)
+    terms: dict[str, torch.Tensor] = {}
+    w = None
+    if mis_high > 0:
+        rho = torch.exp(log_rho.clamp(-_LOG_RHO_CLAMP, _LOG_RHO_CLAMP))
+        out = (rho < mis_low) | (rho > mis_high)
+        w = torch.where(out, torch.zeros_like(rho), rho)
+        terms["correction/mis_masked"] = out.to(log_rho.dtype)
+    elif tis_cap > 0:
+        w = tis_weights(logp_old.detach(), logp_rollout, tis_cap)
+        terms["tis_weight"] = w
+    if icepop_beta > 0:
+        out = _outside(log_rho, icepop_beta)
+        w = (torch.ones_like(log_rho) if w is None else w) * (~out).to(log_rho.dtype)
+        terms["correction/icepop_masked"] = out.to(log_rho.dtype)
+    if seq_geo_band > 0 or seq_token_band > 0:
+        drop = torch.zeros(log_rho.shape[:-1], dtype=torch.bool, device=log_rho.device)
+        if seq_geo_band > 0:
+            geo = (log_rho * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # log of the geometric-mean ratio
+            drop |= geo.abs() > math.log(seq_geo_band)
+        if seq_token_band > 0:
+            drop |= ((log_rho.abs() * mask).amax(-1) > math.log(seq_token_band))
+        keep = (~drop).to(log_rho.dtype).unsqueeze(-1).expand_as(log_rho)
+        w = (torch.ones_like(log_rho) if w is None else w) * keep
+        terms["correction/seq_masked"] = 1.0 - keep
+    return w, terms
+
+
 def log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, clamp: float = 0.0) -> torch.Tensor:
     """`logp - logp_old`, clamped to [-clamp, clamp] when clamp > 0 (verl: 20) so exp() cannot overflow."""
     d = logp - logp_old
@@ -200,19 +267,27 @@ def policy_loss_per_token(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollo
                           advantages: torch.Tensor, *, clip_low: float, clip_high: float, tis_cap: float = 0.0,
                           ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
                           entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
-                          clip_ratio_c: float = 0.0, log_ratio_clamp: float = 0.0
+                          clip_ratio_c: float = 0.0, log_ratio_clamp: float = 0.0,
+                          mask: torch.Tensor | None = None, mis_low: float = 0.0, mis_high: float = 0.0,
+                          icepop_beta: float = 0.0, seq_geo_band: float = 0.0, seq_token_band: float = 0.0
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The full per-token objective (before aggregation) and per-token terms for logging."""
+    """The full per-token objective (before aggregation) and per-token terms for logging. With `logp_rollout`
+    the mismatch terms are always there and the corrections (TIS, MIS, IcePop, sequence mask) apply as set;
+    `mask` (trained tokens) only matters to the sequence mask."""
     pg, clipped, lower, ratio = _ppo_clip(logp, logp_old, advantages, clip_low, clip_high, clip_ratio_c,
                                           log_ratio_clamp)
     terms = {"pg_loss": pg, "clip_frac": clipped, "ratio": ratio.detach()}
     if clip_ratio_c > 0:
         terms["clip_frac_lower"] = lower  # verl's pg_clipfrac_lower: tokens held at the dual-clip bound
-    if logp_rollout is not None and tis_cap > 0:
-        w = tis_weights(logp_old.detach(), logp_rollout, tis_cap)
-        pg = pg * w
-        terms["tis_weight"] = w
+    if logp_rollout is not None:
+        terms.update(mismatch_terms(logp_old, logp_rollout))
+        w, corr = rollout_correction(logp_old, logp_rollout, mask, tis_cap=tis_cap, mis_low=mis_low,
+                                     mis_high=mis_high, icepop_beta=icepop_beta, seq_geo_band=seq_geo_band,
+                                     seq_token_band=seq_token_band)
         terms["rollout_kl"] = (logp_rollout - logp_old).detach()  # k1 estimate of KL(rollout || trainer)
+        if w is not None:
+            pg = pg * w
+            terms.update(corr)
     loss = pg
     if ref_logp is not None and kl_coef > 0:
         kl = kl_k3(logp, ref_logp)
@@ -230,13 +305,14 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
                 logp_rollout: torch.Tensor | None = None, tis_cap: float = 0.0,
                 ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
                 entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
-                clip_ratio_c: float = 0.0, log_ratio_clamp: float = 0.0
+                clip_ratio_c: float = 0.0, log_ratio_clamp: float = 0.0, **corrections: float
                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregated loss of a whole batch and token-mean metrics (convenience over the per-token form)."""
+    """Aggregated loss of a whole batch and token-mean metrics (convenience over the per-token form);
+    `corrections`: mis_low, mis_high, icepop_beta, seq_geo_band, seq_token_band."""
     per_token, terms = policy_loss_per_token(
         logp, logp_old, logp_rollout, advantages, clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
         ref_logp=ref_logp, kl_coef=kl_coef, entropy=entropy, entropy_coef=entropy_coef,
-        clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp)
+        clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp, mask=mask, **corrections)
     n = mask.sum().clamp(min=1)
     metrics = {k: float((v * mask).sum() / n) for k, v in terms.items()}
     return aggregate(per_token, mask, aggregation), metrics

@@ -48,6 +48,10 @@ def help_field(text: str, default: Any = None, factory: Any = None, **checks: An
     return field(default=default, metadata=meta)
 
 
+# Tasks whose warm-start solutions trainer.warmup_answer_only_share can cut to a `#### <answer>` line.
+ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition")
+
+
 @dataclass
 class TinyModelConfig:
     """Shape of the built-in tiny Qwen2-architecture model (used when model.path does not exist yet)."""
@@ -232,8 +236,15 @@ class RolloutConfig:
         "TP rank) | uni (the model in the engine-core process; TP 1 only, a TP > 1 layout uses mp). On 2 CPU cores "
         "uni generated 1.22x the tokens/s of mp (docs/benchmarks/engine_executor.json).", "auto",
         choices=("auto", "mp", "uni"))
+    return_routed_experts: str = help_field(
+        "MoE engines return each token's routed experts for routing replay: auto (on for an MoE model with "
+        "algorithm.routing_replay; CPU engines capture them in the worker extension, without prefix caching) | on | "
+        "off.", "auto",
+        choices=("auto", "on", "off"))
 
     def __post_init__(self) -> None:
+        if self.return_routed_experts not in ("auto", "on", "off"):
+            raise ConfigError("rollout.return_routed_experts", self.return_routed_experts, "one of auto, on, off")
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",
                     "max_response_length", "max_num_seqs"):
             if getattr(self, key) < 1:
@@ -320,8 +331,33 @@ class AlgorithmConfig:
     log_ratio_clamp: float = help_field(
         "Clamp of log(pi / pi_old) to [-x, x] before exp (verl: 20), so a stale token cannot overflow the ratio; "
         "0 turns it off.", 20.0, min=0)
+    routing_replay: bool = help_field(
+        "MoE models: the trainer replays the experts the engines routed each token to (R3) in the log-prob and "
+        "training passes (rollout.return_routed_experts); dense models ignore it.", False)
+    # Trainer/rollout mismatch corrections beside TIS (algorithms.py: rollout_correction); each 0 = off.
+    mis_high: float = help_field(
+        "Masked importance sampling: tokens whose trainer/engine ratio leaves [mis_low, mis_high] are masked from "
+        "the loss, the rest weighted by the ratio (replaces TIS's truncation; tis_cap then unused); > 1, or 0 off.",
+        0.0, min=0)
+    mis_low: float = help_field("Masked importance sampling: lower end of the kept ratio band, in [0, 1).", 0.0,
+                                min=0, lt=1)
+    icepop_beta: float = help_field(
+        "IcePop token masking: tokens whose trainer/engine ratio leaves [1/beta, beta] get no gradient; > 1, or 0 off.",
+        0.0, min=0)
+    seq_mask_geo_band: float = help_field(
+        "Sequence mask: drop a whole sequence whose geometric-mean trainer/engine ratio leaves [1/x, x]; > 1, or 0 off.",
+        0.0, min=0)
+    seq_mask_token_band: float = help_field(
+        "Sequence mask: drop a whole sequence any of whose tokens' trainer/engine ratio leaves [1/x, x]; > 1, or 0 off.",
+        0.0, min=0)
 
     def __post_init__(self) -> None:
+        for key in ("mis_high", "icepop_beta", "seq_mask_geo_band", "seq_mask_token_band"):
+            v = getattr(self, key)
+            if v != 0 and not v > 1:
+                raise ConfigError(f"algorithm.{key}", v, "a float > 1, or 0 to turn it off")
+        if not 0 <= self.mis_low < 1:
+            raise ConfigError("algorithm.mis_low", self.mis_low, "a float in [0, 1)")
         if self.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"):
             raise ConfigError("algorithm.advantage", self.advantage, "one of grpo, reinforce_pp, reinforce_pp_baseline, rloo")
         if self.loss_aggregation not in ("token", "sequence"):
@@ -361,6 +397,12 @@ class TrainerConfig:
         "Procedural tasks: warm start on this many fresh problems (another seed than train and eval) instead of "
         "the training prompts, so it learns the procedure rather than the RL prompts' answers (0: the training "
         "prompts).", 0, min=0)
+    warmup_answer_only_share: float = help_field(
+        "Share of warm-start solutions cut to their answer line (`#### <answer>`; arithmetic, long_addition and "
+        "column_addition): "
+        "a teacher that sometimes skips the worked steps. The model then answers some problems without working, "
+        "and RL has to learn that the steps pay off, as reasoning RL learns to think longer (the learning-parity "
+        "workload, configs/learning_cpu.yaml). 0 keeps every worked solution.", 0.0, min=0, max=1)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10, min=0)
     stream: bool = help_field(
         "Stream training (trainer/stream.py): backward of each finished prompt group while the round still "
@@ -576,6 +618,10 @@ class RunConfig:
             raise ConfigError("trainer.stream", True,
                               f"false with algorithm.advantage={adv} (it whitens over the whole batch, unknown while "
                               "groups are streamed); use grpo or rloo to stream")
+        if self.trainer.warmup_answer_only_share > 0 and self.data.task not in ANSWER_LINE_TASKS:
+            raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
+                              f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "
+                              "an answer to cut them to)")
         if self.sampling.overlong_buffer >= r.max_response_length:
             raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
                               f"fewer tokens than rollout.max_response_length ({r.max_response_length})")

@@ -105,6 +105,7 @@ class RunRecords:
                "time/step_s": step_s,
                # the policy's own per-round decision log (twotier: prompts carried in/out, harvest target)
                **{f"scheduler/{k}": v for k, v in harvest_stats.get("decision", {}).items()}}
+        row.update(_routes(batch))
         for part in parts:
             row.update(part)
         row = self.metrics.log(step, row)
@@ -139,6 +140,17 @@ class RunRecords:
 
     def closers(self) -> list[Callable[[], None]]:
         return [self.timeline.close, self.metrics.close, self._reward_fail_log.close]
+
+
+def _routes(batch: list[Sample]) -> dict[str, float]:
+    """MoE routing replay: `rollout/routed_share` (samples of the update whose engine routes cover every input
+    position) and `rollout/route_bytes` (what their routes hold); absent when no sample carries routes."""
+    held = [s.routed_experts for s in batch if s.routed_experts is not None]
+    if not held:
+        return {}
+    full = sum(s.routed_experts is not None
+               and s.routed_experts.num_rows == len(s.prompt_tokens) + len(s.response_tokens) - 1 for s in batch)
+    return {"rollout/routed_share": full / len(batch), "rollout/route_bytes": float(sum(len(r.data) for r in held))}
 
 
 def _bubble(events: list, step: int) -> float:

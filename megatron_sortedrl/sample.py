@@ -10,6 +10,79 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Unsigned element types for expert ids, narrowest first: (numpy dtype name, bytes, largest expert count held)
+ROUTE_DTYPES = (("uint8", 1, 256), ("uint16", 2, 65536), ("uint32", 4, 2**32))
+
+
+def route_dtype(num_experts: int) -> str:
+    """The smallest unsigned integer dtype (numpy name) that holds expert ids 0..num_experts-1."""
+    for name, _, most in ROUTE_DTYPES:
+        if num_experts <= most:
+            return name
+    raise ValueError(f"{num_experts} experts do not fit in 32 bits")
+
+
+def route_bytes_per_token(num_layers: int, topk: int, num_experts: int) -> int:
+    """Bytes one token's routes take in a `RoutedExperts`: layers x top-k x the id's width (the bound per token)."""
+    return num_layers * topk * dict((n, b) for n, b, _ in ROUTE_DTYPES)[route_dtype(num_experts)]
+
+
+@dataclass
+class RoutedExperts:
+    """The experts an engine routed each token position to: [positions, MoE layers, top-k] expert ids, row-major,
+    in `route_dtype(num_experts)` (uint8 up to 256 experts), kept as raw bytes so a `Sample` stays free of numpy
+    and torch and checkpoints as plain data. Row i is input position i of the sample's sequence (prompt, then
+    response): the routing of token i when it was fed to the model, which the log-prob of token i + 1 depends on.
+    A finished sample of P prompt and R response tokens holds P + R - 1 rows (the last token is never fed)."""
+
+    num_layers: int  # MoE layers (route columns)
+    topk: int  # experts per token
+    num_experts: int  # routed experts per layer (fixes the dtype)
+    data: bytes = b""  # row-major [rows, num_layers, topk] ids, little-endian
+
+    @property
+    def dtype(self) -> str:
+        return route_dtype(self.num_experts)
+
+    @property
+    def row_bytes(self) -> int:
+        return route_bytes_per_token(self.num_layers, self.topk, self.num_experts)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.data) // self.row_bytes
+
+    @classmethod
+    def from_array(cls, array, num_experts: int) -> RoutedExperts:
+        """From an integer array-like of shape [rows, layers, topk] (numpy, torch or nested lists)."""
+        import numpy as np
+
+        a = np.asarray(array)
+        if a.ndim != 3:
+            raise ValueError(f"routed experts of shape {a.shape}; expected [positions, layers, topk]")
+        if a.size and (a.min() < 0 or a.max() >= num_experts):
+            raise ValueError(f"routed expert ids outside [0, {num_experts})")
+        return cls(a.shape[1], a.shape[2], num_experts, a.astype(np.dtype(route_dtype(num_experts)).newbyteorder("<"),
+                                                                copy=False).tobytes())
+
+    def array(self):
+        """The ids as a numpy array [rows, layers, topk] (read-only view of `data`)."""
+        import numpy as np
+
+        dt = np.dtype(self.dtype).newbyteorder("<")
+        return np.frombuffer(self.data, dtype=dt).reshape(self.num_rows, self.num_layers, self.topk)
+
+    def extended(self, other: RoutedExperts, start: int = 0) -> RoutedExperts:
+        """These rows, then `other`'s rows for positions past them (`other`'s first row is position `start`).
+        Positions both hold keep this record's routes: the routing under which their log-probs were taken."""
+        if (other.num_layers, other.topk, other.num_experts) != (self.num_layers, self.topk, self.num_experts):
+            raise ValueError("routed experts of a different shape cannot extend these")
+        have = self.num_rows
+        if start > have:
+            raise ValueError(f"routed experts from position {start} leave a gap after position {have}")
+        skip = (have - start) * self.row_bytes
+        return RoutedExperts(self.num_layers, self.topk, self.num_experts, self.data + other.data[skip:])
+
 
 @dataclass
 class Prompt:
@@ -49,6 +122,11 @@ class Sample:
     num_resumes: int = 0  # times a partial rollout of this sample was continued after an abort
     predicted_length: float = 0.0  # scheduler's length prediction in tokens when it was submitted (0: none)
     meta: dict[str, Any] = field(default_factory=dict)  # task-specific extras (difficulty, source)
+    # MoE models with rollout routing replay: the experts the engine routed every input position to (prompt and
+    # response, see `RoutedExperts`); None for dense models, with capture off, or while nothing was returned
+    # (vLLM returns routes when a request finishes, so an aborted partial holds none until it is resumed and
+    # finishes: the resumed request re-routes the carried tokens under its own version).
+    routed_experts: RoutedExperts | None = None
 
     @property
     def sample_id(self) -> str:
@@ -85,16 +163,33 @@ class Sample:
         self.response_tokens.extend(tokens)
         self.rollout_logprobs.extend(logprobs)
 
+    def add_routes(self, routes: RoutedExperts, start: int = 0) -> None:
+        """Takes an engine's routes whose first row is input position `start` (0: the prompt's first token);
+        positions already held keep their routes."""
+        if self.routed_experts is None:
+            if start:
+                raise ValueError(f"{self.sample_id}: routes from position {start} but none before it")
+            self.routed_experts = routes
+        else:
+            self.routed_experts = self.routed_experts.extended(routes, start)
+        most = len(self.prompt_tokens) + len(self.response_tokens) - 1
+        if self.routed_experts.num_rows > most:
+            raise ValueError(f"{self.sample_id}: {self.routed_experts.num_rows} route rows for {most} input positions")
+
     def reset_response(self) -> None:
         """Drops generated tokens (on-policy abort): the sample will be generated again from scratch."""
         self.response_tokens, self.rollout_logprobs, self.version_spans = [], [], []
+        self.routed_experts = None
         self.finish_reason = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (what checkpoints and the scheduler state hold; routes stay bytes)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
         d = dict(d)
         d["version_spans"] = [tuple(s) for s in d.get("version_spans", [])]
+        if d.get("routed_experts") is not None:
+            d["routed_experts"] = RoutedExperts(**d["routed_experts"])
         return cls(**d)

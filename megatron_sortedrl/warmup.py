@@ -28,6 +28,7 @@ from megatron_sortedrl.sample import Prompt
 
 # The fresh warm-start problems use this seed offset; the held-out set uses data.seed + 1_000_003.
 SFT_SEED_OFFSET = 2_000_003
+ANSWER_ONLY_SEED_OFFSET = 3_000_017  # which warm-start problems lose their worked steps
 
 
 def sft_problems(cfg, train_prompts: list[Prompt]) -> list[Prompt]:
@@ -40,7 +41,21 @@ def sft_problems(cfg, train_prompts: list[Prompt]) -> list[Prompt]:
         pool = load_prompts(replace(cfg.data, num_train_prompts=n, seed=cfg.data.seed + SFT_SEED_OFFSET), "train")
     else:
         pool = list(train_prompts)
-    return [p for p in pool if p.solution]
+    pool = [p for p in pool if p.solution]
+    share = cfg.trainer.warmup_answer_only_share
+    if share > 0:  # a fixed draw per problem (the data seed), the same in every run of the same config
+        rng = random.Random(cfg.data.seed + ANSWER_ONLY_SEED_OFFSET)
+        pool = [replace(p, solution=answer_only(p.solution, p.ground_truth)) if rng.random() < share else p
+                for p in pool]
+    return pool
+
+
+def answer_only(solution: str, answer: str) -> str:
+    """A worked solution cut to its answer: its last line where that is the `#### <answer>` line (arithmetic,
+    long_addition, whose rewards read that line: a right direct answer scores 1), else `#### <answer>`
+    (column_addition, whose reward reads only the column lines: a direct answer scores 0, show your work)."""
+    last = solution.rstrip().splitlines()[-1]
+    return last if last.startswith("####") else f"#### {answer}"
 
 
 def warm_start(driver: Any) -> dict[str, float]:

@@ -434,7 +434,8 @@ def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: 
     # The fitted step model is per engine at the run's TP; the roofline's weight read is folded into the
     # overhead (weight_gib = 0) and the context term sets the bandwidth.
     hbm = kv / (e["kv_s_per_token"] * tp * 1e9) if e["kv_s_per_token"] > 0 else 1e9
-    engine = replace(sim.engine, weight_gib=0.0, hbm_gbs=hbm, tp_comm_s=0.0 if tp == 1 else sim.engine.tp_comm_s,
+    engine = replace(sim.engine, weight_gib=0.0, expert_weight_gib=0.0, hbm_gbs=hbm,
+                     tp_comm_s=0.0 if tp == 1 else sim.engine.tp_comm_s,
                      step_overhead_s=max(0.0, e["step_overhead_s"] - (sim.engine.tp_comm_s * math.log2(tp) if tp > 1 else 0.0)),
                      per_seq_s=e["per_seq_s"] * tp, prefill_tokens_per_s=e["prefill_tokens_per_s"] / tp,
                      gpu_mem_gib=kv_cache_gib if kv_cache_gib else sim.engine.gpu_mem_gib,

@@ -5,18 +5,33 @@ planner estimates round times with it. Decode is modelled as memory bound (a roo
 the weights once and the KV cache of every running sequence, split over the engine's TP GPUs, plus a fixed
 per-step overhead, a per-sequence compute term and an all-reduce term that grows with log2(TP):
 
-    step_s(tp, B, C) = overhead + comm * log2(tp) + (weight_bytes + C * kv_bytes_per_token) / (tp * hbm)
+    step_s(tp, B, C) = overhead + comm * log2(tp) + (read_bytes(B) + C * kv_bytes_per_token) / (tp * hbm)
                        + per_seq_s * B / tp
     prefill_s(tp, T) = T / (prefill_tokens_per_s_per_gpu * tp)
     kv_capacity(tp)  = (tp * gpu_mem * mem_utilization - weight_bytes) / kv_bytes_per_token
 
-B = running sequences, C = their total context (prompt + generated tokens). Parameters come from
-`configs/sim_*.yaml` (`engine:` section) or are measured from a real run (`scheduler/calibrate.py`).
+B = running sequences (query positions of the step), C = their total context (prompt + generated tokens).
+Parameters come from `configs/sim_*.yaml` (`engine:` section) or are measured from a real run
+(`scheduler/calibrate.py`).
+
+Mixture of Experts (`expert_weight_gib` > 0): memory follows the total weights (`weight_gib`, all experts
+resident), decode cost the weights a step actually reads: the shared part (attention, norms, embeddings,
+output layer, shared experts) plus, per layer, the distinct routed experts the step's tokens chose. With B
+tokens each picking k of E experts uniformly, a layer reads E x (1 - (1 - k/E)^B) experts in expectation:
+k for one token, all of them for a large batch, since a big batch touches every expert:
+
+    read_bytes(B) = (weight_gib - expert_weight_gib) + expert_weight_gib x (1 - (1 - k/E)^B)     [GiB]
+
+For a dense model (`expert_weight_gib` 0) read_bytes is the whole model, as before. `per_seq_s` is the
+per-token compute of the *active* parameters (2 x active params FLOP), set by the scenario. Speculative
+verification multiplies B by the positions verified, so drafts touch more experts on an MoE engine.
 
 Speculative decoding: `verify_step_s` is one step that verifies several positions per sequence (the
 simulator's HistoSpec model, `scheduler/speculation_model.py`, supplies how many).
 
-Left out: chunked-prefill interleaving details, and pipeline parallelism inside an engine.
+Left out: chunked-prefill interleaving details, pipeline parallelism inside an engine, routing skew (real
+routing is not uniform: a step touches somewhat fewer experts than the formula says, so MoE decode at
+mid-size batches is slightly pessimistic here) and expert-parallel engines' all-to-all cost.
 """
 
 from __future__ import annotations
@@ -42,6 +57,10 @@ class EngineCostModel:
     per_seq_s: float = help_field("Compute per running sequence per decode step at TP=1, in seconds.", 0.00004)
     prefill_tokens_per_s: float = help_field("Prefill throughput of one GPU in tokens/s.", 12000.0)
     max_num_seqs: int = help_field("Running sequences per engine (vLLM max_num_seqs).", 256)  # type: ignore[assignment]
+    expert_weight_gib: float = help_field("MoE: the routed experts' share of weight_gib in GiB (0: a dense model). Decode "
+                                          "reads only the experts a step's tokens are routed to.", 0.0)
+    num_experts: int = help_field("MoE: routed experts per layer (0: dense).", 0)  # type: ignore[assignment]
+    experts_per_token: int = help_field("MoE: experts each token is routed to (top-k).", 0)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for key in ("hbm_gbs", "gpu_mem_gib", "kv_bytes_per_token", "prefill_tokens_per_s"):
@@ -54,6 +73,11 @@ class EngineCostModel:
             raise ConfigError("engine.mem_utilization", self.mem_utilization, "a float in (0, 1]")
         if self.max_num_seqs < 1:
             raise ConfigError("engine.max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        if not 0 <= self.expert_weight_gib <= self.weight_gib:
+            raise ConfigError("engine.expert_weight_gib", self.expert_weight_gib, f"a number in [0, weight_gib={self.weight_gib}]")
+        if self.expert_weight_gib and not 0 < self.experts_per_token <= self.num_experts:
+            raise ConfigError("engine.experts_per_token", (self.experts_per_token, self.num_experts),
+                              "1 <= experts_per_token <= num_experts when expert_weight_gib > 0")
 
     def scaled(self, k: float) -> EngineCostModel:
         """The same engine `k` times slower at decode and prefill (same memory): an engine on a busier core."""
@@ -77,8 +101,19 @@ class EngineCostModel:
             tp *= 2
         return tp
 
+    def expert_share_read(self, tokens: float) -> float:
+        """Expected fraction of a layer's routed experts that `tokens` tokens touch (1 for a dense model)."""
+        if not self.expert_weight_gib:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(1.0, tokens)
+
+    def weight_read_gib(self, tokens: float) -> float:
+        """GiB of weights one forward over `tokens` query positions reads: all of them for a dense model; the
+        shared part plus the touched experts for an MoE model."""
+        return self.weight_gib - self.expert_weight_gib + self.expert_weight_gib * self.expert_share_read(tokens)
+
     def decode_step_s(self, tp: int, batch: int, context_tokens: float) -> float:
-        bytes_read = self.weight_gib * GIB + context_tokens * self.kv_bytes_per_token
+        bytes_read = self.weight_read_gib(batch) * GIB + context_tokens * self.kv_bytes_per_token
         return (self.step_overhead_s + self.tp_comm_s * math.log2(tp) + bytes_read / (tp * self.hbm_gbs * 1e9)
                 + self.per_seq_s * batch / tp)
 

@@ -115,7 +115,7 @@ def test_bad_architecture(qwen_dir, tmp_path, capsys):
     cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
     (d / "config.json").write_text(json.dumps(cfg))
     rc, line = _run_cli(["hf-to-mcore", "--hf", str(d), "--out", str(tmp_path / "o")], capsys)
-    assert rc != 0 and "MixtralForCausalLM is not supported" in line
+    assert rc != 0 and "architecture MixtralForCausalLM with model_type 'mixtral' is not supported" in line
     assert not (tmp_path / "o").exists()
 
 

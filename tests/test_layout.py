@@ -25,6 +25,12 @@ SHAPES = {
                            "max_position_embeddings": 131072, "rope_theta": 500000.0,
                            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "qwen3_8b_8gpu": {"num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 36,
+                      "max_position_embeddings": 40960, "rope_theta": 1000000.0},
+    "qwen3_30b_a3b_32gpu": {"num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 48,
+                            "max_position_embeddings": 40960, "rope_theta": 1000000.0},
+    "qwen3_235b_a22b_128gpu": {"num_attention_heads": 64, "num_key_value_heads": 4, "num_hidden_layers": 94,
+                               "max_position_embeddings": 40960, "rope_theta": 1000000.0},
 }
 
 
@@ -71,7 +77,8 @@ def test_qwen32b_recipe_fills_16_nodes_of_8(recipe_env):
     _check_plan(plan, cfg)
 
 
-@pytest.mark.parametrize("name", ["qwen7b_16gpu", "llama8b_logic_8gpu"])
+@pytest.mark.parametrize("name", ["qwen7b_16gpu", "llama8b_logic_8gpu", "qwen3_8b_8gpu", "qwen3_30b_a3b_32gpu",
+                                  "qwen3_235b_a22b_128gpu"])
 def test_smaller_recipes(recipe_env, name):
     cfg = load_config(recipe_env(name))
     plan = plan_layout(cfg)

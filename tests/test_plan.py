@@ -29,9 +29,13 @@ RECIPES = {
     "longtail_cpu.yaml": None,
     "code_cpu.yaml": None,
     "elastic_cpu.yaml": None,
+    "learning_cpu.yaml": None,
     "qwen7b_16gpu.yaml": "qwen2.5-7b-instruct",
     "qwen32b_128gpu.yaml": "qwen2.5-32b-instruct",
     "llama8b_logic_8gpu.yaml": "llama-3.1-8b-instruct",
+    "qwen3_8b_8gpu.yaml": "qwen3-8b",
+    "qwen3_30b_a3b_32gpu.yaml": "qwen3-30b-a3b",
+    "qwen3_235b_a22b_128gpu.yaml": "qwen3-235b-a22b",
 }
 ENV = {"MSRL_MODEL_DIR": "/unset/model", "MSRL_DATA_DIR": "/unset/data", "MSRL_RUN_DIR": "/unset/run"}
 
@@ -302,9 +306,10 @@ def _main_lines(argv: list[str]) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize("change", [
-    {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": True},  # Qwen2's names
-    {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen3"},
+    {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 256},
+    {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen3"},  # a class that does not match the model_type
     {"num_experts": 64},  # a dense name with experts on
+    {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": True},
 ])
 def test_plan_train_and_convert_refuse_an_unmodelled_architecture_alike(tmp_path, monkeypatch, change):
     """`plan` used to plan a Qwen3 config.json as Qwen2 (its head_dim ignored) while `convert` refused it: all

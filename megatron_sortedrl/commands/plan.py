@@ -91,12 +91,15 @@ def render(plan, cfg, explain: bool = False) -> str:
     rc = r["granularity"] + (f" (method {r['method']}, num_layers {r['num_layers']})" if r["granularity"] == "full" else "")
     auto = " (auto)" if cfg.parallel.recompute.granularity == "auto" else ""
     a = plan.arch
-    print_(f"plan of {cfg.name}: model {a.name} ({_count(a.num_params)} params, {cfg.model.dtype}), device {plan.device}, "
+    active = f", {_count(a.active_params)} active" if a.is_moe else ""
+    print_(f"plan of {cfg.name}: model {a.name} ({_count(a.num_params)} params{active}, {cfg.model.dtype}), device {plan.device}, "
            f"recompute {rc}{auto}, margin {cfg.plan.margin:.0%}")
     p = cfg.parallel
     mem = "GPU" if plan.device == "gpu" else "rank (host memory)"
     print_(f"trainer per {mem}, GiB: TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
-           f"DP={p.data_parallel_size}, micro_batch_tokens={cfg.trainer.micro_batch_tokens}, longest sequence "
+           f"DP={p.data_parallel_size}" + (f" EP={p.expert_model_parallel_size} ETP="
+                                           f"{p.expert_tensor_parallel_size or p.tensor_model_parallel_size}" if a.is_moe else "")
+           + f", micro_batch_tokens={cfg.trainer.micro_batch_tokens}, longest sequence "
            f"{plan.engines['short']['full_sequence_tokens']} tokens")
     t = Table(box=box.SIMPLE_HEAD)
     t.add_column("item")

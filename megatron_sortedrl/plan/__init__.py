@@ -3,7 +3,8 @@
     python -m megatron_sortedrl plan configs/qwen32b_128gpu.yaml --model-config configs/model_shapes/qwen2.5-32b-instruct
     from megatron_sortedrl.plan.trainer_memory import trainer_memory
 
-Modules: `arch` (model shapes from a config.json), `trainer_memory` (trainer bytes per GPU and stage),
+Modules: `arch` (model shapes from a config.json, dense and Mixture-of-Experts), `trainer_memory` (trainer
+bytes per GPU and stage; its MoE terms in `moe_memory`: experts per EP rank, router, dispatch buffers),
 `engine` (rollout engine weights, KV cache, weight-sync estimate), `planner` (the whole plan with host
 memory per node, the fit checks `train` runs at start, recompute `auto`). See docs/scaling.md.
 

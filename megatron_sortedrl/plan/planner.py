@@ -17,6 +17,11 @@ a stage is as lean as uniform), so compute is only spent where memory needs it.
 Written here rather than taken from a library: no maintained package plans memory for Megatron-core
 trainers next to vLLM engines; the formulas are spelled out by `plan --explain`.
 
+Mixture-of-Experts models (an `Arch` with experts): the trainer adds experts per EP rank and ETP slice, the
+router, token-dispatch buffers and expert activations (`moe_memory.py`), engines hold the total parameters;
+an expert layout megatron-core cannot build (EP not dividing the experts, EP x ETP not dividing TP x DP, TP > 1
+without sequence parallelism) is refused in one line before any arithmetic (`check_moe_layout`).
+
 Left out: heterogeneous nodes, the trainer's temporary buffers outside the items listed (NCCL workspaces,
 allocator fragmentation: that is what the margin is for), and checkpoint saves.
 """
@@ -133,12 +138,14 @@ def trainer_stages(cfg, arch: Arch, recompute: dict, device: str) -> tuple[list[
         dtype=cfg.model.dtype, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         longest_sequence=full_sequence_tokens(cfg), recompute=recompute["granularity"],
         recompute_method=recompute["method"], recompute_num_layers=recompute["num_layers"],
-        spec="te" if gpu else "local")
+        spec="te" if gpu else "local", ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
     stages = []
     for st in result.stages:
-        items = {k: float(st.items[k]) for k in st.TOTAL_KEYS}
+        items = {k: float(st.items[k]) for k in st.TOTAL_KEYS if k in st.items}
         if cfg.algorithm.kl_coef > 0:  # the reference model: a frozen copy of the weights, no grads or optimizer
             items["reference weights"] = float(st.items["weights"])
+        if "moe_dispatch" in st.items:
+            items["moe_dispatch"] = float(st.items["moe_dispatch"])
         stages.append({"stage": st.stage, "items": items, "total": sum(items.values()),
                        "activations_longest": float(st.items["activations_longest"]),
                        "activations_micro_batch": float(st.items["activations_microbatch"]),
@@ -149,7 +156,28 @@ def trainer_stages(cfg, arch: Arch, recompute: dict, device: str) -> tuple[list[
     return stages, explain
 
 
-def _trainer_check(cfg, stage: dict, capacity: float, per: str, recompute: dict) -> Check:
+def check_moe_layout(cfg, arch: Arch) -> None:
+    """Refuses, in one line, an expert layout megatron-core cannot build (before any arithmetic)."""
+    from megatron_sortedrl.plan.moe_memory import check_expert_layout
+
+    p = cfg.parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if not arch.is_moe:
+        if ep > 1 or p.expert_tensor_parallel_size > 1:
+            raise UserError(f"plan: parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size="
+                            f"{p.expert_tensor_parallel_size} set for {arch.name}, a dense model; set both to 1 (0 for ETP)")
+        return
+    try:
+        check_expert_layout(arch, tp=p.tensor_model_parallel_size, dp=p.data_parallel_size, ep=ep, etp=etp)
+    except ValueError as exc:
+        raise UserError(f"plan: {arch.name}: {exc}; set parallel.expert_model_parallel_size / "
+                        "expert_tensor_parallel_size to divisors that fit") from None
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        raise UserError(f"plan: {arch.name} is an MoE model at TP={p.tensor_model_parallel_size}: megatron-core trains "
+                        "MoE with TP > 1 only with sequence parallelism; set parallel.sequence_parallel=true")
+
+
+def _trainer_check(cfg, stage: dict, capacity: float, per: str, recompute: dict, moe: bool = False) -> Check:
     items = stage["items"]
     act = items.get("activations", 0.0)
     r = recompute
@@ -168,6 +196,16 @@ def _trainer_check(cfg, stage: dict, capacity: float, per: str, recompute: dict)
         fix = ("raise parallel.tensor_model_parallel_size or pipeline_model_parallel_size"
                + (" (or data_parallel_size, which divides the distributed optimizer's state)"
                   if cfg.parallel.use_distributed_optimizer else ", or set parallel.use_distributed_optimizer=true"))
+        if moe:
+            p = cfg.parallel
+            ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+            cause += f" EP={ep} ETP={etp}"
+            room = p.tensor_model_parallel_size * p.data_parallel_size // etp  # the largest EP that TP x DP allows
+            fix = (f"raise parallel.expert_model_parallel_size (fewer experts per GPU; up to {room} here)" if ep < room
+                   else "raise pipeline_model_parallel_size or data_parallel_size (Adam's expert state is already "
+                        "spread over every trainer GPU of a stage) or use GPUs with more memory")
+            if not p.use_distributed_optimizer:
+                fix += ", or set parallel.use_distributed_optimizer=true"
     return Check(f"trainer stage {stage['stage']} {per}", stage["total"], capacity, capacity * (1 - cfg.plan.margin),
                  cause, fix)
 
@@ -229,6 +267,7 @@ def host_nodes(cfg, arch: Arch, device: str, trainer: list[dict], engines: dict,
 def make_plan(cfg, arch: Arch | None = None, recompute: dict | None = None) -> Plan:
     """The plan of `cfg` with `recompute` (default: the config's, `auto` resolved)."""
     arch = arch or arch_of(cfg)
+    check_moe_layout(cfg, arch)
     device = resolve_device(cfg)
     if recompute is None:
         rc = cfg.parallel.recompute
@@ -240,6 +279,11 @@ def make_plan(cfg, arch: Arch | None = None, recompute: dict | None = None) -> P
     plan.explain.append(f"model {arch.name}: {arch.num_params:,} params, {arch.num_layers} layers, hidden "
                         f"{arch.hidden_size}, {arch.num_heads} heads / {arch.num_kv_heads} kv heads x {arch.head_dim}, "
                         f"vocab {arch.vocab_size}; dtype {cfg.model.dtype}; device {device}; margin {margin:.0%}")
+    if arch.is_moe:
+        plan.explain.append(
+            f"MoE: {arch.active_params:,} active params per token ({arch.num_experts} experts, top-"
+            f"{arch.experts_per_token}, in {len(arch.moe_layers)} of {arch.num_layers} layers); engines hold all "
+            f"{arch.num_params:,} (memory follows total parameters, decode cost active ones)")
     plan.trainer, lines = trainer_stages(cfg, arch, recompute, device)
     plan.explain += lines
     r = cfg.rollout
@@ -264,7 +308,7 @@ def make_plan(cfg, arch: Arch | None = None, recompute: dict | None = None) -> P
     if device == "gpu":
         gpu = cfg.cluster.gpu_memory_gib * GIB
         for st in plan.trainer:
-            plan.checks.append(_trainer_check(cfg, st, gpu, "per GPU", recompute))
+            plan.checks.append(_trainer_check(cfg, st, gpu, "per GPU", recompute, moe=arch.is_moe))
         for key, em in plan.engines.items():
             seq = em["full_sequence_tokens"]
             plan.checks.append(Check(

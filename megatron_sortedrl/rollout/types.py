@@ -11,8 +11,10 @@ Deliberately left out: text. Token ids go in and out; the driver tokenizes and d
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from megatron_sortedrl.sample import RoutedExperts
 
 FINISH_REASONS = ("stop", "length", "abort", "lost")
 # Sampling keys a request may carry; anything else is refused early (a typo would otherwise be ignored).
@@ -47,6 +49,9 @@ class Completion:
     submit_time: float = 0.0  # when the worker received the request
     first_token_time: float = 0.0  # first response token (0 when none)
     finish_time: float = 0.0  # finished, aborted or declared lost
+    # MoE engines with routed-experts capture: the experts of every input position of the request, from the
+    # first prompt token (`RoutedExperts`); vLLM returns them when the request finishes, so a partial has none.
+    routed_experts: RoutedExperts | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,6 +68,8 @@ class Completion:
         spans = self.version_spans + [(len(self.tokens), -1)]
         for (start, version), (end, _) in zip(spans, spans[1:]):
             sample.append(self.tokens[start:end], self.logprobs[start:end], version)
+        if self.routed_experts is not None:  # the request's prompt starts where the sample's does
+            sample.add_routes(self.routed_experts, start=0)
         sample.finish_reason = self.finish_reason
         sample.worker_id = self.worker_id
         if not sample.first_token_time and self.first_token_time:
@@ -71,8 +78,8 @@ class Completion:
 
     def shifted(self, offset: float) -> Completion:
         """Same record with every time moved by `offset` seconds (worker clock -> driver clock)."""
-        out = Completion(**asdict(self))
-        out.version_spans = [tuple(s) for s in self.version_spans]
+        out = replace(self, tokens=list(self.tokens), logprobs=list(self.logprobs),
+                      version_spans=[tuple(s) for s in self.version_spans])
         for key in ("submit_time", "first_token_time", "finish_time"):
             if getattr(out, key):
                 setattr(out, key, getattr(out, key) + offset)

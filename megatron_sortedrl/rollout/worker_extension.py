@@ -19,6 +19,9 @@ the bases, so one extension class serves weight sync and HistoSpec history updat
 be composed the same way: subclass `RolloutWorkerExtension` and pass its dotted path as
 `worker_extension_cls` to `EngineWorker`.
 
+Routed experts on CPU: `msrl_routes_start` / `msrl_routes_take` / `msrl_routes_drop` capture each request's
+routed experts where vLLM's model runner cannot (`route_capture.py`).
+
 GPU: `msrl_nccl_init_stages` joins one NCCL group per stage sender and `msrl_nccl_receive_stages` takes
 a whole sync in one call (the pipelined mode); `msrl_nccl_init` / `msrl_nccl_receive` are the serial
 mode's single group and per-bucket receive. `msrl_nccl_close` destroys them (before a relayout's new ones).
@@ -248,6 +251,26 @@ class WeightSyncExtension:
         # Nothing of the load is live now: hand the heap's free pages back (the layerwise reload's small
         # chunks; large blocks are mapped and already returned).
         trim_host_heap()
+        if getattr(self, "_msrl_routes", None) is not None:
+            self._msrl_routes.bind()  # the reload may have rebuilt a router
+
+    # -------------------------------------------- routed experts where the runner has no capture (route_capture.py)
+
+    def msrl_routes_start(self, num_experts: int) -> int:
+        """Starts capturing every request's routed experts; returns the MoE layers bound."""
+        from megatron_sortedrl.rollout.route_capture import RouteCapture
+
+        self._msrl_routes = RouteCapture(self.model_runner, num_experts)  # type: ignore[attr-defined]
+        return len(self._msrl_routes.layers)
+
+    def msrl_routes_take(self, request_id: str, num_positions: int) -> tuple[bytes, int, int] | None:
+        return self._msrl_routes.take(request_id, num_positions)
+
+    def msrl_routes_drop(self, request_ids: list[str]) -> int:
+        return self._msrl_routes.drop(request_ids)
+
+    def msrl_routes_held(self) -> int:
+        return self._msrl_routes.held()
 
     def msrl_heap_info(self) -> dict:
         """This worker process's allocator state: pid, whether the mmap threshold is fixed, mallinfo2 bytes."""

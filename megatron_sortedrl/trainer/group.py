@@ -45,9 +45,18 @@ _CHANGES_WEIGHTS = ("train_step", "load", "stream_step")  # methods after which 
 
 
 def _use_rollout(samples: list[Sample], cfg) -> bool:
-    """TIS against the rollout log-probs: only when every sample has them (a batch-wide choice)."""
+    """The rollout log-probs go to the trainer (mismatch metrics always, corrections as `algorithm.*` sets) only
+    when every sample has them (a batch-wide choice)."""
     with_rollout = [bool(s.response_tokens) and len(s.rollout_logprobs) == len(s.response_tokens) for s in samples]
-    return all(with_rollout) and cfg.algorithm.tis_cap > 0
+    return all(with_rollout)
+
+
+def _with_routes(item: dict, sample: Sample, cfg) -> dict:
+    """Routing replay: the sample's engine routes (`RoutedExperts`, one row per input position, or None) ride with
+    its item to the ranks, which hand them to `trainer/routing_replay.py` per micro-batch."""
+    if cfg.algorithm.routing_replay:
+        item["routes"] = sample.routed_experts
+    return item
 
 
 class TrainerActor:
@@ -148,7 +157,7 @@ class TrainerGroup:
 
     def compute_logprobs(self, samples: list[Sample], reference: bool = False) -> list[list[float]]:
         """Per-response-token log-probs under the current policy (or the frozen reference)."""
-        items = [self._item(s.prompt_tokens, s.response_tokens) for s in samples]
+        items = [_with_routes(self._item(s.prompt_tokens, s.response_tokens), s, self.cfg) for s in samples]
         merged: dict[int, list[float]] = {}
         for out in self._all("logprobs", items, reference):
             if out:
@@ -194,7 +203,9 @@ class TrainerGroup:
             if ref is not None:
                 ex["ref_logprobs"] = ref[i]
             # Overlong filtering (scheduler/selective.py) masks a truncated response out of the loss entirely.
-            items.append(self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked") else None))
+            items.append(_with_routes(
+                self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked") else None), s,
+                self.cfg))
         return items
 
     def _report(self, outs: list) -> dict:

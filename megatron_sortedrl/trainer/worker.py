@@ -39,7 +39,10 @@ from megatron_sortedrl.trainer.logprobs import (
 )
 
 METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "clip_frac_lower", "ratio", "tis_weight", "rollout_kl", "kl",
-               "entropy")
+               "entropy",
+               # trainer-rollout mismatch on the trained tokens and the share each correction masked (algorithms.py)
+               "mismatch/logp_abs_diff", "mismatch/k3_kl", "mismatch/ratio_out_of_band", "correction/mis_masked",
+               "correction/icepop_masked", "correction/seq_masked")
 
 
 def on_gpu(cfg) -> bool:
@@ -241,7 +244,9 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         per_tok, terms = A.policy_loss_per_token(
             lp, old, ex.get("rollout_logprobs"), ex["advantages"], clip_low=a.clip_low, clip_high=a.clip_high,
             tis_cap=a.tis_cap, ref_logp=ex.get("ref_logprobs"), kl_coef=a.kl_coef, entropy=ent,
-            entropy_coef=a.entropy_coef, clip_ratio_c=a.clip_ratio_c, log_ratio_clamp=a.log_ratio_clamp)
+            entropy_coef=a.entropy_coef, clip_ratio_c=a.clip_ratio_c, log_ratio_clamp=a.log_ratio_clamp,
+            mask=mb.loss_mask, mis_low=a.mis_low, mis_high=a.mis_high, icepop_beta=a.icepop_beta,
+            seq_geo_band=a.seq_mask_geo_band, seq_token_band=a.seq_mask_token_band)
         w = A.token_weights(mb.loss_mask, a.loss_aggregation, n_tok, n_seq)
         loss = (per_tok * w).sum()
         sums = {k: (v.detach() * mb.loss_mask).sum() for k, v in terms.items()}
