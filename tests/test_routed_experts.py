@@ -12,7 +12,6 @@ engine in tests/test_route_capture.py. The routes here are written by hand.
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -209,10 +208,10 @@ def test_trainer_items_carry_the_routes_only_with_replay_on():
         cfg = load_config(None, [f"algorithm.routing_replay={str(on).lower()}"])
         fake = SimpleNamespace(cfg=cfg, _item=TrainerGroup._item)
         item = TrainerGroup._rl_items(fake, [s], [0.5], None)[0]
-        assert ("routes" in item) == on
-    rows = route_rows(item_routes := s.routed_experts, len(s.prompt_tokens) + len(s.response_tokens) - 1)
+        assert item.get("routes") is (s.routed_experts if on else None) and ("routes" in item) == on
+    rows = route_rows(s.routed_experts, len(s.prompt_tokens) + len(s.response_tokens) - 1)
     assert rows.dtype == torch.int64 and torch.equal(rows, torch.from_numpy(_routes(5)).long())
-    assert route_rows(item_routes, 6) is None and route_rows(None, 5) is None  # incomplete: no replay
+    assert route_rows(s.routed_experts, 6) is None and route_rows(None, 5) is None  # incomplete: no replay
     mb = microbatch_routes([rows], seq_len=5, topk=TOPK)
     assert torch.equal(mb, rows)  # one row: megatron's [s, b] order is the row itself
 

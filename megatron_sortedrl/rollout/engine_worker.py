@@ -21,6 +21,9 @@ What it does:
   span), load packed buckets (`load_packed_bucket`, sent by the trainer's stage senders) or safetensors
   buckets through the worker extension, then clear the prefix cache.
 * GPU transfer hooks (`transfer_*`) forward to vLLM's built-in weight-transfer engine (NCCL broadcast).
+* MoE routing replay (`capture_routed_experts`): a finished request's `Completion` carries the experts of every
+  input position (`RoutedExperts`), from vLLM's own capture on GPU or the worker extension's on CPU
+  (`route_capture.py`); see docs/rollout.md, "Routed experts".
 
 Several engines per node do not clash: vLLM takes OS-assigned free ports for its process group and ZMQ
 sockets, the CPU shared-memory communicator names its segments after that port, and weight buckets use a
