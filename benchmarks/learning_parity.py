@@ -90,7 +90,7 @@ class Curve:
                 "version": d.version, "accuracy": accuracy, "kl_to_warm": kl}
 
     def __call__(self, d, result) -> None:
-        row = result.row
+        row = result.metrics
         self.trained += len(result.batch)
         groups = row.get("sampling/trained_groups")
         if groups is None:

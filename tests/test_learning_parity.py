@@ -107,3 +107,26 @@ def test_side_by_side_puts_the_simulators_speed_beside_the_learning(tmp_path):
     table = side_by_side(result, sim).splitlines()
     assert table[2].startswith("| sync | 1.00 | 1.00 | 0.500 |")
     assert table[3].startswith("| twotier | 2.91 | 2.00 | 0.500 |")  # measured: half the ms per sample
+
+
+def test_curve_counts_drawn_samples_from_the_drivers_step_result():
+    from benchmarks.learning_parity import Curve
+    from megatron_sortedrl.driver import StepResult
+
+    class D:  # the driver surface the hook reads: version and evaluate()
+        version = 0
+
+        def evaluate(self):
+            return {"eval/accuracy": 0.25}
+
+    curve, d = Curve(every=8, n=4, probe=None), D()
+    curve.start(d, 0.0)
+    curve(d, StepResult(1, {"time/step_s": 1.5}, batch=[object()] * 4))  # 4 drawn: no evaluation yet
+    assert len(curve.points) == 1
+    # dynamic sampling: 1 trained group, 2 filtered, 1 skipped prompt = 4 prompts x 4 samples drawn
+    curve(d, StepResult(2, {"time/step_s": 2.0, "sampling/trained_groups": 1, "sampling/filtered_groups": 2,
+                            "sampling/skipped_prompts": 1}, batch=[object()] * 4))
+    assert (curve.drawn, curve.trained, curve.updates, curve.wall) == (20, 8, 2, 3.5)
+    assert curve.points[-1] == {"drawn": 20, "trained": 8, "wall_s": 3.5, "updates": 2, "version": 0,
+                                "accuracy": 0.25, "kl_to_warm": None}
+    assert curve.next_at == 24  # the next evaluation after the next multiple of `every`
