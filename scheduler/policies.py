@@ -17,11 +17,11 @@
   whatever is queued once the data is exhausted.
 - `twotier` (ours, the default): carry-over rounds. Up to `group_size` prompts x n run at once (enough to
   fill the engines, as SortedRL's group); a round is harvested once every prompt *carried* into it is
-  complete and at least max(`rollout_batch_size`, half the round's prompts) are: the carried ones plus the
-  earliest to complete are trained. Everything else is carried: running samples are aborted and resumed in
-  the next round as partials (tokens, log-probs and versions kept), which then tops up the window with
-  fresh prompts and must train every carried prompt. So every sample spans at most two policy versions
-  (staleness <= 1), nothing is over-provisioned or restarted, and no token is thrown away in partial mode
+  complete and at least max(`rollout_batch_size`, half the round's prompts) are: every prompt complete then
+  is trained (carrying a complete one would only make it stale). The unfinished ones are carried: running
+  samples are aborted and resumed in the next round as partials (tokens, log-probs and versions kept),
+  which then tops up the window with fresh prompts and must train every carried prompt. So every sample
+  spans at most two policy versions (staleness <= 1), nothing is over-provisioned or restarted, and no token is thrown away in partial mode
   (in on_policy mode the carried partials restart). Whatever the tail, the slower half of the window is
   carried: its long responses finish in the next round while fresh prompts keep the engines full (the
   price: about half or more of the trained samples are one version stale). Tier 2 places
@@ -193,8 +193,10 @@ class TwoTierPolicy(PolicyBase):
         filtered = len(self.round.prompts) - len(states)
         if len(done) + filtered < min(self.target, len(self.round.prompts)):
             return None
-        rest = sorted((st for st in done if st.key not in due), key=self.completed_at)
-        chosen = [st for st in done if st.key in due] + rest[: max(0, self.target - filtered - len(due))]
+        # Every complete prompt is trained at the cut: carrying a complete one gains nothing (it has no tokens
+        # left to generate) and only makes it one version stale. The target decides when to cut, not how much.
+        chosen = [st for st in done if st.key in due] + sorted((st for st in done if st.key not in due),
+                                                                key=self.completed_at)
         chosen_keys = {st.key for st in chosen}
         # Lookahead prompts were started early by idle engines: due next round like the carried ones.
         self.carry = [st.key for st in states if st.key not in chosen_keys] + [k for k in self.ahead if k in self.live]

@@ -14,7 +14,7 @@ optimizer step at harvest (the update equals the batch update: tests/test_traine
   the whole batch, so the placement is then only slower than colocated (fewer engines, a slower trainer);
 - trainable tokens at time t: prompt + response tokens of the update's samples finished (reward included)
   by t. The update's samples are known only at harvest, but every one of them was certain to be trained
-  when it finished (twotier trains every due prompt and the earliest-complete others; sync trains all), so
+  when it finished (twotier trains every prompt complete at the cut; sync trains all), so
   using them is no hindsight for those policies;
 - tokens are trained at `train_tokens_per_s * free / gpus` (the cluster's rate, shared linearly over GPUs),
   never ahead of what has finished; what is left trains after the harvest on the trainer's GPUs (all of them

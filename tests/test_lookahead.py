@@ -12,7 +12,6 @@ import pytest
 
 from megatron_sortedrl.errors import ConfigError
 from scheduler.config import SchedulerConfig
-from scheduler.report import summarize
 from scheduler.sim_config import load_sim_config
 from scheduler.simulator import simulate
 
@@ -42,9 +41,10 @@ def test_lookahead_keeps_twotier_guarantees_and_fills_idle_engines():
     trained_in = {key: r["round"] for r in ahead.rounds for key in r["trained"]}
     gaps = [trained_in[k] - first_submit[k] for k in trained_in]
     assert max(gaps) <= 1 and min(gaps) >= 0 and gaps.count(1) > 0
-    # Less time generating and in all. (Not always a lower worker bubble: on two engines the rounds get so short
-    # that the last round's drain weighs more; the 32B scenario's figures are in docs/scheduler.md.)
-    assert summarize(ahead)["rollout_s"] < summarize(plain)["rollout_s"]
+    # Fewer rounds and less time in all. (Not always less time generating: a harvest trains every complete
+    # prompt, so the prompts started early make later rounds longer while saving whole rounds; nor always a
+    # lower worker bubble; the 32B scenario's figures are in docs/scheduler.md.)
+    assert len(ahead.rounds) < len(plain.rounds)
     assert ahead.total_s < plain.total_s
 
 

@@ -124,6 +124,18 @@ def test_twotier_trains_every_prompt_by_the_next_round_and_wastes_nothing(w, gro
         assert row["samples"] >= n * min(p0, remaining)  # an update holds at least a rollout batch (or what is left)
     for k, i in first_round.items():
         assert len(trained_in[k]) == 1 and trained_in[k] <= {i, i + 1}  # whole, in its round or the next
+    # Only unfinished prompts are carried: every complete prompt is trained at the cut (a complete prompt carried
+    # would only go one version stale). The cut comes when the last prompt it trains completes, so a carried
+    # prompt finishes at that instant (a tie) or later, never before.
+    last_finish: dict[str, float] = {}
+    for e in result.events:
+        if e.kind == "request" and e.event == "finish":
+            key = e.sample_id.rsplit("/", 1)[0]
+            last_finish[key] = max(last_finish.get(key, 0.0), e.t)
+    for row in result.rounds:
+        cut = max(last_finish[k] for k in row["trained"])
+        for k in set(row["round_prompts"]) - set(row["trained"]):
+            assert last_finish[k] >= cut
     assert result.policy_stats["wasted_tokens"] == 0  # nothing over-provisioned, restarted or reset
     assert max(result.staleness) <= 1
     check_common(result, sim, run)
