@@ -102,7 +102,8 @@ def step_figures(row: dict) -> dict:
     out = {m: row.get(f"train/mismatch/{m}") for m in METRICS}
     out.update(step=row.get("step"), entropy=row.get("train/entropy"), n_tokens=row.get("train/n_tokens"),
                reward=row.get("reward/mean"), routed_share=row.get("rollout/routed_share"),
-               pg_loss=row.get("train/pg_loss"), clip_frac=row.get("train/clip_frac"))
+               pg_loss=row.get("train/pg_loss"), clip_frac=row.get("train/clip_frac"),
+               replayed=row.get("train/routing_replay/replayed"))  # 1: the update replayed the engines' routes
     return out
 
 
@@ -114,8 +115,9 @@ def run_summary(steps: list[dict]) -> dict:
         out[key] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else None
     out["steps"] = len(steps)
     out["tokens"] = sum(s.get("n_tokens") or 0 for s in steps)
-    shares = [s["routed_share"] for s in steps if s.get("routed_share") is not None]
-    out["routed_share"] = statistics.fmean(shares) if shares else None
+    for key in ("routed_share", "replayed"):
+        vals = [s[key] for s in steps if s.get(key) is not None]
+        out[key] = statistics.fmean(vals) if vals else None
     return out
 
 
@@ -133,7 +135,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             if not rs:
                 continue
             row = {"variant": variant, "engine_dtype": dtype, "repeats": len(rs)}
-            for key in (*METRICS, "entropy", "routed_share"):
+            for key in (*METRICS, "entropy", "routed_share", "replayed"):
                 vals = [r["summary"][key] for r in rs if r["summary"].get(key) is not None]
                 row[key] = spread(vals) if vals else None
             row["steps"] = [r["summary"]["steps"] for r in rs]
@@ -170,7 +172,7 @@ def markdown_table(rows: list[dict]) -> str:
         return "-" if d is None else f"{d['median']:{fmt}} ({d['min']:{fmt}}-{d['max']:{fmt}})"
 
     lines = ["| engine dtype | variant | mean abs log-ratio | k3 KL | ratio outside [0.5, 2] | entropy | routed share | "
-             "steps x repeats |", "|---|---|---|---|---|---|---|---|"]
+             "replayed | steps x repeats |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['engine_dtype']} | {r['variant']} | {f(r['logp_abs_diff'], '.2e')} | {f(r['k3_kl'], '.2e')} "
                      f"| {f(r['ratio_out_of_band'], '.2e')} | {f(r['entropy'], '.3f')} | {f(r['routed_share'], '.2f')} | "
@@ -212,7 +214,8 @@ def plot(result: dict, path: Path) -> None:
                 ax.bar(x, med, color=colors[variant], label=variant if i == 0 else None)
                 ax.errorbar(x, med, yerr=[[med - r[m]["min"]], [r[m]["max"] - med]], color="k", capsize=3)
         ax.set_xticks([i * (len(VARIANTS) + 1) + 1 for i in range(len(dtypes))], [f"engine {d}" for d in dtypes])
-        ax.set_yscale("log")
+        if all(r[m] and r[m]["min"] > 0 for r in rows):  # a share of 0 has no log
+            ax.set_yscale("log")
         ax.set_title(m, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
@@ -251,6 +254,21 @@ def one_run(session, name: str, rep: int, dtype: str, ckpt: Path) -> dict:
             "summary": run_summary(steps), "load_average": fig["load_average"], "process_s": fig["process_s"],
             "accuracy_before_rl": fig["accuracy_before_rl"], "final_eval_accuracy": fig["final_eval_accuracy"],
             "reward_mean": fig["reward_mean"]}
+
+
+def run_probe(d, ckpt: Path, model_dir: Path) -> dict:
+    """The warm start's bf16-vs-fp32 decomposition (benchmarks/moe_precision_probe.py) on the held-out prompts
+    followed by their reference solutions, written to `<model_dir>/probe.json`."""
+    from benchmarks.moe_precision_probe import probe
+
+    d.trainer.load_checkpoint(ckpt)
+    hf = d.trainer.export_hf_weights(model_dir / "warm_hf")
+    prompts = [list(d._tokens(p)) for p in d.eval_prompts]
+    seqs = [t + d.tok(p.solution)["input_ids"] + [d.eos] for t, p in zip(prompts, d.eval_prompts)]
+    out = probe(hf, seqs, [len(t) for t in prompts])
+    (model_dir / "probe.json").write_text(json.dumps(out, indent=1))
+    print(f"precision probe of {model_dir.name}: {out}", flush=True)
+    return out
 
 
 def main() -> int:
@@ -310,6 +328,8 @@ def main() -> int:
                         print(f"warm-up of {model} ({args.warmup_steps} supervised steps)", flush=True)
                         session.warm_start(ckpt)
                     warm[model] = json.loads(info.read_text())
+                    if not (work / model / "probe.json").is_file():
+                        run_probe(session.driver, ckpt, work / model)
                     for rep in todo:
                         rec = one_run(session, name, rep, dtype, ckpt)
                         done[(name, dtype, rep)] = rec
@@ -328,6 +348,8 @@ def main() -> int:
         info = work / model / "warm_start" / "warm_start.json"
         if model not in warm and info.is_file():
             warm[model] = json.loads(info.read_text())
+    probes = {m: json.loads((work / m / "probe.json").read_text()) for m in ("dense", "moe")
+              if (work / m / "probe.json").is_file()}
     runs = [done[(n, d, rep)] for d in dtypes for n in names for rep in range(args.repeats)]
     rows = summarize(runs)
     cfg = load_config(ROOT / args.config, run_keys(args, names[0], dtypes[0]))
@@ -345,7 +367,7 @@ def main() -> int:
                   "machine_note": args.machine_note or "not given.",
                   "load_average": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
                   "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
-        "rows": rows, "verdict": verdict(rows), "runs": runs,
+        "rows": rows, "verdict": verdict(rows), "precision_probe": probes, "runs": runs,
     }
     if args.reading and args.reading.is_file():
         result["reading"] = args.reading.read_text().strip()

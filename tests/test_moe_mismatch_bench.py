@@ -142,3 +142,40 @@ def test_rollout_dtype_reaches_the_engines_and_defaults_to_the_model_dtype(tmp_p
     assert (cfg.model.dtype, PoolOptions.from_config(cfg).dtype) == ("float32", "bfloat16")
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(ROOT / "configs/tiny_cpu.yaml", keys + ["rollout.dtype=fp8"])
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from megatron_sortedrl.tiny_model import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("moe"), moe=True, seed=0)
+
+
+def test_probe_replay_of_own_routes_changes_nothing_and_of_other_routes_does(tiny_moe):
+    """The probe's replay (routes forced, probabilities the model's own): forcing the routes the model picked
+    anyway gives its log-probs back; forcing others moves them (a wrong gather or renormalisation fails here)."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.moe_precision_probe import _next_logp, _Routes
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe), dtype=torch.float32).eval()
+    routes = _Routes(model)
+    seq = [5, 9, 14, 3, 22, 7, 11, 30, 2, 17]
+    own = _next_logp(model, seq)
+    picked = dict(routes.picked)
+    assert len(picked) == 2 and picked[0].shape == (len(seq), 2)
+    routes.forced = picked
+    assert torch.allclose(_next_logp(model, seq), own, atol=1e-12)
+    routes.forced = {i: (p + 1) % 4 for i, p in picked.items()}
+    assert (_next_logp(model, seq) - own).abs().max() > 1e-3
+
+
+def test_probe_figures(tiny_moe):
+    from benchmarks.moe_precision_probe import probe
+
+    seqs = [[5, 9, 14, 3, 22, 7, 11, 30, 2, 17], [8, 8, 21, 4, 13, 6, 19]]
+    out = probe(tiny_moe, seqs, [4, 3])
+    assert out["tokens"] == 6 + 4  # response positions only
+    assert 0 < out["logp_abs_diff"] < 0.5  # bf16 differs from fp32, a little
+    assert 0 <= out["flip_share"] <= 1 and 0 <= out["token_flip_share"] <= 1
+    assert out["logp_abs_diff_replayed"] is not None
