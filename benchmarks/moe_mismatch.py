@@ -1,7 +1,7 @@
 """Trainer-rollout mismatch of a tiny Qwen3-MoE with and without rollout routing replay (R3), beside a dense tiny
 Qwen3 of the same shape, on real RL steps at temperature 1 (CPU).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/moe_mismatch.py                    # ~40 min on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/moe_mismatch.py                    # ~25 min on 2 cores under load
     PYTHONPATH=. .venv/bin/python benchmarks/moe_mismatch.py --repeats 1 --prompts 16 --engine-dtypes bfloat16 \
         --variants dense,moe --warmup-steps 50                                  # a smoke run
 
@@ -176,7 +176,7 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['engine_dtype']} | {r['variant']} | {f(r['logp_abs_diff'], '.2e')} | {f(r['k3_kl'], '.2e')} "
                      f"| {f(r['ratio_out_of_band'], '.2e')} | {f(r['entropy'], '.3f')} | {f(r['routed_share'], '.2f')} | "
-                     f"{max(r['steps'])} x {r['repeats']} |")
+                     f"{f(r.get('replayed'), '.2f')} | {max(r['steps'])} x {r['repeats']} |")
     return "\n".join(lines)
 
 
@@ -234,14 +234,44 @@ def markdown(result: dict, stem: str) -> str:
              (f"Workload: `{s['config']}` ({s['task']}), {s['prompts']} training prompts x n={s['n']} per run, "
               f"`scheduler.policy=sync` (on-policy), one update of 32 samples per step, {s['epochs']} epoch(s), "
               f"temperature 1, max response {s['max_response_length']} tokens; trainer float32, engine dtype per "
-              f"row. Models: {s['models']}. Warm starts: {s['warm_start']}. Seeds {s['seeds']}; medians with "
-              "(min-max) over repeats of the token-weighted mean over a run's steps."), "",
-             f"Machine: {s['machine_note']} Load average (1 min) at run starts and ends: {s['load_average']}.", "",
+              f"row. Models ({s['models'].get('shared', '')}): dense SwiGLU FFN of width "
+              f"{DENSE_SHAPE['intermediate_size']}; MoE {MOE_SHAPE['num_experts']} experts of width "
+              f"{MOE_SHAPE['moe_intermediate_size']}, top-{MOE_SHAPE['num_experts_per_tok']}, router initialised "
+              f"with std {ROUTER_STD}. Warm starts: "
+              + "; ".join(f"{m} {w.get('steps')} supervised steps, final loss {w.get('final_loss') or 0:.3f}"
+                          for m, w in s["warm_start"].items())
+              + f". Seeds {s['seeds']}; medians with (min-max) over repeats of the token-weighted mean over a "
+              "run's steps."), "",
+             (f"Machine: {s['machine_note']} Load average (1 min) at run starts and ends: median "
+              f"{s['load_average'].get('median', 0):.1f}, range {s['load_average'].get('min', 0):.1f}-"
+              f"{s['load_average'].get('max', 0):.1f}."), "",
              markdown_table(result["rows"]), "", "Verdict (`verdict` in the JSON):", "", *verdict_lines(result["verdict"]),
              ""]
+    lines += probe_lines(result.get("precision_probe") or {})
     if result.get("reading"):
         lines += ["## Reading this run", "", result["reading"], ""]
     return "\n".join(lines)
+
+
+def probe_lines(probes: dict) -> list[str]:
+    """The precision probe's table (benchmarks/moe_precision_probe.py), one row per model."""
+    if not probes:
+        return []
+
+    def g(x, fmt=".2e"):
+        return "-" if x is None else f"{x:{fmt}}"
+
+    lines = ["Precision probe (`precision_probe` in the JSON; benchmarks/moe_precision_probe.py): each warm start in "
+             "transformers, float32 against bfloat16, teacher-forced on the held-out prompts' reference solutions, "
+             "no engines:", "",
+             "| model | mean abs log-ratio | max | routing decisions flipped | response tokens with a flip | "
+             "on those / the others | with the bf16 routes replayed: all / flipped tokens |", "|---|---|---|---|---|---|---|"]
+    for name, p in probes.items():
+        lines.append(f"| {name} | {g(p['logp_abs_diff'])} | {g(p['logp_abs_diff_max'], '.3f')} | "
+                     f"{g(p.get('flip_share'), '.2%')} | {g(p.get('token_flip_share'), '.2%')} | "
+                     f"{g(p.get('logp_abs_diff_flipped'))} / {g(p.get('logp_abs_diff_unflipped'))} | "
+                     f"{g(p.get('logp_abs_diff_replayed'))} / {g(p.get('logp_abs_diff_replayed_flipped'))} |")
+    return lines + [""]
 
 
 def one_run(session, name: str, rep: int, dtype: str, ckpt: Path) -> dict:
@@ -369,6 +399,10 @@ def main() -> int:
                   "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
         "rows": rows, "verdict": verdict(rows), "precision_probe": probes, "runs": runs,
     }
+    prev = args.out / f"{args.stem}.json"
+    if not startups and prev.is_file():  # nothing ran now (all runs resumed): keep the timing of the real runs
+        old = json.loads(prev.read_text())["setup"]
+        result["setup"].update({k: old[k] for k in ("driver_startup_s", "benchmark_s") if k in old})
     if args.reading and args.reading.is_file():
         result["reading"] = args.reading.read_text().strip()
     args.out.mkdir(parents=True, exist_ok=True)

