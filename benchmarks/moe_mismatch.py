@@ -28,7 +28,9 @@ log-prob - engine log-prob of the sampled token): `train/mismatch/logp_abs_diff`
 (mismatch grows with entropy). A run's figure is the token-weighted mean over its steps (`run_summary`); a row
 is the median over repeats with min and max (`summarize`). The verdict (`verdict`): per engine dtype and metric,
 "R3 MoE mismatch <= dense" holds when moe+r3's median is at most dense's; `within_spread` when moe+r3's smallest
-repeat is at most dense's largest.
+repeat is at most dense's largest. Once per model, the warm start also goes through the precision probe
+(benchmarks/moe_precision_probe.py: transformers fp32 vs bf16 on the same tokens, how often bf16 flips a routing
+decision and what replaying the flipped routes leaves): `precision_probe` in the JSON.
 
 Left out: GPUs (the script runs there unchanged with `cluster.device=gpu`; see the .md for what CPU does not
 reproduce), a bf16 trainer, many experts (128 of which 8, as Qwen3-30B-A3B), long responses.
