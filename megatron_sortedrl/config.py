@@ -241,8 +241,14 @@ class RolloutConfig:
         "algorithm.routing_replay; CPU engines capture them in the worker extension, without prefix caching) | on | "
         "off.", "auto",
         choices=("auto", "on", "off"))
+    dtype: str = help_field(
+        "Engine parameter dtype: empty = model.dtype | float32 | bfloat16 | float16. bfloat16 engines beside a "
+        "float32 trainer is the usual GPU setting; their log-probs then differ from the trainer's (the mismatch "
+        "`train/mismatch/*` measures, docs/models.md).", "", choices=("", "float32", "bfloat16", "float16"))
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ConfigError("rollout.dtype", self.dtype, "empty (model.dtype) or one of float32, bfloat16, float16")
         if self.return_routed_experts not in ("auto", "on", "off"):
             raise ConfigError("rollout.return_routed_experts", self.return_routed_experts, "one of auto, on, off")
         for key in ("num_workers", "tensor_parallel_size", "long_round_tensor_parallel_size", "n_samples_per_prompt",

@@ -123,7 +123,7 @@ class PoolOptions:
             cfg.validate_context(shape)  # the model directory may have been built or replaced since loading
         rope = resolve_rope(shape, dict(cfg.model.rope_scaling), source=str(hf_config)) if shape else None
         opts = cls(model_path=cfg.model.path, device=device, num_engines=cfg.rollout.num_workers,
-                   tp=cfg.rollout.tensor_parallel_size, dtype=cfg.model.dtype, max_num_seqs=cfg.rollout.max_num_seqs,
+                   tp=cfg.rollout.tensor_parallel_size, dtype=cfg.rollout.dtype or cfg.model.dtype, max_num_seqs=cfg.rollout.max_num_seqs,
                    max_model_len=cfg.max_model_len, seed=cfg.seed, enforce_eager=cfg.rollout.enforce_eager,
                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
                    speculative_config=speculative_config_from(cfg.speculative),

@@ -44,11 +44,13 @@ class MoESettings:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     grouped_gemm: bool = True
+    routing_replay: bool = False  # routers that can replay given experts (R3, `trainer/routing_replay.py`)
 
     @classmethod
     def from_config(cls, cfg) -> MoESettings:
         m = cfg.model
-        return cls(aux_loss_coef=m.moe_aux_loss_coef, z_loss_coef=m.moe_z_loss_coef, grouped_gemm=m.moe_grouped_gemm)
+        return cls(aux_loss_coef=m.moe_aux_loss_coef, z_loss_coef=m.moe_z_loss_coef, grouped_gemm=m.moe_grouped_gemm,
+                   routing_replay=cfg.algorithm.routing_replay)
 
 
 def needs_sequence_parallel(arch, tp: int) -> bool:
@@ -75,7 +77,8 @@ def moe_config_kwargs(arch, settings: MoESettings | None, *, on_gpu: bool, use_t
         "moe_z_loss_coeff": s.z_loss_coef or None,
         "moe_grouped_gemm": bool(on_gpu and use_te and s.grouped_gemm),
         "moe_permute_fusion": False,
-        "moe_router_fusion": False,
+        "moe_router_fusion": False,  # (Transformer Engine's fused top-k also ignores routing replay)
+        "moe_enable_routing_replay": s.routing_replay,
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp or tp,
     }

@@ -8,8 +8,16 @@
     replay.clear()                       # after the step (or to go back to the router's own choice)
     pytest tests/test_routing_replay.py
 
-In the trainer's micro-batch loop (worker.py's forward step, log-prob and training passes) the routes of a
-`MicroBatch` come from `routes_for_microbatch(mb, {item index: item["routes"]}, topk, moe_layers)`.
+In the trainer (worker.py) `TrainerReplay` does this for every model the worker runs (policy, KL reference):
+the log-prob pass and the training pass set each micro-batch's routes in the schedule's forward step, before
+the chunk's forward, from `routes_for_microbatch(mb, {item index: item["routes"]}, topk, moe_layers)`, and
+clear them once the schedule has returned (every forward, backward and recompute of the step done).
+
+Samples without routes. A batch is replayed only when every item's routes cover all its input positions; any
+other batch (a dense model, capture off, a sample generated before replay was switched on, an engine that
+returned none) runs wholly on the routers' own choice, in both passes alike, and the trainer's metrics say
+so (`routing_replay/replayed`: 1 or 0). Replaying part of a batch would train its samples under two routings
+at once; routes recorded from another model (layers, top-k or experts differ) are refused in one line.
 
 It drives megatron-core 0.16.1's own replay (`transformer/moe/router_replay.py`): every `TopKRouter` built with
 `TransformerConfig.moe_enable_routing_replay=True` owns a `RouterReplay` that, when told to replay, takes the
@@ -34,11 +42,12 @@ needed.
 
 Deliberately left out: the fused router (`moe_router_fusion`, Transformer Engine's top-k kernel) ignores
 megatron's replay, so it is refused; sinkhorn routing (no top-k) likewise; capacity-factor token dropping is
-applied after the replayed choice, as megatron does. The wiring into worker.py comes with the MoE model builder.
+applied after the replayed choice, as megatron does; context parallelism (not run by this trainer).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -175,3 +184,86 @@ def routes_for_microbatch(mb, routes_by_index: dict, topk: int, num_moe_layers: 
             return None
         rows.append(r)
     return microbatch_routes(rows, mb.tokens.shape[1], topk, num_moe_layers)
+
+
+def moe_layer_numbers(arch) -> list[int]:
+    """megatron's layer numbers (1-based) of an `HFArch`'s MoE layers: the route columns, in order."""
+    return [i + 1 for i, sparse in enumerate(arch.moe_layers) if sparse]
+
+
+class TrainerReplay:
+    """worker.py's routing replay: a `RoutingReplay` per model, the batch-wide choice, the routes per micro-batch.
+
+        tr = TrainerReplay(arch, tp_rank=0, tp=1, sequence_parallel=False); tr.attach(model)   # at set-up
+        with tr.replaying(model, items) as before_forward:   # None: this batch runs on the routers' own choice
+            ... the schedule's forward step calls before_forward(mb) before each micro-batch's forward ...
+    """
+
+    def __init__(self, arch, *, tp_rank: int, tp: int, sequence_parallel: bool):
+        self.layers, self.topk, self.num_experts = moe_layer_numbers(arch), arch.moe_topk, arch.num_experts
+        self.tp_rank, self.tp, self.sp = tp_rank, tp, sequence_parallel and tp > 1
+        self.replays: dict[int, RoutingReplay] = {}
+        self.replayed = False  # whether the last pass replayed its batch
+
+    @classmethod
+    def for_models(cls, arch, enabled: bool, models: Sequence, sequence_parallel: bool) -> TrainerReplay | None:
+        """The replay of this rank's `models` (None entries skipped; parallel_state set up), or None when
+        `enabled` is off or `arch` is dense (which `algorithm.routing_replay` ignores)."""
+        if not (enabled and arch.num_experts):
+            return None
+        from megatron.core import parallel_state as ps
+
+        out = cls(arch, tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
+                  sequence_parallel=sequence_parallel)
+        for m in models:
+            if m is not None:
+                out.attach(m)
+        return out
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Takes over the replay switches of `model` (this rank's chunk, built with moe_enable_routing_replay)."""
+        self.replays[id(model)] = RoutingReplay(model, self.layers)
+
+    def batch_routes(self, items: list[dict]) -> dict[int, object] | None:
+        """{item index: routes} when every item's routes cover its input positions (prompt + response - 1);
+        None otherwise (see the module docstring)."""
+        out = {}
+        for i, item in enumerate(items):
+            r = item.get("routes")
+            if r is None or r.num_rows != len(item["prompt"]) + len(item["response"]) - 1:
+                return None
+            if (r.num_layers, r.topk, r.num_experts) != (len(self.layers), self.topk, self.num_experts):
+                raise ValueError(f"routing replay: sample {i} has routes over {r.num_layers} MoE layers, top-{r.topk} "
+                                 f"of {r.num_experts} experts; the model has {len(self.layers)}, top-{self.topk} of "
+                                 f"{self.num_experts} (were they recorded from another model?)")
+            out[i] = r
+        return out
+
+    @contextlib.contextmanager
+    def replaying(self, model: torch.nn.Module, items: list[dict]):
+        """Yields the forward-step hook that sets a micro-batch's routes (None: no replay for this batch) and
+        clears every route when the block ends, however it ends."""
+        replay = self.replays.get(id(model))
+        routes = self.batch_routes(items) if replay is not None else None
+        self.replayed = routes is not None
+        if routes is None:
+            yield None
+            return
+
+        def before_forward(mb) -> None:
+            r = routes_for_microbatch(mb, routes, self.topk, len(self.layers))
+            if self.sp:  # each TP rank routes its own slice of the sequence (sequence parallelism)
+                n = mb.tokens.shape[1] // self.tp
+                replay.set_routes(r, slice(self.tp_rank * n, (self.tp_rank + 1) * n), mb.tokens.shape[0])
+            else:
+                replay.set_routes(r)
+
+        try:
+            yield before_forward
+        finally:
+            replay.clear()
+
+
+def replaying(replay: TrainerReplay | None, model, items: list[dict]):
+    """`replay.replaying(model, items)`, or a block that yields None when there is no replay."""
+    return replay.replaying(model, items) if replay is not None else contextlib.nullcontext()

@@ -29,6 +29,7 @@ import torch
 from megatron_sortedrl import algorithms as A
 from megatron_sortedrl.host_heap import fix_host_mmap_threshold, trim_host_heap  # allocator policy: see there
 from megatron_sortedrl.trainer import cpu_compat
+from megatron_sortedrl.trainer.routing_replay import TrainerReplay, replaying
 from megatron_sortedrl.trainer.stream import StreamTrainingMixin
 from megatron_sortedrl.trainer.logprobs import (
     Sampling,
@@ -130,6 +131,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         self.tp, self.pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        # MoE routing replay (R3): each micro-batch routed as the engines routed it (None: off or a dense model)
+        self.replay = TrainerReplay.for_models(self.arch, moe.routing_replay, [self.model, self.ref_model], sp)
         return {"rank": self.rank, "dp_rank": self.dp_rank, "reporter": self.reporter, "use_te": self.use_te,
                 "device": "cuda" if self.gpu else "cpu", "cpu_threads": torch.get_num_threads(),
                 "kernels": self.kernels.line(), "fusions": fusions}
@@ -185,17 +188,22 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         return [make_microbatches([dummy], self.cfg.trainer.micro_batch_tokens, multiple)[0]
                 for _ in range(int(n.item()) - count)]
 
-    def _run(self, model, mbs, loss_fn, forward_only: bool) -> list[dict]:
+    def _run(self, model, mbs, loss_fn, forward_only: bool, items: list[dict]) -> list[dict]:
+        """One pass of Megatron's schedule over `mbs`; with routing replay on, each micro-batch's forward
+        replays its items' engine routes (every pipeline stage its own layers), cleared when the pass ends."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(data_iterator, chunk):
-            mb = next(data_iterator)
-            return chunk(mb.tokens, mb.position_ids, None), partial(loss_fn, mb)
+        with replaying(self.replay, model, items) as before_forward:
+            def forward_step(data_iterator, chunk):
+                mb = next(data_iterator)
+                if before_forward is not None:
+                    before_forward(mb)
+                return chunk(mb.tokens, mb.position_ids, None), partial(loss_fn, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
-            forward_only=forward_only)
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+                seq_length=max(mb.tokens.shape[1] for mb in mbs),
+                micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
 
     # ----------------------------------------------------------------------------------- log-probs
 
@@ -213,7 +221,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
 
         model.eval()
         with torch.no_grad():
-            out = self._run(model, mbs, loss_fn, forward_only=True)
+            out = self._run(model, mbs, loss_fn, forward_only=True, items=items)
         model.train()
         if not self.reporter:
             return None
@@ -274,7 +282,7 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         scale = len(mbs) * self.dp
         fn = self._rl_loss if kind == "rl" else self._sft_loss
         with self._grad_sync_deferred(not sync):  # trainer/stream.py
-            out = self._run(self.model, mbs, partial(fn, n_tok, n_seq, scale), forward_only=False)
+            out = self._run(self.model, mbs, partial(fn, n_tok, n_seq, scale), forward_only=False, items=items)
         if sync:
             finalize_model_grads([self.model])
         if not ps.is_pipeline_last_stage():
@@ -288,6 +296,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         for k in keys:
             if k not in ("loss", "n_tokens"):
                 metrics[k] = sums[k] / max(sums["n_tokens"], 1.0)
+        if self.replay:  # every rank made the same batch-wide choice (routing_replay.TrainerReplay)
+            metrics["routing_replay/replayed"] = float(self.replay.replayed)
         return metrics
 
     def _broadcast_loss(self, metrics: dict) -> float:
