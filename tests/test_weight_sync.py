@@ -61,7 +61,8 @@ def test_packing_round_trip_alignment_and_plan():
 @pytest.mark.parametrize("tied", [True, False])
 def test_every_tensor_comes_from_exactly_one_stage(tiny_model_dir, tied):
     from megatron_sortedrl.trainer.model import read_hf_config
-    from megatron_sortedrl.trainer.weights import hf_shapes, stage_export_plan
+    from megatron_sortedrl.trainer.stage_export import stage_export_plan
+    from megatron_sortedrl.trainer.weights import hf_shapes
 
     arch = dataclasses.replace(read_hf_config(tiny_model_dir), tie_word_embeddings=tied)
     expected = set(hf_shapes(arch))
@@ -93,7 +94,8 @@ def test_export_is_layer_by_layer(tiny_model_dir, tied):
     so vLLM's layerwise reload never waits on more than the one layer being loaded. The order before
     (`table`) sent every layer's q/k/v weights before any q/k/v bias."""
     from megatron_sortedrl.trainer.model import read_hf_config
-    from megatron_sortedrl.trainer.weights import export_order, stage_export_plan
+    from megatron_sortedrl.trainer.stage_export import stage_export_plan
+    from megatron_sortedrl.trainer.weights import export_order
 
     arch = dataclasses.replace(read_hf_config(tiny_model_dir), tie_word_embeddings=tied)
     assert arch.qkv_bias and arch.num_layers >= 2

@@ -7,7 +7,8 @@ GPU. `pipelined`: one NCCL group per stage sender (sender + engine GPUs), the en
 in one call; `serial`: the path before (one group of senders + engine GPUs, bucket by bucket). Either way the
 engine must hold exactly the weights the object-store path gives it (digests), the path the CPU suite tests
 (`tests/test_weight_sync.py`). Repeated relayouts must not grow the trainer GPUs' used memory (the old
-communicators are destroyed before new ones are made).
+communicators are destroyed before new ones are made). An EP2 x DP2 MoE trainer's expert pass (experts sent
+from the EP peer to the stage sender over the trainer's NCCL expert group) must give the same weights too.
 """
 
 from __future__ import annotations
@@ -90,6 +91,44 @@ def test_relayouts_destroy_the_old_nccl_groups(tmp_path):
         assert sum(live) <= 2  # one communicator per stage sender, however many relayouts
         for rank in range(len(group.actors)):
             assert used[-1][rank] - used[1][rank] < 64 << 20, [u[rank] >> 20 for u in used]  # MiB per sync
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "serial"])
+def test_ep2_expert_pass_over_nccl_matches_object_store(tmp_path, mode):
+    """An EP2 x DP2 trainer (GPUs 0-1) pushes a tiny Qwen3-MoE over NCCL: the expert pass's point-to-point
+    sends run on the trainer's NCCL expert group, and the engine must hold exactly what the object-store path
+    gives it (the CPU suite checks that path bit for bit against the whole-model export,
+    tests/test_weight_sync_moe.py)."""
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.rollout import PoolOptions, RolloutPool
+    from megatron_sortedrl.tiny_model import build_tiny_qwen3
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    model_dir = build_tiny_qwen3(tmp_path / "moe", moe=True, seed=3)
+    cfg = RunConfig()
+    cfg.model.path, cfg.cluster.device = str(model_dir), "gpu"
+    cfg.parallel.data_parallel_size = cfg.parallel.expert_model_parallel_size = 2
+    ray.init(address="local", include_dashboard=False)
+    group = pool = None
+    try:
+        group = TrainerGroup(cfg)
+        group.sft_step([([5, 6, 7, 8], [9, 10, 11, 12])] * 4)
+        opts = {"model_path": str(model_dir), "device": "gpu", "max_model_len": 256, "gpu_memory_utilization": 0.3,
+                "bucket_bytes": 1 << 16}
+        pool = RolloutPool(PoolOptions(**opts, weight_transport="nccl", weight_sync_mode=mode))
+        report = pool.sync_weights(group, version=1)
+        assert report.transport == "nccl" and report.num_buckets > 1
+        nccl_digests = pool.weights_digests()
+        pool.shutdown()
+        pool = RolloutPool(PoolOptions(**opts, weight_transport="object_store"))
+        pool.sync_weights(group, version=1)
+        assert pool.weights_digests() == nccl_digests
     finally:
         if pool is not None:
             pool.shutdown()

@@ -35,14 +35,12 @@ The export iterator is a collective: every rank of the trainer calls it and cons
 order; shards are all-gathered over TP (experts over ETP, then broadcast over EP from the rank that holds
 the expert) and the owning stage broadcasts over PP, so every rank yields the same full tensors. The
 checkpoint conversion tool builds on it (HF files themselves: `hf_files.py`). Rollout weight sync uses
-`iter_stage_hf_weights` instead: each stage's TP rank 0 gathers only its own stage's tensors
-(`stage_export_plan` says which; every HF tensor comes from exactly one stage), so no rank holds the model.
-Both export layer by layer by default (`export_order`): each layer's tensors together, which is what lets
-vLLM's layerwise reload finish one layer before the next arrives.
+`stage_export.iter_stage_hf_weights` instead: each stage's sender gathers only its
+own stage's tensors, non-expert tensors first, then the experts over the EP group, so no rank holds the
+model. Both export layer by layer by default (`export_order`): each layer's tensors together, which is what
+lets vLLM's layerwise reload finish one module before the next arrives.
 
-Deliberately left out: learned position embeddings and shared experts (no modelled family has them), and
-weight sync from an expert-parallel trainer (`iter_stage_hf_weights` refuses EP > 1 and ETP != TP: the stage
-sender holds only its own experts; conversion and checkpoint export work at any EP).
+Deliberately left out: learned position embeddings and shared experts (no modelled family has them).
 """
 
 from __future__ import annotations
@@ -365,98 +363,3 @@ def export_order(arch, *, use_te: bool = False, order: str = "layer"
                 out.append((mname, layout, names, gi, e))
     return out
 
-
-def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False, order: str = "layer"
-                      ) -> list[tuple[str, str, list[str]]]:
-    """(local Megatron name, layout, HF names) of every tensor pipeline stage `stage` exports, in export order.
-
-    Each HF tensor belongs to exactly one stage: layers to their stage, the embedding to the first, the final
-    norm and an untied output layer to the last. `order`: see `export_order`. Experts are named as the stage
-    holds them without expert parallelism (`iter_stage_hf_weights` refuses EP > 1)."""
-    per = arch.num_layers // pp
-    plan = []
-    for mname, layout, names, gi, e in export_order(arch, use_te=use_te, order=order):
-        owner = _owner_stage(mname, gi, pp, per)
-        if owner == stage:
-            plan.append((_local_name(mname, gi, e, owner * per, arch.num_experts or 1), layout, names))
-    return plan
-
-
-def _hf_pieces(local: torch.Tensor, layout: str, arch, tp: int, rank: int) -> list[tuple[torch.Tensor, bool]]:
-    """This TP rank's part of each HF tensor of one table row: (piece, transposed), in HF-name order.
-
-    Every piece is a block of rows of its HF tensor (of its transpose when `transposed`: the `row` layout,
-    split along dim 1), and the pieces of ranks 0..tp-1 stacked along dim 0 give the whole tensor. Views
-    where possible (`column`, `vocab`, `gate_up`, `row`); copies of this rank's shard size for `qkv`."""
-    if layout == "column":
-        return [(local, False)]
-    if layout == "row":
-        return [(local.t(), True)]
-    if layout == "vocab":  # the padding rows of the last ranks are not part of the HF tensor
-        rows = local.shape[0]
-        valid = max(0, min(rows, arch.vocab_size - rank * rows))
-        return [(local[:valid], False)]
-    if layout == "gate_up":
-        gate, up = local.chunk(2, dim=0)
-        return [(gate, False), (up, False)]
-    if layout == "qkv":
-        qpg, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
-        grouped = local.reshape(arch.num_kv_heads // tp, (qpg + 2) * hd, *local.shape[1:])
-        q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
-        return [(t.reshape(-1, *local.shape[1:]), False) for t in (q, k, v)]
-    raise ValueError(f"unknown layout {layout}")
-
-
-def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype | None = None,
-                          order: str = "layer") -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's full HF tensors, yielded on the stage's TP rank 0 only (its stage sender).
-
-    A collective on this stage's TP group alone: every TP rank of the stage must iterate it to the end (the
-    others yield nothing); other stages and other DP replicas take no part. One HF tensor at a time: fused
-    Megatron weights (q/k/v, gate/up) are split into their HF tensors *before* anything moves, each TP peer
-    sends its rows of that one HF tensor (point to point), and the sender receives them straight into the
-    full tensor (a `row`-layout tensor is assembled transposed, so every received block is contiguous, and
-    yielded as a transposed view). So beside its own shard the sender holds one full HF tensor and nothing
-    else (no gathered fused weight, no collective's staging buffer, no concatenated copy), and a peer at
-    most one piece of its own shard's size. The tensor yielded is reused memory only in the sense that the
-    next one is allocated after the caller has copied it out (`iter_packed` does so at once)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    if arch.num_experts and (_expert_layout()[0] > 1 or _expert_layout()[2] != tp):
-        raise NotImplementedError("weight sync from an expert-parallel trainer (parallel.expert_model_parallel_size "
-                                  "> 1, or expert TP != TP) is not implemented; export a checkpoint instead")
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
-    ranks = dist.get_process_group_ranks(tp_group) if tp > 1 else [None]
-    sender = tp_rank == 0
-    params = _local_params(model)
-    out_dtype = dtype or next(iter(params.values())).dtype
-    shapes = hf_shapes(arch)
-    plan = stage_export_plan(arch, ps.get_pipeline_model_parallel_world_size(),
-                             ps.get_pipeline_model_parallel_rank(), use_te=use_te, order=order)
-    for local_name, layout, names in plan:
-        local = params[local_name].detach()
-        if layout == "replicated" or tp == 1:
-            if sender:
-                fulls = [local] if layout == "replicated" else [
-                    p.t() if transposed else p for p, transposed in _hf_pieces(local, layout, arch, 1, 0)]
-                for n, t in zip(names, fulls):
-                    yield n, t.to(out_dtype)
-            continue
-        for k, (piece, transposed) in enumerate(_hf_pieces(local, layout, arch, tp, tp_rank)):
-            if not sender:
-                if piece.numel():  # (a vocab piece of padding rows only is not sent)
-                    dist.send(piece.contiguous(), dst=ranks[0], group=tp_group)
-                continue
-            shape = shapes[names[k]]
-            full = torch.empty(shape[::-1] if transposed else shape, dtype=local.dtype, device=local.device)
-            per = piece.shape[0] if layout != "vocab" else local.shape[0]  # rows of every rank's piece
-            full.narrow(0, 0, piece.shape[0]).copy_(piece)
-            for r in range(1, tp):
-                rows = min(per, full.shape[0] - r * per)
-                if rows > 0:
-                    dist.recv(full.narrow(0, r * per, rows), src=ranks[r], group=tp_group)
-            yield names[k], (full.t() if transposed else full).to(out_dtype)
-            del full

@@ -364,22 +364,20 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         """Sends this pipeline stage's weights to the rollout engine actors `engines`, bucket by bucket.
 
         The stage sender (TP rank 0 of DP replica 0) packs the stage's gathered tensors into buckets and
-        sends each one to every engine; the stage's other TP ranks only take part in the gathers; other DP
-        replicas hold the same weights and do nothing. Returns the sender's counts (None elsewhere).
+        sends each one to every engine; the stage's other TP ranks, and with experts the ranks of its EP
+        group (possibly in other DP replicas), only send it their pieces; other ranks return at once. Returns the sender's counts (None elsewhere).
         `transport`: "object_store" (Ray, any device) or "nccl" (GPU; `nccl` carries the rendezvous and the
         broadcast plan, see `rollout.weight_sync.nccl_send_buckets`). `mode`: "pipelined" (layer-by-layer export,
         `weight_sync.stage_push` / `nccl_send_stage`) or "serial" (the path before, kept for comparison)."""
         from megatron.core import parallel_state as ps
 
         from megatron_sortedrl.rollout import weight_sync as ws
-        from megatron_sortedrl.trainer.weights import iter_stage_hf_weights
+        from megatron_sortedrl.trainer.stage_export import iter_stage_hf_weights
 
-        if ps.get_data_parallel_rank() != 0:
-            return None
         tensors = iter_stage_hf_weights(self.module, self.arch, use_te=self.use_te,
                                         order="table" if mode == "serial" else "layer")
-        if ps.get_tensor_model_parallel_rank() != 0:
-            for _ in tensors:  # the gathers are collectives of the stage's TP group
+        if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
+            for _ in tensors:  # the stage's TP peers (and, with experts, its EP peers) send to the sender
                 pass
             return None
         stage = ps.get_pipeline_model_parallel_rank()
@@ -408,7 +406,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         from megatron.core import parallel_state as ps
 
         from megatron_sortedrl.rollout.weight_sync import plan_packed
-        from megatron_sortedrl.trainer.weights import hf_shapes, stage_export_plan
+        from megatron_sortedrl.trainer.stage_export import stage_export_plan
+        from megatron_sortedrl.trainer.weights import hf_shapes
 
         if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
             return None
@@ -438,7 +437,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         from megatron.core import parallel_state as ps
 
         from megatron_sortedrl.rollout.weight_sync import bucket_sizes
-        from megatron_sortedrl.trainer.weights import hf_shapes, stage_export_plan
+        from megatron_sortedrl.trainer.stage_export import stage_export_plan
+        from megatron_sortedrl.trainer.weights import hf_shapes
 
         if ps.get_data_parallel_rank() != 0 or ps.get_tensor_model_parallel_rank() != 0:
             return None
