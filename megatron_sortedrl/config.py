@@ -54,8 +54,13 @@ ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition")
 
 @dataclass
 class TinyModelConfig:
-    """Shape of the built-in tiny Qwen2-architecture model (used when model.path does not exist yet)."""
+    """Shape of the built-in tiny model, Qwen2 or Qwen3-MoE (used when model.path does not exist yet)."""
 
+    architecture: str = help_field("qwen2 (dense, the default runs) | qwen3_moe (every layer routed experts, "
+                                   "q/k norms; configs/tiny_moe_cpu.yaml).", "qwen2", choices=("qwen2", "qwen3_moe"))
+    num_experts: int = help_field("qwen3_moe: routed experts per layer.", 8, min=1)
+    num_experts_per_tok: int = help_field("qwen3_moe: experts per token (top-k).", 2, min=1)
+    moe_intermediate_size: int = help_field("qwen3_moe: SwiGLU inner width of one expert.", 64, min=1)
     hidden_size: int = help_field("Hidden width.", 128, min=1)
     num_layers: int = help_field("Transformer layers.", 2, min=1)
     num_attention_heads: int = help_field("Query heads; hidden_size / heads must be a vLLM CPU head_dim (32, 64, ...).", 4, min=1)
@@ -80,6 +85,9 @@ class TinyModelConfig:
                 self.num_key_value_heads,
                 f"a divisor of num_attention_heads ({self.num_attention_heads})",
             )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError("model.tiny.num_experts_per_tok", self.num_experts_per_tok,
+                              f"at most num_experts ({self.num_experts})")
 
 
 @dataclass

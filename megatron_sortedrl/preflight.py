@@ -75,7 +75,7 @@ def check_model_config(file: Path) -> None:
 
 def check_expert_parallel(cfg) -> None:
     """EP / expert TP against the model's experts (EP > 1 on a dense model included), before Ray; a model not
-    built yet is the dense tiny one."""
+    built yet is the tiny one `model.tiny` describes."""
     from megatron_sortedrl.trainer.moe import check_expert_layout
 
     p = cfg.parallel
@@ -83,9 +83,15 @@ def check_expert_parallel(cfg) -> None:
         from megatron_sortedrl.trainer.model import read_hf_config
 
         check_expert_layout(read_hf_config(cfg.model.path, cfg.model.rope_scaling), p)
+    elif cfg.model.tiny.architecture == "qwen3_moe":  # the tiny MoE model it will build (model.tiny)
+        from types import SimpleNamespace
+
+        t = cfg.model.tiny
+        check_expert_layout(SimpleNamespace(model_type=t.architecture, num_experts=t.num_experts,
+                                            moe_ffn_size=t.moe_intermediate_size), p)
     elif p.expert_model_parallel_size > 1:
         raise ConfigError("parallel.expert_model_parallel_size", p.expert_model_parallel_size,
-                          "1 for the built-in tiny model (it is dense)")
+                          "1 for the built-in tiny model (it is dense; model.tiny.architecture=qwen3_moe is not)")
 
 
 def check_chat_template(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The built-in tiny model: a Qwen2-architecture causal LM with a character-level tokenizer.
+"""The built-in tiny model: a Qwen2 (or Qwen3-MoE) causal LM with a character-level tokenizer.
 
     python -m megatron_sortedrl build-tiny-model --out runs/tiny_model      # or tools/build_tiny_model.py
 
@@ -8,7 +8,9 @@ offline. The tokenizer is a byte-level BPE with no merges (the same pipeline as 
 `transformers` substitutes for any model_type=qwen2 directory), so every printable ASCII character and
 newline is exactly one token and decoding is exact.
 
-`build_tiny_qwen3` writes tiny Qwen3 and Qwen3-MoE models the same way (tests of those families).
+`model.tiny.architecture: qwen3_moe` builds a tiny Qwen3-MoE instead (`tiny_config`: every layer routed experts,
+q/k norms, head_dim = hidden / heads; the built-in MoE run, configs/tiny_moe_cpu.yaml). `build_tiny_qwen3` writes
+tiny Qwen3 and Qwen3-MoE models with perturbed norms and clear-cut routers (tests of those families).
 
 Deliberately left out: chat templates (the procedural tasks use plain prompts) and any pretrained
 weights (weights are randomly initialised with a seed; the RL driver warm-starts them on the task).
@@ -87,6 +89,18 @@ def qwen2_config(tiny: TinyModelConfig) -> dict:
     }
 
 
+def tiny_config(tiny: TinyModelConfig) -> dict:
+    """The config.json of the tiny model `tiny` describes (`model.tiny.architecture`)."""
+    if tiny.architecture == "qwen2":
+        return qwen2_config(tiny)
+    base = qwen2_config(tiny)
+    return qwen3_config(True, **{k: base[k] for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "max_position_embeddings", "rope_theta", "tie_word_embeddings")},
+        num_experts=tiny.num_experts, num_experts_per_tok=tiny.num_experts_per_tok,
+        moe_intermediate_size=tiny.moe_intermediate_size)
+
+
 def build_tiny_model(out: str | Path, tiny: TinyModelConfig | None = None, overwrite: bool = False) -> Path:
     """Writes the tiny model directory at `out` and returns its path.
 
@@ -94,7 +108,7 @@ def build_tiny_model(out: str | Path, tiny: TinyModelConfig | None = None, overw
     build never leaves a half-written model that a later run would try to load.
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tiny = tiny or TinyModelConfig()
     out = Path(out)
@@ -104,7 +118,10 @@ def build_tiny_model(out: str | Path, tiny: TinyModelConfig | None = None, overw
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         torch.manual_seed(tiny.seed)
-        model = Qwen2ForCausalLM(Qwen2Config(**qwen2_config(tiny))).to(torch.float32)
+        if tiny.architecture == "qwen3_moe":
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_config(tiny))).to(torch.float32)
+        else:
+            model = Qwen2ForCausalLM(Qwen2Config(**qwen2_config(tiny))).to(torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
         _write_tokenizer_files(tmp, tiny.max_position_embeddings)
         if out.exists():

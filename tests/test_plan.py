@@ -30,6 +30,7 @@ RECIPES = {
     "code_cpu.yaml": None,
     "elastic_cpu.yaml": None,
     "learning_cpu.yaml": None,
+    "tiny_moe_cpu.yaml": None,
     "qwen7b_16gpu.yaml": "qwen2.5-7b-instruct",
     "qwen32b_128gpu.yaml": "qwen2.5-32b-instruct",
     "llama8b_logic_8gpu.yaml": "llama-3.1-8b-instruct",

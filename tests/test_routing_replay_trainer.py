@@ -131,6 +131,13 @@ def _rank(rank: int, world: int, model_dir: str, layout: dict, ports, out_dir: s
     for name, s in (("replay", with_routes), ("none", without)):
         lg = w.loss_and_grads(_items(cfg, s, forced), "rl")
         res[f"train_{name}"] = {"metrics": lg.get("metrics"), "grads": lg.get("grads")}
+    if layout.get("expert_model_parallel_size", 1) > 1:
+        # An EP model has two optimizers (dense and expert parameters, megatron's ChainedOptimizer): after a
+        # replayed update, its checkpoint round trip keeps the replayed log-probs.
+        w.train_step(_items(cfg, with_routes, forced), "rl")
+        res["lp"]["after_step"] = w.logprobs(_items(cfg, with_routes))
+        w.load(w.save(str(Path(out_dir) / "ckpt"), {}))
+        res["lp"]["after_load"] = w.logprobs(_items(cfg, with_routes))
     w.shutdown()
     torch.save(res, Path(out_dir) / f"{rank}.pt")
 
@@ -207,12 +214,15 @@ def test_trainer_replays_sample_routes_at_one_rank(single):
 
 
 def test_trainer_replays_sample_routes_at_ep2_with_full_recompute(moe_dir, single, tmp_path):
-    """EP2 (DP2): tokens cross EP ranks after routing; full recompute replays each micro-batch in its backward."""
+    """EP2 (DP2): tokens cross EP ranks after routing; full recompute replays each micro-batch in its backward;
+    the EP2 trainer's checkpoint round trip."""
     forced, own = single["reference"]
     ep2 = run_layout(tmp_path, moe_dir, (forced, own), data_parallel_size=2, expert_model_parallel_size=2,
                      recompute="full")
     check_replay(ep2, forced, own, "EP2 x DP2, full recompute")
     assert_same_grads(ep2, single)
+    assert ep2["lp"]["after_step"] != ep2["lp"]["replay"]  # the update moved the policy ...
+    assert ep2["lp"]["after_load"] == ep2["lp"]["after_step"]  # ... and its checkpoint, saved at EP2, loads back
 
 
 @pytest.mark.slow

@@ -109,9 +109,9 @@ def arch_of(cfg, model_config: str | None = None) -> Arch:
     if (Path(cfg.model.path) / "config.json").is_file():
         return Arch.from_path(cfg.model.path)
     if cfg.model.build_tiny_if_missing:
-        from megatron_sortedrl.tiny_model import qwen2_config
+        from megatron_sortedrl.tiny_model import tiny_config
 
-        return Arch.from_dict(qwen2_config(cfg.model.tiny), name="tiny")
+        return Arch.from_dict(tiny_config(cfg.model.tiny), name="tiny")
     raise UserError(f"plan: model.path {cfg.model.path} has no config.json; set model.path to a Hugging Face model "
                     "directory (the `plan` command alone also takes --model-config, e.g. configs/model_shapes/<name>)")
 

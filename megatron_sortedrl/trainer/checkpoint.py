@@ -59,10 +59,11 @@ def _sharded_state(model, opt, is_loading: bool) -> dict:
     model_sd = model.sharded_state_dict()
     if opt is None:  # model-only checkpoint (written by the HF -> Megatron converter)
         return {"model": model_sd}
-    if not is_loading and not opt.state_dict().get("state"):
-        # Fresh Adam state is all zeros; saves a uniform layout. megatron-core may wrap the optimizer in a
-        # ChainedOptimizer (no init_state_fn of its own), e.g. when saving right after a model-only load.
-        for o in getattr(opt, "chained_optimizers", [opt]):
+    # Fresh Adam state is all zeros; saves a uniform layout. megatron-core may wrap the optimizer in a
+    # ChainedOptimizer (no init_state_fn of its own, a list for its state_dict): after a model-only load, and
+    # always for an expert-parallel MoE model (one optimizer for the dense parameters, one for the experts).
+    for o in getattr(opt, "chained_optimizers", [opt]) if not is_loading else ():
+        if not o.state_dict().get("state"):
             o.init_state_fn(o.optimizer, o.config)
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
 
