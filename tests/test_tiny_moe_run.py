@@ -69,17 +69,7 @@ def _train(tmp_path: Path, total_steps: int, log: Path) -> subprocess.CompletedP
                               stderr=subprocess.STDOUT, timeout=900)
 
 
-def _ep_weight_sync() -> bool:
-    """Whether this checkout's trainer pushes weights from an expert-parallel layout (issue 35 item 4)."""
-    import inspect
-
-    from megatron_sortedrl.trainer import weights
-
-    return "weight sync from an expert-parallel trainer" not in inspect.getsource(weights)  # its refusal
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _ep_weight_sync(), reason="weight sync from an EP2 trainer is not in this checkout yet")
 def test_short_tiny_moe_run_replays_routes_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     first = _train(tmp_path, 2, tmp_path / "log1.txt")
