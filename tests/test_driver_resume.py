@@ -33,8 +33,8 @@ def _overrides(model_dir: Path, run_dir: Path) -> list[str]:
     return [f"model.path={model_dir}", f"logging.run_dir={run_dir}", "trainer.total_steps=1000",
             f"data.num_train_prompts={N_PROMPTS}", "data.num_epochs=1", "data.num_eval_prompts=4",
             "trainer.warmup_sft_steps=5", "trainer.eval_interval=0", "checkpoint.save_interval=1",
-            "rollout.max_response_length=48", "logging.tensorboard=false", "scheduler.rollout_batch_size=4",
-            "scheduler.update_batch_size=8", "scheduler.group_size=8", f"rollout.n_samples_per_prompt={N_SAMPLES}"]
+            "rollout.max_response_length=48", "logging.tensorboard=false", "scheduler.rollout_batch_size=2",
+            "scheduler.update_batch_size=8", "scheduler.group_size=4", f"rollout.n_samples_per_prompt={N_SAMPLES}"]
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
