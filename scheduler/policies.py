@@ -24,7 +24,7 @@
   spans at most two policy versions (staleness <= 1), nothing is over-provisioned or restarted, and no token is thrown away in partial mode
   (in on_policy mode the carried partials restart). Whatever the tail, the slower half of the window is
   carried: its long responses finish in the next round while fresh prompts keep the engines full (the
-  price: about half or more of the trained samples are one version stale). Tier 2 places
+  price: a quarter to a half of the trained samples are one version stale). Tier 2 places
   each round's requests by predicted length (history, `placement`). An update trains between
   `rollout_batch_size` and `group_size` prompts (the grid reports the number of updates). The group rule
   is replaced by a stronger per-prompt bound: a prompt is trained in the round it first runs or the next.
