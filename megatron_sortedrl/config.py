@@ -505,7 +505,16 @@ class ClusterConfig:
     socket_ifname: str = help_field(
         "Network interface for gloo and NCCL sockets (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for every "
         "rank and engine), e.g. ib0 or eth0; empty: the environment's, else the libraries' own choice.", "")
-    colocate: bool = help_field("Trainer and rollout on the same GPUs: not implemented yet, must stay false.", False)
+    colocate: bool = help_field(
+        "Trainer ranks and rollout engines on the same GPUs, taking turns: engines wake, generate and sleep; the "
+        "trainer's state leaves the GPU during rollout (docs/cluster.md).", False)
+    engine_sleep_level: int = help_field(
+        "Colocated: what a sleeping engine frees. 1: KV cache freed, weights kept in host memory; 2: KV cache and "
+        "weights freed (every step hands new weights over at wake anyway).", 2, choices=(1, 2))
+    offload_trainer: bool = help_field(
+        "Colocated: the trainer's parameters, gradients and optimizer state move to host memory while the "
+        "engines generate and back for the update; false keeps them on the GPU (less KV cache for the engines).",
+        True)
     startup_timeout_s: float = help_field(
         "Seconds to wait for each cluster start-up step (placement groups, trainer set-up, engine start) before "
         "failing with what is missing.", 900.0, gt=0)
@@ -541,6 +550,9 @@ class ClusterConfig:
             # Engines would ask for GPUs the trainer's placement group holds and wait forever.
             raise ConfigError("cluster.colocate", self.colocate,
                               "false: trainer/rollout colocation is not implemented; give rollout its own nodes")
+        if self.engine_sleep_level not in (1, 2):
+            raise ConfigError("cluster.engine_sleep_level", self.engine_sleep_level,
+                              "1 (weights kept in host memory) or 2 (weights freed)")
         if not self.startup_timeout_s > 0:
             raise ConfigError("cluster.startup_timeout_s", self.startup_timeout_s, "a number of seconds > 0")
 
