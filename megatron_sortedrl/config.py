@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_sortedrl.agentic.config import ToolsConfig
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.layout import check_layout
 from megatron_sortedrl.schema import RANGE_KEYS, build, defaults, describe, hints, merge, validate
@@ -603,6 +604,8 @@ class RunConfig:
     plan: PlanConfig = help_field("Launch planner: memory fit check before a run starts.", factory=PlanConfig)
     reward: RewardConfig = help_field("Reward stage: workers, scaling, timeouts, order, sandbox.", factory=RewardConfig)
     sampling: SamplingConfig = help_field("DAPO dynamic sampling, overlong shaping, reward-history skip.", factory=SamplingConfig)
+    tools: ToolsConfig = help_field("Multi-turn tool use: tools, call format, turn limit (docs/agentic.md).",
+                                    factory=ToolsConfig)
 
     def __post_init__(self) -> None:
         hf_config = Path(self.model.path) / "config.json"
