@@ -133,7 +133,10 @@ def _rank(rank: int, world: int, model_dir: str, layout: dict, ports, out_dir: s
         res[f"train_{name}"] = {"metrics": lg.get("metrics"), "grads": lg.get("grads")}
     if layout.get("expert_model_parallel_size", 1) > 1:
         # An EP model has two optimizers (dense and expert parameters, megatron's ChainedOptimizer): after a
-        # replayed update, its checkpoint round trip keeps the replayed log-probs.
+        # replayed update, its checkpoint round trip keeps the replayed log-probs. A checkpoint saved before the
+        # first update loads too (it once failed: megatron saves no Adam step while the step is 0).
+        w.load(w.save(str(Path(out_dir) / "ckpt0"), {}))
+        res["lp"]["step0_load"] = w.logprobs(_items(cfg, with_routes))
         w.train_step(_items(cfg, with_routes, forced), "rl")
         res["lp"]["after_step"] = w.logprobs(_items(cfg, with_routes))
         w.load(w.save(str(Path(out_dir) / "ckpt"), {}))
@@ -222,6 +225,7 @@ def test_trainer_replays_sample_routes_at_ep2_with_full_recompute(moe_dir, singl
     check_replay(ep2, forced, own, "EP2 x DP2, full recompute")
     assert_same_grads(ep2, single)
     assert ep2["lp"]["after_step"] != ep2["lp"]["replay"]  # the update moved the policy ...
+    assert ep2["lp"]["step0_load"] == ep2["lp"]["replay"]  # a checkpoint from before any update loads back
     assert ep2["lp"]["after_load"] == ep2["lp"]["after_step"]  # ... and its checkpoint, saved at EP2, loads back
 
 

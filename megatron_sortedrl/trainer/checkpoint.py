@@ -68,6 +68,29 @@ def _sharded_state(model, opt, is_loading: bool) -> dict:
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
+def _zero_missing_steps(state_dict) -> None:
+    """Gives every parameter state of a loaded optimizer state dict that has no Adam `step` the step 0.
+
+    megatron-core saves the shared step only when it is truthy (`if step:` in `sharded_state_dict`), so a
+    checkpoint written before the first update holds Adam moments without a step, and torch's Adam refuses
+    such a state on load (KeyError 'step'). Step 0 is what the moments (zeros) mean."""
+    if isinstance(state_dict, list):
+        for part in state_dict:
+            _zero_missing_steps(part)
+        return
+    if not isinstance(state_dict, dict):
+        return
+    state = state_dict.get("state")
+    if isinstance(state, dict) and "param_groups" in state_dict:
+        if "common_step" not in state:
+            for param_state in state.values():
+                if isinstance(param_state, dict) and param_state and "step" not in param_state:
+                    param_state["step"] = torch.tensor(0.0)
+        return
+    for value in state_dict.values():
+        _zero_missing_steps(value)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -198,6 +221,7 @@ def load_checkpoint(path: str | Path, model, opt, sched, *, load_optimizer: bool
     _refuse_absent(path, absent)
     _check_keys(path, model.load_state_dict(loaded["model"], strict=False))
     if load_optimizer:
+        _zero_missing_steps(loaded["optimizer"])
         opt.load_state_dict(loaded["optimizer"])
     state = read_state(path)
     if sched is not None and "lr_scheduler" in state:
