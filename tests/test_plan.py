@@ -107,6 +107,15 @@ def test_engine_weights_and_kv_capacity_by_hand():
     assert engine_memory(cfg, arch, tp=1, device="gpu")["kv_bytes_per_token"] == 256
 
 
+def test_engine_memory_follows_the_engine_dtype():
+    """bfloat16 engines beside a float32 trainer (`rollout.dtype`): weights and KV per token in 2 bytes."""
+    arch = Arch.from_dict(SMALL)
+    own = engine_memory(_cfg(["model.dtype=float32"]), arch, tp=1, device="gpu")
+    bf16 = engine_memory(_cfg(["model.dtype=float32", "rollout.dtype=bfloat16"]), arch, tp=1, device="gpu")
+    assert bf16["weights"] * 2 == own["weights"] == arch.num_params * 4
+    assert bf16["kv_bytes_per_token"] * 2 == own["kv_bytes_per_token"]
+
+
 def test_cpu_engine_kv_is_whole_gib():
     em = engine_memory(_cfg(["rollout.kv_cache_gib=1.5"]), Arch.from_dict(SMALL), tp=1, device="cpu")
     assert em["kv_bytes"] == 2 * GIB and em["kv_tokens"] == 2 * GIB // (2 * 2 * 2 * 16 * 4)

