@@ -46,13 +46,13 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.policy_comparison import RunFailed, Session, figures  # noqa: E402
+from benchmarks.policy_comparison import RunFailed, Session  # noqa: E402
+from benchmarks.run_log import RunLog  # noqa: E402
 
 # name -> (scheduler.policy, speculative.enabled, trainer.stream, extra config keys). `sync` is the baseline.
 VARIANTS = {
@@ -372,12 +372,10 @@ def main() -> int:
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="learning_parity_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "warm_start" / "ckpt"
-    done_path = work / "runs.jsonl"
-    done = {(r["variant"], r["repeat"]): r for r in map(json.loads, done_path.read_text().splitlines())} \
-        if done_path.exists() else {}
+    done = RunLog(work, ("variant", "repeat"), "python benchmarks/learning_parity.py " + " ".join(sys.argv[1:]))
     print(f"work dir {work}; budget {budget} samples per run, evaluation every {every}", flush=True)
     warm = json.loads((ckpt.parent / "warm_start.json").read_text()) if (ckpt.parent / "warm_start.json").is_file() else {}
-    t_all, loads, startups = time.monotonic(), [], {}
+    loads, startups = [], {}
     probe = None
     groups = [[x for x in names if VARIANTS[x][1] == spec] for spec in (False, True)]
     try:
@@ -418,9 +416,7 @@ def main() -> int:
                            "figures": {k: fig_run[k] for k in ("reward_mean", "staleness_mean", "staleness_hist", "steps",
                                                                "trained_samples", "step_s_total", "spec_tokens_per_forward",
                                                                "accuracy_before_rl", "load_average")}}
-                    done[(name, rep)] = rec
-                    with open(done_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    done.add(rec)
                     c = curve.points
                     print(f"{name:26s} r{rep}: acc {c[0]['accuracy']:.3f} -> {c[-1]['accuracy']:.3f}  "
                           f"{c[-1]['updates']} updates  {c[-1]['trained']} trained  {c[-1]['wall_s']:.0f}s  "
@@ -430,13 +426,15 @@ def main() -> int:
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        done.finish()
     runs = {x: [done[(x, rep)] for rep in range(args.repeats)] for x in names}
     befores = sorted({round(r["curve"][0]["accuracy"], 6) for rs in runs.values() for r in rs})
     drawn = {f"{x}/r{i}": r["curve"][-1]["drawn"] for x, rs in runs.items() for i, r in enumerate(rs)}
     loads = loads or [x for rs in runs.values() for r in rs for x in r["figures"]["load_average"]]
     cfg = load_config(ROOT / args.config, workload_overrides(args))
     result = {
-        "setup": {"command": "python benchmarks/learning_parity.py " + " ".join(sys.argv[1:]), "config": args.config,
+        "setup": {"command": done.setup()["command"], "starts": done.setup()["starts"], "config": args.config,
                   "task": cfg.data.task, "min_difficulty": cfg.data.min_difficulty, "max_difficulty": cfg.data.max_difficulty,
                   "prompts": args.prompts, "eval_prompts": args.eval_prompts, "n": n, "epochs": args.epochs,
                   "budget": budget, "eval_every": every, "repeats": args.repeats,
@@ -445,7 +443,7 @@ def main() -> int:
                   "driver_startup_s": startups, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                   "machine_note": args.machine_note or "not given.",
                   "load_average": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
-                  "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
+                  "date": done.setup()["date"], "benchmark_s": done.setup()["benchmark_s"]},
         "checks": {"accuracy_before_rl": befores, "identical_start": len(befores) == 1, "drawn_samples": drawn,
                    "equal_data_budget": all(v == budget for v in drawn.values())},
         "summary": summarize(runs, budget, every),

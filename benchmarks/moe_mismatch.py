@@ -45,7 +45,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -331,16 +330,17 @@ def main() -> int:
         return 2
 
     from benchmarks.policy_comparison import RunFailed, Session
+    from benchmarks.run_log import RunLog
     from megatron_sortedrl.config import load_config
 
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="moe_mismatch_"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     build_models(work)  # <work>/<model>/base_model, which Session.run_config names as model.path
-    done_path = work / "runs.jsonl"  # finished runs; a restarted benchmark with the same --work-dir goes on
-    done = {(r["variant"], r["engine_dtype"], r["repeat"]): r for r in map(json.loads, done_path.read_text().splitlines())} \
-        if done_path.exists() else {}
+    # finished runs; a restarted benchmark with the same --work-dir goes on
+    done = RunLog(work, ("variant", "engine_dtype", "repeat"),
+                  "python benchmarks/moe_mismatch.py " + " ".join(sys.argv[1:]))
     print(f"work dir {work}", flush=True)
-    t_all, warm, startups = time.monotonic(), {}, {}
+    warm, startups = {}, {}
     try:
         for dtype in dtypes:
             for name in names:
@@ -362,9 +362,7 @@ def main() -> int:
                         run_probe(session.driver, ckpt, work / model)
                     for rep in todo:
                         rec = one_run(session, name, rep, dtype, ckpt)
-                        done[(name, dtype, rep)] = rec
-                        with open(done_path, "a") as f:
-                            f.write(json.dumps(rec) + "\n")
+                        done.add(rec)
                         sm = rec["summary"]
                         print(f"{name:7s} {dtype:8s} r{rep}: {sm['steps']} steps {sm['tokens']} tokens  |logr| "
                               f"{sm['logp_abs_diff']:.3e}  k3 {sm['k3_kl']:.3e}  out {sm['ratio_out_of_band']:.3e}  "
@@ -374,6 +372,8 @@ def main() -> int:
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        done.finish()
     for model in ("dense", "moe"):
         info = work / model / "warm_start" / "warm_start.json"
         if model not in warm and info.is_file():
@@ -385,7 +385,7 @@ def main() -> int:
     cfg = load_config(ROOT / args.config, run_keys(args, names[0], dtypes[0]))
     loads = [x for r in runs for x in r["load_average"]]
     result = {
-        "setup": {"command": "python benchmarks/moe_mismatch.py " + " ".join(sys.argv[1:]), "config": args.config,
+        "setup": {"command": done.setup()["command"], "starts": done.setup()["starts"], "config": args.config,
                   "task": cfg.data.task, "prompts": args.prompts, "n": cfg.rollout.n_samples_per_prompt,
                   "epochs": args.epochs, "max_response_length": args.max_response_length, "repeats": args.repeats,
                   "seeds": [args.seed + r for r in range(args.repeats)], "variants": names, "engine_dtypes": dtypes,
@@ -396,7 +396,7 @@ def main() -> int:
                   "driver_startup_s": startups, "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                   "machine_note": args.machine_note or "not given.",
                   "load_average": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
-                  "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
+                  "date": done.setup()["date"], "benchmark_s": done.setup()["benchmark_s"]},
         "rows": rows, "verdict": verdict(rows), "precision_probe": probes, "runs": runs,
     }
     prev = args.out / f"{args.stem}.json"

@@ -579,6 +579,7 @@ def main() -> int:
               "--epochs and --repeats must be >= 1", file=sys.stderr)
         return 2
 
+    from benchmarks.run_log import RunLog
     from megatron_sortedrl.config import load_config
     from megatron_sortedrl.data import load_prompts
 
@@ -589,14 +590,11 @@ def main() -> int:
     print(f"work dir {work}", flush=True)
     # Finished runs are appended to runs.jsonl, so a benchmark stopped half-way (a crash, the OOM killer) goes on
     # where it stopped when started again with the same --work-dir.
-    done_path = work / "runs.jsonl"
-    done = {(r["variant"], r["repeat"]): r for r in map(json.loads, done_path.read_text().splitlines())} \
-        if done_path.exists() else {}
+    done = RunLog(work, ("variant", "repeat"), "python benchmarks/policy_comparison.py " + " ".join(sys.argv[1:]))
     runs: dict[str, list[dict]] = {n: [] for n in names}
     startups: dict[str, float] = {}
     warm: dict = json.loads((ckpt.parent / "warm_start.json").read_text()) \
         if (ckpt.parent / "warm_start.json").is_file() else {}
-    t_all = time.monotonic()
     # One driver per speculative setting (engines are built with or without the drafter);
     # within it the variants are interleaved repeat by repeat.
     groups = [[n for n in names if VARIANTS[n][1] == spec] for spec in (False, True)]
@@ -614,9 +612,7 @@ def main() -> int:
                     print(f"warm-up done in {warm['seconds']:.0f}s, loss {warm['final_loss']:.3f}", flush=True)
                 for rep, name in todo:
                     r = session.run(name, rep, ckpt)
-                    done[(name, rep)] = {"variant": name, "repeat": rep, **r}
-                    with open(done_path, "a") as f:
-                        f.write(json.dumps(done[(name, rep)]) + "\n")
+                    done.add({"variant": name, "repeat": rep, **r})
                     print(f"{name:18s} r{rep}: {r['steps']:3d} steps {r['trained_samples']} samples  "
                           f"{1e3 * r['s_per_sample_steps']:.1f} ms/sample  rollout {r['rollout_share']:.2f}  "
                           f"bubble {_f(r['bubble_ratio'], '.2f')}/{r['slot_bubble']:.2f}  idle "
@@ -631,6 +627,8 @@ def main() -> int:
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        done.finish()
 
     rows = [median_row(n, runs[n]) for n in names]
     add_ratios(rows)
@@ -640,7 +638,7 @@ def main() -> int:
     loads = [x for n in names for r in runs[n] for x in r["load_average"]]
     sync_row = next(r for r in rows if r["variant"] == BASELINE)
     result = {
-        "setup": {"command": "python benchmarks/policy_comparison.py " + " ".join(sys.argv[1:]),
+        "setup": {"command": done.setup()["command"], "starts": done.setup()["starts"],
                   "preset": args.preset, "config": args.config, "task": cfg.data.task,
                   "prompts": args.prompts, "eval_prompts": args.eval_prompts, "n": cfg.rollout.n_samples_per_prompt,
                   "epochs": args.epochs, "min_difficulty": cfg.data.min_difficulty,
@@ -658,7 +656,7 @@ def main() -> int:
                   "machine_note": args.machine_note or "not given.",
                   "load_average": {"min": min(loads), "median": statistics.median(loads), "max": max(loads),
                                    "samples": loads},
-                  "date": time.strftime("%Y-%m-%d"), "benchmark_s": round(time.monotonic() - t_all, 1)},
+                  "date": done.setup()["date"], "benchmark_s": done.setup()["benchmark_s"]},
         "train_step_fit": train_cost_fit([d for r in rows for d in r["run_dirs"]]),
         "ceiling": speedup_ceiling(runs[BASELINE]) if all("packed_replay" in r for r in runs[BASELINE]) else None,
         "checks": {"expected_trained_samples": expected, "trained_samples": counts,
