@@ -134,6 +134,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rank0_port(rank: int, world: int, ports) -> int:
+    """A free port picked by rank 0 just before use and handed to the other ranks through `ports` (a spawn
+    context's Queue): the machine is shared, and a port picked earlier may be taken by then."""
+    if rank == 0:
+        port = free_port()
+        for _ in range(world - 1):
+            ports.put(port)
+        return port
+    return ports.get(timeout=300)
+
+
+def random_train_items(n: int = 6, seed: int = 0) -> list[dict]:
+    """Trainer input rows (prompt, response, advantages, rollout log-probs) of random lengths and tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
+        out.append({"prompt": torch.randint(4, 100, (plen,), generator=g).tolist(),
+                    "response": torch.randint(4, 100, (rlen,), generator=g).tolist(), "mask": None,
+                    "extras": {"advantages": [1.0 - 0.4 * i] * rlen,
+                               "rollout_logprobs": (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()}})
+    return out
+
+
 def one_rank_world():
     """A generator for a module fixture: one gloo rank with megatron's TP=PP=1 groups in this process, torn down
     after the module (`yield from one_rank_world()`)."""

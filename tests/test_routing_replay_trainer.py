@@ -16,7 +16,6 @@ Each layout is one world of spawned processes running `TrainerWorker` directly, 
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_sortedrl.tiny_model import build_tiny_qwen3
+from helpers import rank0_port
 
 LAYERS, EXPERTS, TOPK = 2, 8, 2
 
@@ -88,17 +88,6 @@ def _reference(cfg) -> dict:
     return out
 
 
-def _port(rank: int, world: int, ports) -> int:
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for _ in range(world - 1):
-            ports.put(port)
-        return port
-    return ports.get(timeout=300)
-
-
 def _rank(rank: int, world: int, model_dir: str, layout: dict, ports, out_dir: str, rollout_lp) -> None:
     from megatron_sortedrl.config import RunConfig
     from megatron_sortedrl.trainer.worker import TrainerWorker
@@ -114,7 +103,7 @@ def _rank(rank: int, world: int, model_dir: str, layout: dict, ports, out_dir: s
             cfg.parallel.recompute.granularity = value
         else:
             setattr(cfg.parallel, key, value)
-    w = TrainerWorker(cfg, rank, world, "127.0.0.1", _port(rank, world, ports))
+    w = TrainerWorker(cfg, rank, world, "127.0.0.1", rank0_port(rank, world, ports))
     w.setup()
     res = {"rank": rank, "reporter": w.reporter}
     if rollout_lp is None:  # the single-rank world also computes the reference

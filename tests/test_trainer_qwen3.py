@@ -12,7 +12,6 @@ EP gather or gradient scaling shows as a named tensor.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,29 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_sortedrl.tiny_model import build_tiny_qwen3
-
-
-def _items() -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(6):
-        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
-        out.append({"prompt": torch.randint(4, 100, (plen,), generator=g).tolist(),
-                    "response": torch.randint(4, 100, (rlen,), generator=g).tolist(), "mask": None,
-                    "extras": {"advantages": [1.0 - 0.4 * i] * rlen,
-                               "rollout_logprobs": (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()}})
-    return out
-
-
-def _port(rank: int, world: int, ports) -> int:
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for _ in range(world - 1):
-            ports.put(port)
-        return port
-    return ports.get(timeout=300)
+from helpers import random_train_items, rank0_port
 
 
 def _rank(rank: int, world: int, model_dir: str, layout: dict, ports, out_dir: str) -> None:
@@ -56,9 +33,9 @@ def _rank(rank: int, world: int, model_dir: str, layout: dict, ports, out_dir: s
     cfg.trainer.micro_batch_tokens = 48  # several micro-batches
     for key, value in layout.items():
         setattr(cfg.parallel, key, value)
-    w = TrainerWorker(cfg, rank, world, "127.0.0.1", _port(rank, world, ports))
+    w = TrainerWorker(cfg, rank, world, "127.0.0.1", rank0_port(rank, world, ports))
     w.setup()
-    items = _items()
+    items = random_train_items()
     res = {"rank": rank, "reporter": w.reporter, "logprobs": w.logprobs(items)}
     lg = w.loss_and_grads(items, "rl")
     res.update(metrics=lg.get("metrics"), grads=lg.get("grads"))
@@ -92,7 +69,7 @@ def hf_logprobs(model_dir: Path) -> list[list[float]]:
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for it in _items():
+        for it in random_train_items():
             seq = torch.tensor([it["prompt"] + it["response"]])
             lp = torch.log_softmax(hf(seq).logits[0, :-1].float(), -1).gather(-1, seq[0, 1:, None])[:, 0]
             out.append(lp[len(it["prompt"]) - 1:].tolist())

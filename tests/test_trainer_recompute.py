@@ -23,12 +23,13 @@ decoder's forward: full recompute of every layer keeps exactly one hidden-size v
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from helpers import random_train_items, rank0_port
 
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
            "gradient_accumulation_fusion")
@@ -49,31 +50,6 @@ PP2_VARIANTS = {  # block 1 at PP=2: the first layer of each stage, i.e. both la
     "plain": {},
     "full_block": {"granularity": "full", "method": "block", "num_layers": 1},
 }
-
-
-def _items() -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(6):
-        plen, rlen = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(2, 16, (1,), generator=g))
-        out.append({"prompt": torch.randint(4, 100, (plen,), generator=g).tolist(),
-                    "response": torch.randint(4, 100, (rlen,), generator=g).tolist(), "mask": None,
-                    "extras": {"advantages": [1.0 - 0.4 * i] * rlen,
-                               "rollout_logprobs": (-4.85 + 0.1 * torch.rand(rlen, generator=g)).tolist()}})
-    return out
-
-
-def _port(rank: int, world: int, ports) -> int:
-    """A free port picked by rank 0 just before use and handed to the other ranks (the machine is shared:
-    a port picked earlier may be taken by then)."""
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for _ in range(world - 1):
-            ports.put(port)
-        return port
-    return ports.get(timeout=300)
 
 
 class _SavedBytes:
@@ -104,7 +80,7 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
     from megatron_sortedrl.trainer.worker import TrainerWorker
 
     torch.set_num_threads(1)
-    items = _items()
+    items = random_train_items()
     for name, over in variants.items():
         cfg = RunConfig()
         cfg.model.path = model_dir
@@ -116,7 +92,7 @@ def _run_layouts(rank: int, world: int, model_dir: str, variants: dict, ports, o
         rc.granularity = over.get("granularity", "none")
         rc.method, rc.num_layers = over.get("method", "uniform"), over.get("num_layers", 1)
         cfg.trainer.micro_batch_tokens = 48  # several micro-batches
-        w = TrainerWorker(cfg, rank, world, "127.0.0.1", _port(rank, world, ports))
+        w = TrainerWorker(cfg, rank, world, "127.0.0.1", rank0_port(rank, world, ports))
         w.setup()
         counter = _SavedBytes(w.module)
         lp = w.logprobs(items)
