@@ -244,7 +244,10 @@ class ToolRunner:
         """Stops every worker (a running call is killed with its worker); outcomes not yet polled are dropped."""
         self._closed = True
         for w in self.workers:
-            _close_worker(w)
+            if w.tasks:  # its call is dropped anyway: no reason to wait for it
+                w.kill()
+            else:
+                _close_worker(w)
 
     def __enter__(self) -> ToolRunner:
         return self
