@@ -55,7 +55,8 @@ def test_no_tag_is_a_final_answer_and_missing_arguments_are_empty():
     ('<tool_call>{"name": "calc", "arguments": "[1]"}</tool_call>', '"arguments" that is a JSON list'),
     ('<tool_call>{"name": "calc", "arguments": "{oops"}</tool_call>', "a string that is not JSON"),
     ('<tool_call>["calc"]</tool_call>', "a JSON list, not an object"),
-    ('<tool_call>{"name": "a"}</tool_call>\n<tool_call>{"name": "calc", "arguments": {}', "call 2 has <tool_call> but no closing"),
+    ('<tool_call>{"name": "a"}</tool_call>\n<tool_call>{"name": "calc", "arguments": {}',
+     "call 2 has <tool_call> but no closing"),
     ('thinking</tool_call>', "a </tool_call> without its <tool_call>"),
     ('<tool_call>{"name": "a"}<tool_call>{"name": "b"}</tool_call>', "opens <tool_call> again"),
 ])

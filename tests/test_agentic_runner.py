@@ -49,13 +49,18 @@ def _turn(*calls: tuple[str, dict]) -> Parsed:
 
 # (the failing call, its error kind, what its message says)
 FAILURES = {
-    "timeout": (("hang", {}), "timeout", f"Error: the tool hang ran past its time limit of {TIMEOUT_S:g} s and was stopped."),
+    "timeout": (("hang", {}), "timeout",
+                f"Error: the tool hang ran past its time limit of {TIMEOUT_S:g} s and was stopped."),
     "crash": (("boom", {}), "crash", "Error: the tool boom failed: RuntimeError: the tool broke"),
     "exit": (("die", {}), "crash", "Error: the tool die stopped without answering (its process ended)."),
-    "too_long": (("spam", {}), "too_long", "x" * 100 + "\n[output cut: the tool answered 1000000 characters; only the first 100 are shown]"),
-    "unknown": (("search", {"q": "x"}), "unknown_tool", "Error: there is no tool named 'search'; the tools are: calculator, python"),
-    "bad_arguments": (("echo", {"txt": "hi"}), "bad_arguments", "Error: bad arguments for echo: 'text' is a required property"),
-    "bad_state": (("bad_state", {}), "crash", "Error: the tool bad_state failed: it left the state in a form that is not JSON"),
+    "too_long": (("spam", {}), "too_long",
+                 "x" * 100 + "\n[output cut: the tool answered 1000000 characters; only the first 100 are shown]"),
+    "unknown": (("search", {"q": "x"}), "unknown_tool",
+                "Error: there is no tool named 'search'; the tools are: calculator, python"),
+    "bad_arguments": (("echo", {"txt": "hi"}), "bad_arguments",
+                      "Error: bad arguments for echo: 'text' is a required property"),
+    "bad_state": (("bad_state", {}), "crash",
+                  "Error: the tool bad_state failed: it left the state in a form that is not JSON"),
     "refused": (("calculator", {"expression": "1/0"}), "bad_arguments", "Error: division by zero."),
 }
 
@@ -71,7 +76,8 @@ def test_a_failing_call_gets_its_message_and_the_turn_goes_on(runner, case):
     assert out.names == ["counter", name, "counter"]
     assert out.contents[0] == "11" and out.contents[2] == "12"  # the calls around it ran, in order
     assert out.contents[1].startswith(message), out.contents[1]
-    assert out.state["n"] == 12 and "touched" not in out.state and "handle" not in out.state  # the failure undone
+    assert out.state["n"] == 12  # the counter's state after both of its calls
+    assert "touched" not in out.state and "handle" not in out.state  # the failed call's change undone
     assert runner.counts[kind] - before[kind] == 1 and runner.counts["calls"] - before["calls"] == 3
     # and the runner keeps working
     runner.submit("after", _turn(("calculator", {"expression": "6*7"})), {})
@@ -108,10 +114,11 @@ def test_a_rows_own_tools_narrow_what_it_may_call(runner):
     assert len(runner.schemas()) == len(TOOLS)
 
 
-def test_python_tool_through_the_runner(runner):
-    runner.submit("ok", _turn(("python", {"code": "print(sum(range(10)))"})), {})
-    runner.submit("loop", _turn(("python", {"code": "while True:\n    pass"})), {})
-    got = _wait(runner, 2)
+def test_python_tool_through_the_runner():
+    with _runner(timeout_s=6.0) as runner:  # the program's limit is 4 s: room for sandbox start-up under load
+        runner.submit("ok", _turn(("python", {"code": "print(sum(range(10)))"})), {})
+        runner.submit("loop", _turn(("python", {"code": "while True:\n    pass"})), {})
+        got = _wait(runner, 2)
     assert got["ok"].contents == ["45\n"] and got["ok"].errors == []
     assert got["loop"].errors == ["timeout"] and "ran past its time limit" in got["loop"].contents[0]
 
@@ -131,6 +138,20 @@ def test_every_submit_gets_one_outcome_and_submit_never_blocks():
         assert r.counts["timeout"] == 1 and r.counts["crash"] == 3 and r.counts["malformed"] == 1
 
 
+def _live(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.NoSuchProcess:  # ended meanwhile
+        return ""
+
+
 def test_close_leaves_no_process_behind():
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
@@ -139,13 +160,11 @@ def test_close_leaves_no_process_behind():
     r.submit("b", _turn(("hang", {})), {})
     r.poll(timeout_s=2.0)  # both running: a worker with its sandbox, a worker in a sleeping tool
     # multiprocessing's resource tracker is one per driver process, shared by every pool, and ends with it
-    started = {p.pid for p in me.children(recursive=True)
-               if "resource_tracker" not in " ".join(p.cmdline())} - before
+    started = {p.pid for p in me.children(recursive=True) if "resource_tracker" not in _cmdline(p)} - before
     assert len(started) >= 3  # two workers and at least the sandboxed program
     r.close()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in started):
+    while time.monotonic() < deadline and any(_live(p) for p in started):
         time.sleep(0.1)
-    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    assert alive == [], [(p, psutil.Process(p).cmdline(), psutil.Process(p).ppid(), psutil.Process(p).status()) for p in alive]
+    alive = [p for p in started if _live(p)]
+    assert alive == [], [(p, _cmdline(psutil.Process(p))) for p in alive]

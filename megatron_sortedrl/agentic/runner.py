@@ -313,7 +313,8 @@ class ToolRunner:
         """The call running on `w` answers with the defined message; its worker is replaced, and the job's
         later calls go back to the front of the queue with the state before this call."""
         name = job.calls[len(job.contents)][0]
-        self._record(job, MESSAGES[why].format(name=name, limit=self.timeout_s), "timeout" if why == "timeout" else "crash")
+        kind = "timeout" if why == "timeout" else "crash"
+        self._record(job, MESSAGES[why].format(name=name, limit=self.timeout_s), kind)
         w.tasks.clear()
         self._restart(w)
         if len(job.contents) < len(job.calls):

@@ -87,7 +87,8 @@ def calculate(expression: str) -> int | float:
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError) as exc:
-        raise ToolError(f"Error: not an arithmetic expression ({exc.msg if isinstance(exc, SyntaxError) else exc}).") from None
+        why = exc.msg if isinstance(exc, SyntaxError) else exc
+        raise ToolError(f"Error: not an arithmetic expression ({why}).") from None
     try:
         value = _eval(tree.body)
     except ZeroDivisionError:
@@ -170,7 +171,8 @@ class PythonTool:
         out = res.stdout
         if res.status != "ok":
             tail = "\n".join(res.stderr.rstrip().splitlines()[-self.STDERR_LINES:])
-            out += ("\n" if out and not out.endswith("\n") else "") + (tail or f"Error: the program ended: {res.status}")
+            sep = "\n" if out and not out.endswith("\n") else ""
+            out += sep + (tail or f"Error: the program ended: {res.status}")
         return out if out else "(the program printed nothing)"
 
 
