@@ -5,7 +5,7 @@ the config and the files it names is checked here, so a mistake costs a second, 
     preflight(cfg, resume_from=None)          # raises a UserError with one line; the CLI exits 2
 
 Checked: settings a real run cannot honour yet (`scheduler.layout_planner=preemption`, cost_model without its engine model); the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
-there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); every directory the run writes (run
+there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the tools and the tool-call parser (`tools.*`); every directory the run writes (run
 directory, checkpoint directory, TensorBoard directory: created and a file written and removed); the
 checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
 policy). The config's own values and the parallel layout are checked when the config loads (`config.py`),
@@ -36,6 +36,7 @@ def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> No
     if cfg.data.apply_chat_template:
         check_chat_template(Path(cfg.model.path))
     check_reward(cfg.data, reward_fn)
+    check_tools(cfg)
     for path, key in written_paths(cfg):
         check_writable(path, key)
     if resume_from is not None:
@@ -121,6 +122,14 @@ def check_reward(data_cfg, reward_fn: Any = None) -> None:
         load_reward_fn(reward_fn)
     else:
         check_signature(reward_fn, "reward function", getattr(reward_fn, "__qualname__", reward_fn))
+
+
+def check_tools(cfg) -> None:
+    """tools.tools (built-ins and dotted paths load, with valid schemas) and tools.parser (exists), in one
+    line naming the key (agentic/tools.py: check_tools)."""
+    from megatron_sortedrl.agentic.tools import check_tools as check
+
+    check(cfg.tools, cfg.reward.sandbox)
 
 
 def written_paths(cfg) -> list[tuple[Path, str]]:

@@ -96,9 +96,11 @@ def call_reward(fn: Callable[..., Any], sample: Sample) -> tuple[float, str, str
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn_ref: Any) -> None:
+    """One spawned worker and its pipe; `target(fn_ref, conn, parent)` is its main (the tool runner passes its own)."""
+
+    def __init__(self, ctx: Any, fn_ref: Any, target: Callable[..., None] | None = None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(fn_ref, child, os.getpid()), daemon=True)
+        self.proc = ctx.Process(target=target or _worker_main, args=(fn_ref, child, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
         self.tasks: deque[Sample] = deque()  # the batch sent, in order; tasks[0] is being scored
