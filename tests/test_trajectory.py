@@ -1,0 +1,146 @@
+"""Trajectory records (megatron_sortedrl/agentic/trajectory.py) against what the engine generated and what the chat
+template rendered: a hypothesis property over random turn structures, and the pieces it relies on. CPU, no engine
+(turns come as real `Completion` records from a scripted engine), the tiny model's real tokenizer and template.
+
+    PYTHONPATH=$PWD python -m pytest tests/test_trajectory.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_sortedrl.agentic.trajectory import PLACEHOLDER_LOGPROB, Trajectories, step_metrics
+from megatron_sortedrl.rollout.types import Completion
+from megatron_sortedrl.sample import Sample
+from tests import agentic_stub as stub
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from megatron_sortedrl.tiny_model import _write_tokenizer_files
+
+    d = tmp_path_factory.mktemp("tok")
+    _write_tokenizer_files(d, 1024)
+    return AutoTokenizer.from_pretrained(d)
+
+
+def _traj(tok, runner, max_turns=4, max_len=400):
+    return Trajectories(tok, runner, stub.hermes, stub.HERMES_STOP, max_turns, max_len)
+
+
+def _prompt(tok, text="What is 12*7?"):
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
+# One planned assistant turn: free text, then either a call (good, unknown tool, malformed JSON) or a final answer.
+# free text of printable ASCII without "<", so it never spells a special or tool token by chance
+_chars = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126, blacklist_characters="<"), max_size=12)
+_turn = st.tuples(_chars, st.sampled_from(["call", "unknown", "malformed", "final"]),
+                  st.integers(0, 99), st.integers(0, 99))
+
+
+def _turn_text(free: str, kind: str, a: int, b: int) -> tuple[str, bool]:
+    if kind == "final":
+        return f"{free} answer {a * b}", True
+    if kind == "malformed":
+        return f"{free}<tool_call>{{\"name\": calc</tool_call>", False
+    name = "calculator" if kind == "call" else "search"
+    return f"{free}<tool_call>{json.dumps({'name': name, 'arguments': {'expr': f'{a}*{b}'}})}</tool_call>", False
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(_turn, min_size=1, max_size=5), seed=st.integers(0, 2**16), max_turns=st.integers(1, 5),
+       max_len=st.integers(20, 400))
+def test_trajectory_lines_up_with_engine_and_template(tok, turns, seed, max_turns, max_len):
+    """Random turns, tool outputs and errors, version changes between and inside turns, aborts in the middle of a
+    turn and while waiting for tools: the response is exactly the engine's tokens and the template's tool tokens,
+    the loss mask is 0 exactly on tool tokens, log-probs and versions are the engine's on generated tokens, and
+    prompt + response decode to the template's rendering of the conversation."""
+    rng = random.Random(seed)
+    runner = stub.ToolRunner()
+    traj = _traj(tok, runner, max_turns, max_len)
+    s = Sample("p0", 0, prompt_tokens=_prompt(tok))
+    expect: list[tuple[int, bool, float, int]] = []  # (token, generated, log-prob, version)
+    messages = [{"role": "user", "content": "What is 12*7?"}]
+    version, done = 0, False
+    for free, kind, a, b in turns:
+        text, final = _turn_text(free, kind, a, b)
+        ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if final else [])
+        budget = max_len - s.response_length
+        ids, cut = ids[:budget], len(ids) > budget
+        # the engine delivers the turn in pieces: aborts (partials resumed later) and weight syncs in between
+        pos = 0
+        while True:
+            n = rng.randint(0, len(ids) - pos)
+            c = Completion(s.sample_id, 0)
+            piece = ids[pos:pos + n] if pos + n < len(ids) else ids[pos:]
+            for j in range(0, len(piece), 3):  # a version change while paused inside one request
+                if rng.random() < 0.2:
+                    version += 1
+                lps = [-rng.random() * 5 for _ in piece[j:j + 3]]
+                c.append(piece[j:j + 3], lps, version)
+                expect += [(t, True, lp, version) for t, lp in zip(piece[j:j + 3], lps)]
+            pos += len(piece)
+            c.finish_reason = "abort" if pos < len(ids) else ("length" if cut else "stop")
+            c.to_sample(s)
+            if c.finished:
+                break
+            if rng.random() < 0.5:
+                version += 1
+        messages.append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+        if not traj.turn_done(s):
+            done = True
+            break
+        if rng.random() < 0.3:  # aborted while its tool ran: a partial that re-runs the calls when resumed
+            assert traj.drop(s.sample_id) is s and s.finish_reason == "abort"
+            assert traj.resume(s)
+        (got, cont), = traj.poll()
+        assert got is s and not traj.waiting
+        if not cont:
+            done = True
+            break
+        k = _last_tool_count(s)
+        want = {"call": [str(a * b)], "unknown": ["error: unknown tool search"],
+                "malformed": [stub.hermes(text).error]}[kind]
+        assert [m["content"] for m in s.meta["trajectory"][-k:]] == want  # the calls' answers, in order
+        rendered = tok.encode(traj.renderer.text(want), add_special_tokens=False)
+        start, end = s.tool_spans[-1]
+        assert s.response_tokens[start:end] == rendered and start == len(expect)
+        expect += [(t, False, PLACEHOLDER_LOGPROB, None) for t in rendered]
+        messages += s.meta["trajectory"][-k:]
+    # exactly the engine's tokens and the template's
+    assert s.response_tokens == [t for t, *_ in expect]
+    mask = s.loss_mask() or [1.0] * s.response_length
+    assert mask == [1.0 if g else 0.0 for _, g, _, _ in expect]
+    assert s.rollout_logprobs == [lp for _, _, lp, _ in expect]
+    versions = s.token_versions()
+    assert [v for v, (_, g, _, _) in zip(versions, expect) if g] == [v for _, g, _, v in expect if g]
+    assert s.response_length <= max_len and s.turns <= max_turns
+    if done:
+        assert s.meta["trajectory_end"] in ("answer", "length", "max_turns")
+        assert [m["role"] for m in s.meta["trajectory"]] == [m["role"] for m in messages[1:]]
+    # prompt + response is the template's rendering of the conversation, up to where the response stops
+    full = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not done)  # not done: next header
+    text = tok.decode(s.prompt_tokens + s.response_tokens, skip_special_tokens=False)
+    text = text.removesuffix(tok.eos_token)
+    if done and s.meta["trajectory_end"] == "answer":
+        assert full == text + "<|im_end|>\n"
+    else:
+        assert full.startswith(text), (full, text)
+
+
+def _last_tool_count(s: Sample) -> int:
+    n = 0
+    for m in reversed(s.meta["trajectory"]):
+        if m["role"] != "tool":
+            break
+        n += 1
+    return n
