@@ -148,6 +148,11 @@ class Sample:
         return len(self.response_tokens)
 
     @property
+    def generated_length(self) -> int:
+        """Response tokens the engine sampled (a trajectory's tool tokens left out)."""
+        return len(self.response_tokens) - sum(end - start for start, end in self.tool_spans)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason in ("stop", "length")
 

@@ -112,6 +112,10 @@ class Trajectories:
         stop = HERMES_STOP if cfg.tools.parser == "hermes" else getattr(parser, "stop", HERMES_STOP)
         return cls(tokenizer, runner, parser, stop, cfg.tools.max_turns, cfg.rollout.max_response_length, **kw)
 
+    def schemas(self, names: list[str] | None = None) -> list[dict]:
+        """The tools' OpenAI-style schemas (a data row's own tool list narrows them), for the prompt's template."""
+        return self.runner.schemas(names)
+
     @property
     def stop_token_ids(self) -> list[int]:
         return [self.stop_id]
@@ -245,3 +249,20 @@ def step_metrics(batch: list[Sample]) -> dict[str, float]:
         for kind, k in s.meta.get("tool_error_kinds", {}).items():
             out[f"tools/errors_{kind}"] = out.get(f"tools/errors_{kind}", 0.0) + k
     return out
+
+
+def trajectories_for(cfg, tokenizer: Any, record: Callable[[str, Sample], None] | None = None,
+                     runner: Any = None) -> Trajectories | None:
+    """The run's trajectory loop (with its tool runner), or None when `tools.tools` is empty."""
+    if not cfg.tools.tools:
+        return None
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("data.apply_chat_template", False, "true when tools.tools is set: the tool schemas and "
+                          "the tool messages reach the model through its chat template")
+    return Trajectories.from_config(cfg, tokenizer, runner=runner, record=record)
+
+
+def sample_meta(prompt: Any) -> dict:
+    """What a new sample takes from its prompt for its tools: the row's per-row tool arguments."""
+    kwargs = prompt.meta.get("tools_kwargs")
+    return {"tools_kwargs": kwargs} if kwargs else {}
