@@ -144,3 +144,120 @@ def _last_tool_count(s: Sample) -> int:
             break
         n += 1
     return n
+
+
+def _call_turn(tok, expr="2*3"):
+    return tok.encode(f'<tool_call>{{"name": "calculator", "arguments": {{"expr": "{expr}"}}}}</tool_call>',
+                      add_special_tokens=False)
+
+
+def _finish(s, ids, version=0, reason="stop"):
+    c = Completion(s.sample_id, 0)
+    c.append(ids, [-0.5] * len(ids), version)
+    c.finish_reason = reason
+    c.to_sample(s)
+
+
+def test_max_turns_ends_a_calling_trajectory_and_metrics_count_it(tok):
+    traj = _traj(tok, stub.ToolRunner(), max_turns=2)
+    s = Sample("p0", 0, prompt_tokens=_prompt(tok))
+    _finish(s, _call_turn(tok))
+    assert traj.turn_done(s) and s.meta["awaiting_tools"]
+    (got, more), = traj.poll()
+    assert more and s.meta["tool_state"] == {"calls": 1} and not s.meta["awaiting_tools"]
+    _finish(s, _call_turn(tok, "4*5"), version=1)
+    assert not traj.turn_done(s) and s.meta["trajectory_end"] == "max_turns"  # the call is not run
+    assert [m["role"] for m in s.meta["trajectory"]] == ["assistant", "tool", "assistant"]
+    m = step_metrics([s, Sample("p1", 0)])
+    assert m["tools/calls"] == 1 and m["tools/turns_per_trajectory"] == 1.0 and m["tools/calling_share"] == 0.5
+    # checkpointable: a round trip keeps spans, turns and tool state; an on-policy restart drops all of it
+    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back.tool_spans == s.tool_spans and back.turns == 2 and back.loss_mask() == s.loss_mask()
+    back.reset_response()
+    assert (back.tool_spans, back.turns, back.loss_mask()) == ([], 0, None) and "tool_state" not in back.meta
+
+
+def test_late_outcome_of_an_aborted_call_is_ignored_and_errors_are_counted(tok):
+    runner = stub.ToolRunner()
+    traj = _traj(tok, runner)
+    s = Sample("p0", 0, prompt_tokens=_prompt(tok))
+    _finish(s, tok.encode('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', add_special_tokens=False))
+    assert traj.turn_done(s)
+    assert traj.drop(s.sample_id) is s and traj.drop(s.sample_id) is None  # a partial now; its outcome is stale
+    assert traj.poll() == [] and s.meta["awaiting_tools"]  # the stale outcome lands and is ignored
+    assert traj.resume(s) and len(runner.submitted) == 2  # resumed: the call runs again
+    (got, more), = traj.poll()
+    assert more and s.meta["tool_errors"] == 1 and s.meta["tool_error_kinds"] == {"unknown_tool": 1}
+    assert step_metrics([s])["tools/errors_unknown_tool"] == 1
+
+
+def test_tool_answer_past_the_budget_ends_the_trajectory(tok):
+    traj = _traj(tok, stub.ToolRunner(), max_len=len(_call_turn(tok)) + 5)
+    s = Sample("p0", 0, prompt_tokens=_prompt(tok))
+    _finish(s, _call_turn(tok))
+    assert traj.turn_done(s)
+    (got, more), = traj.poll()
+    assert not more and s.finish_reason == "length" and s.tool_spans == [] and s.meta["trajectory_end"] == "length"
+
+
+def test_stop_string_must_be_one_token(tok):
+    from megatron_sortedrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tools.parser"):
+        Trajectories(tok, stub.ToolRunner(), stub.hermes, "</call>", 4, 100)
+
+
+def test_tiny_vocabulary_covers_template_and_tool_schemas(tok):
+    """The character vocabulary renders the template with tools and tool messages without an unknown token."""
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": "7"}],
+        tools=stub.ToolRunner().schemas(), tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.unk_token_id not in ids and tok.decode(ids) == text
+
+
+def test_rows_with_tools_load(tmp_path):
+    from megatron_sortedrl.data.loaders import load_files
+    from megatron_sortedrl.errors import DatasetError
+
+    rows = [{"prompt": [{"role": "user", "content": "12*7?"}], "reward_model": {"ground_truth": "84"},
+             "extra_info": {"index": 3, "tools_kwargs": {"calculator": {"create_kwargs": {"precision": 0}}}}},
+            {"prompt": "2+2?", "answer": "4", "tools": ["calculator", {"type": "function",
+                                                                       "function": {"name": "python"}}]}]
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    a, b = load_files([str(f)], "prompt", "answer")
+    assert a.meta["tools_kwargs"] == {"calculator": {"create_kwargs": {"precision": 0}}} and "tools" not in a.meta
+    assert b.meta["tools"] == ["calculator", "python"]
+    from megatron_sortedrl.agentic.trajectory import initial_state, sample_meta
+
+    assert initial_state(Sample("x", 0, meta=sample_meta(a))) == {"tools_kwargs": a.meta["tools_kwargs"]}
+    f.write_text(json.dumps({"prompt": "x", "answer": "1", "tools": "calculator"}))
+    with pytest.raises(DatasetError, match="t.jsonl:1.*'tools' is a str"):
+        load_files([str(f)], "prompt", "answer")
+
+
+def test_prompt_encoder_renders_the_rows_tools(tok):
+    from types import SimpleNamespace
+
+    from megatron_sortedrl.data.prompting import PromptEncoder
+    from megatron_sortedrl.sample import Prompt
+
+    runner = stub.ToolRunner({"calculator": stub.calculator, "python": stub.calculator})
+    enc = PromptEncoder(tok, SimpleNamespace(apply_chat_template=True, max_prompt_length=4096), runner.schemas)
+    both = tok.decode(enc.encode(Prompt("a", "2+2?", "4")))
+    one = tok.decode(enc.encode(Prompt("b", "2+2?", "4", meta={"tools": ["python"]})))
+    assert '"name": "calculator"' in both and '"name": "python"' in both
+    assert '"name": "calculator"' not in one and '"name": "python"' in one and "# Tools" in one
+
+
+def test_tools_need_the_chat_template_and_none_builds_nothing(tok):
+    from megatron_sortedrl.agentic.trajectory import trajectories_for
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.errors import ConfigError
+
+    cfg = RunConfig()
+    assert trajectories_for(cfg, tok) is None  # tools off: one response per sample, as before
+    cfg.tools.tools = ["calculator"]
+    with pytest.raises(ConfigError, match="data.apply_chat_template"):
+        trajectories_for(cfg, tok, runner=stub.ToolRunner())
