@@ -261,3 +261,29 @@ def test_tools_need_the_chat_template_and_none_builds_nothing(tok):
     cfg.tools.tools = ["calculator"]
     with pytest.raises(ConfigError, match="data.apply_chat_template"):
         trajectories_for(cfg, tok, runner=stub.ToolRunner())
+
+
+def test_trainer_items_mask_tool_tokens_on_top_of_overlong_masking(tok):
+    """What the trainer group sends its ranks: the per-token mask is 0 on tool spans (and all 0 for an overlong-
+    masked sample), behaviour log-probs ride along; advantages' token weights count generated tokens only."""
+    from types import SimpleNamespace
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    traj = _traj(tok, stub.ToolRunner())
+    s = Sample("p0", 0, prompt_tokens=_prompt(tok), reward=1.0)
+    _finish(s, _call_turn(tok))
+    traj.turn_done(s)
+    traj.poll()
+    _finish(s, tok.encode("6", add_special_tokens=False) + [tok.eos_token_id])
+    plain = Sample("p0", 1, prompt_tokens=[5, 6], response_tokens=[7, 8], rollout_logprobs=[-1.0, -1.0], reward=0.0)
+    masked = Sample("p0", 2, prompt_tokens=[5], response_tokens=[7], rollout_logprobs=[-1.0], reward=0.0,
+                    tool_spans=[], meta={"loss_masked": True})
+    group = SimpleNamespace(cfg=RunConfig())
+    group.advantages, group._item = (lambda batch: TrainerGroup.advantages(group, batch)), TrainerGroup._item
+    items = TrainerGroup._rl_items(group, [s, plain, masked], [1.0, 0.0, 0.0], None)
+    start, end = s.tool_spans[0]
+    assert items[0]["mask"] == [1.0] * start + [0.0] * (end - start) + [1.0] * (s.response_length - end)
+    assert items[1]["mask"] is None and items[2]["mask"] == [0.0]
+    assert items[0]["extras"]["rollout_logprobs"] == s.rollout_logprobs
