@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_sortedrl import lifetime
+from megatron_sortedrl.agentic.trajectory import sample_meta, step_metrics, trajectories_for
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.placement import local_ray_env, socket_env
 from megatron_sortedrl.preflight import preflight
@@ -114,7 +115,9 @@ class Driver:
             self.say(f"built tiny model at {cfg.model.path}")
         self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
         self.eos = self.tok.eos_token_id
-        self.encoder = PromptEncoder(self.tok, cfg.data)  # one for train and eval: the template is checked once
+        # multi-turn tool use: the turn loop and its tool runner, None without tools (agentic/trajectory.py)
+        self.agentic = trajectories_for(cfg, self.tok, self._tool_event)
+        self.encoder = PromptEncoder(self.tok, cfg.data, self.agentic.schemas if self.agentic else None)
         self._ptok: dict[str, list[int]] = {}
         (self.run_dir / "skipped_prompts.jsonl").unlink(missing_ok=True)  # written anew at every start
         self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in self._encoded(load_prompts(cfg.data, "train"))}
@@ -199,7 +202,11 @@ class Driver:
     def _new_sample(self, prompt_id: str, epoch: int, index: int) -> Sample:
         p = self.prompts[prompt_id]
         return Sample(prompt_id=prompt_id, index=index, epoch=epoch, prompt_tokens=list(self._tokens(p)),
-                      ground_truth=p.ground_truth, meta={"difficulty": p.difficulty})
+                      ground_truth=p.ground_truth, meta={"difficulty": p.difficulty, **sample_meta(p)})
+
+    def _tool_event(self, event: str, s: Sample) -> None:  # a trajectory's tool wait starts / ends
+        self.events.append(self.timeline.record("request", event, self.step, sample_id=s.sample_id,
+                                                tokens=s.response_length))
 
     def _phase(self, name: str, event: str, **fields: Any) -> None:
         self.events.append(self.timeline.record("phase", event, self.step, phase=name, **fields))
@@ -235,7 +242,7 @@ class Driver:
     def _sampling(self, max_tokens: int, greedy: bool = False) -> dict[str, Any]:
         r = self.cfg.rollout
         return {"max_tokens": max_tokens, "temperature": 0.0 if greedy else r.temperature, "top_p": r.top_p,
-                "top_k": r.top_k, "stop_token_ids": [self.eos]}
+                "top_k": r.top_k, "stop_token_ids": [self.eos] + (self.agentic.stop_token_ids if self.agentic else [])}
 
     def generate(self, rnd):
         """Streams the round (`round_stream.py`): submits, scores completions as they land, lets the policy
@@ -330,7 +337,8 @@ class Driver:
         spec = self.update_history(harvest.batch, rnd.kind)
         step_s = time.monotonic() - t0
         row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
-                       self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}), self.layout_row)
+                       self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}), self.layout_row,
+                       step_metrics(harvest.batch) if self.agentic else {})
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:
@@ -404,6 +412,7 @@ class Driver:
         import ray
 
         closers = [self.rewards.close, self.pool.shutdown, self.trainer.shutdown, *self.records.closers()]
+        closers += [self.agentic.close] if getattr(self, "agentic", None) else []
         if self.nvml is not None:
             closers.insert(0, self.nvml.stop)
         for closer in closers:

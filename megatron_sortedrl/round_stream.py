@@ -11,6 +11,11 @@ a short file of named phases; `d` is the `Driver` whose engines, policy, reward 
 Rewards of samples the harvest did not take are not waited for after the harvest: they score while the
 step trains and reach the policy before the next round is composed (`compose_round`) or while it runs;
 a checkpoint waits for all of them first (`hand_over_rewards(d, wait=True)`), so none is lost.
+
+With tools on (`d.agentic`, megatron_sortedrl/agentic/trajectory.py) a finished turn that called a tool goes to
+the tool runner instead of the reward stage and stays live; its outcome, polled in the same loop, appends the
+tool tokens and queues the sample again as a continued request (`request_of`), until the trajectory ends. A
+sample aborted while waiting for its tools is handed to the policy as a partial and re-runs them on resume.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def stream_round(d: Any, rnd: Any):
     inflight = [0] * rnd.layout.num_engines
     cap = d.cfg.rollout.max_num_seqs
 
+    traj = getattr(d, "agentic", None)  # tool-using trajectories, or None
     ahead = deque(rnd.lookahead)  # twotier lookahead: a worker with no round work left starts these (its share)
     share, ahead_w = -(-len(ahead) // max(1, len(inflight))), set()
 
@@ -58,6 +64,9 @@ def stream_round(d: Any, rnd: Any):
                         live[s.sample_id] = s
                         continue
                     s.submit_time = s.submit_time or d.clock.now()
+                    if traj is not None and traj.resume(s):  # carried over while its tools ran: run them again
+                        live[s.sample_id] = s
+                        continue
                     items.append((GenRequest(s.sample_id, s.prompt_tokens + s.response_tokens,
                                              d._sampling(req.max_tokens)), w))
                     live[s.sample_id], inflight[w] = s, inflight[w] + 1
@@ -83,14 +92,26 @@ def stream_round(d: Any, rnd: Any):
                                                 worker=c.worker_id, sample_id=s.sample_id,
                                                 tokens=s.response_length))
         if c.finished:
-            d._score(s)
-            d.feed.on_finished(s)  # siblings still running draft from it
+            if traj is None or not traj.turn_done(s):  # a turn that called a tool: the runner has it, still live
+                finish(s)
         else:
             del live[s.sample_id]
             d.policy.on_sample_aborted(s, d.clock)
 
+    def finish(s: Sample) -> None:
+        d._score(s)
+        d.feed.on_finished(s)  # siblings still running draft from it
+
+    def tools_done() -> None:
+        for s, more in traj.poll() if traj is not None else ():
+            queues.add([request_of(s, d.cfg.rollout.max_response_length)]) if more else finish(s)
+
     def abort(ids: list[str]) -> None:
         for sid in ids:
+            if traj is not None and (s := traj.drop(sid)) is not None:  # waiting for tools: a partial
+                live.pop(sid, None)
+                d.policy.on_sample_aborted(s, d.clock)
+                continue
             req = queues.remove(sid) or next((r for r in ahead if r.sample.sample_id == sid), None)
             ahead.remove(req) if req is not None and req in ahead else None
             if req is not None:
@@ -118,6 +139,7 @@ def stream_round(d: Any, rnd: Any):
                                f"engine or queue holds (round {rnd.index}, {rnd.kind}); this is a policy bug")
         for c in d.pool.poll(0.02):
             on_completion(c)
+        tools_done()
         scored()
         fill()
         d.feed.maybe_ship()
@@ -130,6 +152,9 @@ def stream_round(d: Any, rnd: Any):
     # the policy through `hand_over_rewards` before the next round is composed, or during it (`scored`).
     for req in queues.drain() + list(ahead):
         d.policy.on_sample_aborted(req.sample, d.clock)
+    for s in traj.drop_all() if traj is not None else ():  # still waiting for tools: carried as partials
+        live.pop(s.sample_id, None)
+        d.policy.on_sample_aborted(s, d.clock)
     d._phase("rollout", "end")
     return harvest
 

@@ -87,7 +87,7 @@ class RunRecords:
                  events: list, rewards, *parts: dict) -> dict[str, Any]:
         """Writes the step's metrics row (and its reward failures); prints it every `logging.log_interval` steps."""
         scores = [s.reward or 0.0 for s in batch]
-        tokens = sum(s.response_length for s in batch)
+        tokens = sum(s.generated_length for s in batch)  # sampled tokens (a trajectory's tool tokens left out)
         for sid, err in rewards.failures[self._failures_seen:]:
             self._reward_fail_log.write(json.dumps({"step": step, "sample_id": sid, "error": err}) + "\n")
         self._failures_seen = len(rewards.failures)

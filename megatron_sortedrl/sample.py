@@ -84,6 +84,11 @@ class RoutedExperts:
         return RoutedExperts(self.num_layers, self.topk, self.num_experts, self.data + other.data[skip:])
 
 
+# `Sample.meta` keys a trajectory keeps while it runs (agentic/trajectory.py); an on-policy restart drops them
+TRAJECTORY_META = ("tool_state", "awaiting_tools", "tool_calls", "tool_errors", "tool_seconds", "tool_error_kinds",
+                   "trajectory", "trajectory_end")
+
+
 @dataclass
 class Prompt:
     prompt_id: str  # stable id across epochs (dataset name + row, or the generator's id); history keys on it
@@ -127,6 +132,11 @@ class Sample:
     # (vLLM returns routes when a request finishes, so an aborted partial holds none until it is resumed and
     # finishes: the resumed request re-routes the carried tokens under its own version).
     routed_experts: RoutedExperts | None = None
+    # trajectories (multi-turn tool use, megatron_sortedrl/agentic/trajectory.py): [start, end) response-token
+    # ranges the chat template rendered from tool messages (not sampled: placeholder log-prob 0.0, masked from the
+    # loss), ascending; and the assistant turns generated so far. Empty / 0 for a one-response sample.
+    tool_spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: int = 0
 
     @property
     def sample_id(self) -> str:
@@ -136,6 +146,11 @@ class Sample:
     @property
     def response_length(self) -> int:
         return len(self.response_tokens)
+
+    @property
+    def generated_length(self) -> int:
+        """Response tokens the engine sampled (a trajectory's tool tokens left out)."""
+        return len(self.response_tokens) - sum(end - start for start, end in self.tool_spans)
 
     @property
     def finished(self) -> bool:
@@ -176,11 +191,25 @@ class Sample:
         if self.routed_experts.num_rows > most:
             raise ValueError(f"{self.sample_id}: {self.routed_experts.num_rows} route rows for {most} input positions")
 
+    def loss_mask(self) -> list[float] | None:
+        """Per response token, 1.0 where the loss applies and 0.0 on tool tokens; None when every token counts
+        (a sample without tool spans). Overlong masking (`meta["loss_masked"]`) is the trainer's, on top."""
+        if not self.tool_spans:
+            return None
+        mask = [1.0] * len(self.response_tokens)
+        for start, end in self.tool_spans:
+            mask[start:end] = [0.0] * (end - start)
+        return mask
+
     def reset_response(self) -> None:
-        """Drops generated tokens (on-policy abort): the sample will be generated again from scratch."""
+        """Drops generated tokens (on-policy abort): the sample will be generated again from scratch (a
+        trajectory from its first turn, with a fresh tool state)."""
         self.response_tokens, self.rollout_logprobs, self.version_spans = [], [], []
         self.routed_experts = None
         self.finish_reason = ""
+        self.tool_spans, self.turns = [], 0
+        for key in TRAJECTORY_META:
+            self.meta.pop(key, None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what checkpoints and the scheduler state hold; routes stay bytes)."""
@@ -190,6 +219,7 @@ class Sample:
     def from_dict(cls, d: dict[str, Any]) -> Sample:
         d = dict(d)
         d["version_spans"] = [tuple(s) for s in d.get("version_spans", [])]
+        d["tool_spans"] = [tuple(s) for s in d.get("tool_spans", [])]
         if d.get("routed_experts") is not None:
             d["routed_experts"] = RoutedExperts(**d["routed_experts"])
         return cls(**d)

@@ -6,13 +6,17 @@ Writes a standard Hugging Face directory (config.json, model.safetensors, genera
 tokenizer.json, tokenizer_config.json, special_tokens_map.json) that `transformers` and `vllm` load
 offline. The tokenizer is a byte-level BPE with no merges (the same pipeline as Qwen2's tokenizer, which
 `transformers` substitutes for any model_type=qwen2 directory), so every printable ASCII character and
-newline is exactly one token and decoding is exact.
+newline is exactly one token and decoding is exact. Like Qwen2.5's tokenizer it has `<tool_call>`,
+`</tool_call>`, `<tool_response>` and `</tool_response>` as single (non-special) added tokens, and a
+Qwen2.5-style chat template with tool support (`CHAT_TEMPLATE`: a `tools=` list goes into the system turn,
+tool messages become `<tool_response>` blocks in a user turn), so multi-turn tool rollouts run on it; the
+procedural tasks keep using plain prompts unless `data.apply_chat_template` is set.
 
 `model.tiny.architecture: qwen3_moe` builds a tiny Qwen3-MoE instead (`tiny_config`: every layer routed experts,
 q/k norms, head_dim = hidden / heads; the built-in MoE run, configs/tiny_moe_cpu.yaml). `build_tiny_qwen3` writes
 tiny Qwen3 and Qwen3-MoE models with perturbed norms and clear-cut routers (tests of those families).
 
-Deliberately left out: chat templates (the procedural tasks use plain prompts) and any pretrained
+Deliberately left out: any pretrained
 weights (weights are randomly initialised with a seed; the RL driver warm-starts them on the task).
 """
 
@@ -29,7 +33,44 @@ from megatron_sortedrl.config import TinyModelConfig
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>", "<unk>"]
 CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
-VOCAB_SIZE = 128  # len(SPECIAL_TOKENS) + len(CHARACTERS) = 100, padded to a multiple of 64 for TP splits
+# Qwen2.5's tool tokens: single added tokens after the characters (ids 100-103), so a tool call's end is one
+# token the engines can stop on (they run without a tokenizer, so they cannot match stop strings).
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+VOCAB_SIZE = 128  # len(SPECIAL_TOKENS) + len(CHARACTERS) + len(TOOL_TOKENS) = 104, padded to a multiple of 64 (TP)
+
+# Qwen2.5-Instruct's template, tool part kept verbatim in structure (shorter default system text): a `tools`
+# list goes into the system turn as JSON lines, an assistant turn's `tool_calls` become <tool_call> blocks,
+# consecutive tool messages share one user turn of <tool_response> blocks. Plain ASCII, which the character
+# vocabulary covers (tests/test_trajectory.py checks it).
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def build_tokenizer():
@@ -44,6 +85,7 @@ def build_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_tokens(TOOL_TOKENS)  # not special: decoded text keeps them (the reward sees the calls)
     return tokenizer
 
 
@@ -142,6 +184,7 @@ def _write_tokenizer_files(d: Path, max_positions: int) -> None:
         "model_max_length": max_positions,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False, "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS, "unk_token": "<unk>"}))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "pad_token_id": eos_id}))

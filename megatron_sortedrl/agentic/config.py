@@ -34,7 +34,5 @@ class ToolsConfig:
         for name in self.tools:
             if not isinstance(name, str) or not name.strip():
                 raise ConfigError("tools.tools", self.tools, "a list of tool names or dotted paths (module.attr)")
-        if self.tools:  # until the rollout runs trajectories, a tool list would silently do nothing
-            raise ConfigError("tools.tools", self.tools, "[] for now: multi-turn tool rollouts are not wired in yet")
         if self.max_turns < 1:
             raise ConfigError("tools.max_turns", self.max_turns, "an integer >= 1")

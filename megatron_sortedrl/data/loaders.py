@@ -6,7 +6,9 @@
 A file row is a JSON object (jsonl) or a table row (parquet). The prompt is read from `data.prompt_key`
 (a dotted path; a string, or a list of chat messages `{"role", "content"}` as in verl's and DAPO-Math's
 files), the ground truth from `data.answer_key`, falling back to `reward_model.ground_truth` (verl),
-`answer` and `ground_truth`. The prompt id is `extra_info.index` or `id` when present (so history stays
+`answer` and `ground_truth`. Tools: a flat `tools` list (names or OpenAI-style schemas) narrows the run's
+`tools.tools` for the row, and verl's multi-turn `extra_info.tools_kwargs` ({tool: arguments}) is the row's
+initial tool state (`Prompt.meta["tools"]`, `["tools_kwargs"]`; docs/agentic.md). The prompt id is `extra_info.index` or `id` when present (so history stays
 keyed on the same prompt across file reorderings), else `<file stem>:row<row>`.
 
 A malformed row (not an object, no prompt, empty prompt, a chat message that is not a mapping with a known
@@ -122,6 +124,31 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
         raise DatasetError(f"{path}: unsupported dataset format '{suffix}'; use .jsonl or .parquet")
 
 
+def _row_tools(row: dict) -> dict:
+    """A row's tools (docs/agentic.md, "Data"): a flat `tools` list (names, or OpenAI-style schemas whose
+    function name is taken) narrows the run's tools for this prompt; verl's `extra_info.tools_kwargs` ({tool name:
+    arguments}) becomes the trajectory's initial tool state. Raises ValueError on a malformed entry."""
+    out: dict = {}
+    tools = row.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ValueError(f"'tools' is a {type(tools).__name__}, expected a list of tool names or schemas")
+        names = []
+        for i, t in enumerate(tools, start=1):
+            name = t if isinstance(t, str) else (t.get("function", t).get("name") if isinstance(t, dict) else None)
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"'tools' entry {i} is neither a tool name nor a schema with a function name")
+            names.append(name)
+        out["tools"] = names
+    kwargs = _get(row, "extra_info.tools_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"'extra_info.tools_kwargs' is a {type(kwargs).__name__}, expected an object "
+                             "{tool name: arguments}")
+        out["tools_kwargs"] = kwargs
+    return out
+
+
 class _BadRow:
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -183,5 +210,6 @@ def _to_prompt(row: Any, path: Path, row_no: int, prompt_key: str, answer_key: s
     # Explicit ids and row numbers live in separate namespaces so they never collide.
     prompt_id = f"{path.stem}:{row_id}" if row_id is not None else f"{path.stem}:row{row_no}"
     meta = {"messages": messages} if messages else {}
+    meta.update(_row_tools(row))
     return Prompt(prompt_id=prompt_id, text=text, ground_truth=str(truth), source=str(row.get("data_source", path.stem)),
                   meta=meta)

@@ -8,7 +8,8 @@ prompts longer than `data.max_prompt_length` tokens set aside (counted and named
 With `data.apply_chat_template=true` the tokenizer's own template (from the model directory) wraps the
 prompt with the generation prompt appended, as an instruct model was tuned to see it: a dataset row whose
 prompt is a list of chat messages (verl / DAPO layout) is rendered as those messages, a plain string as
-one user message. Without it, chat messages are joined with newlines (the tiny built-in model has no
+one user message. With tools (`tools.tools`), their schemas go in through the template's `tools=` argument
+(a row's own `tools` list narrows them). Without it, chat messages are joined with newlines (the tiny built-in model has no
 template). `check_template` is called before anything starts, so a tokenizer without a template is one
 line, not a failure at the first prompt.
 
@@ -26,8 +27,9 @@ from megatron_sortedrl.sample import Prompt
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any, data_cfg) -> None:
+    def __init__(self, tokenizer: Any, data_cfg, tools: Callable[[list[str] | None], list[dict]] | None = None) -> None:
         self.tok = tokenizer
+        self.tools = tools  # tool schemas by the row's tool names (None: all): rendered by the template's `tools=`
         self.chat = bool(data_cfg.apply_chat_template)
         self.max_len = int(data_cfg.max_prompt_length)
         if self.chat:
@@ -37,7 +39,9 @@ class PromptEncoder:
         if not self.chat:
             return list(self.tok(prompt.text)["input_ids"])
         messages = prompt.meta.get("messages") or [{"role": "user", "content": prompt.text}]
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        tools = self.tools(prompt.meta.get("tools")) if self.tools else None
+        ids = self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
         if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding whatever was asked
             ids = ids["input_ids"]
         return list(ids)

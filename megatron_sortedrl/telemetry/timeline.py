@@ -8,7 +8,8 @@ One line is one event, for example::
     {"t": 30.120, "kind": "worker", "event": "idle", "step": 3, "worker": 1}
 
 Fields: `t` float seconds on the run clock (see `RunClock`), `kind` ("request" | "phase" | "worker"),
-`event` (request: submit | first_token | finish | abort; phase: start | end; worker: busy | idle),
+`event` (request: submit | first_token | finish | abort | tool_call | tool_result; phase: start | end; worker:
+busy | idle; a trajectory's turn is one submit..finish request, its tool wait runs from tool_call to tool_result),
 `step` (int, training step), and the optional `worker` (int, rollout worker index), `sample_id` (str),
 `tokens` (int, response tokens so far / in total; at `first_token`: the tokens that exist once decoding
 starts, i.e. those the request was submitted with plus the one a real engine's prefill step samples; the
@@ -39,7 +40,8 @@ from typing import IO, Iterable, Sequence
 from megatron_sortedrl.errors import UserError
 
 KINDS: dict[str, tuple[str, ...]] = {
-    "request": ("submit", "first_token", "finish", "abort"),
+    # tool_call / tool_result: a trajectory's turn handed its calls to the tools / got their answers (no worker)
+    "request": ("submit", "first_token", "finish", "abort", "tool_call", "tool_result"),
     "phase": ("start", "end"),
     "worker": ("busy", "idle"),
 }

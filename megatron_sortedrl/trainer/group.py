@@ -173,7 +173,7 @@ class TrainerGroup:
         a = self.cfg.algorithm
         rewards = torch.tensor([float(s.reward) for s in samples])
         groups = [(s.prompt_id, s.epoch) for s in samples]
-        lengths = torch.tensor([len(s.response_tokens) for s in samples])
+        lengths = torch.tensor([s.generated_length for s in samples])  # trained tokens: tool tokens are masked
         return A.compute_advantages(rewards, groups, a.advantage, lengths=lengths,
                                     normalize_std=a.normalize_advantage_std).tolist()
 
@@ -202,10 +202,11 @@ class TrainerGroup:
                 ex["old_logprobs"] = list(old_logprobs[i])
             if ref is not None:
                 ex["ref_logprobs"] = ref[i]
-            # Overlong filtering (scheduler/selective.py) masks a truncated response out of the loss entirely.
+            # Overlong filtering (scheduler/selective.py) masks a truncated response out of the loss entirely; a
+            # trajectory's tool tokens (not sampled, placeholder log-probs) are masked always (Sample.loss_mask).
             items.append(_with_routes(
-                self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked") else None), s,
-                self.cfg))
+                self._item(s.prompt_tokens, s.response_tokens, ex, [0.0] * n if s.meta.get("loss_masked")
+                           else s.loss_mask()), s, self.cfg))
         return items
 
     def _report(self, outs: list) -> dict:
