@@ -87,7 +87,12 @@ def test_train_refuses_before_starting_anything(case, expected, tmp_path):
     elif case == "chat_template_missing":
         from megatron_sortedrl.tiny_model import build_tiny_model
 
-        overrides += [f"model.path={build_tiny_model(tmp_path / 'tiny')}", "data.apply_chat_template=true"]
+        model = build_tiny_model(tmp_path / "tiny")  # the tiny model has a chat template: take it away
+        tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+        tok_cfg.pop("chat_template", None)
+        (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+        (model / "chat_template.jinja").unlink(missing_ok=True)
+        overrides += [f"model.path={model}", "data.apply_chat_template=true"]
     rc, err, seconds = _train(*overrides)
     assert rc == 2, err
     assert expected in err and "model.path" in err if case == "no_model" else expected in err, err
