@@ -168,3 +168,14 @@ def test_plan_prints_the_phases_and_train_refuses_a_misfit(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("error: plan: colocated rollout phase") and not run_dir.exists()
+
+
+def test_scaling_doc_shows_the_current_colocated_plan():
+    """docs/scaling.md pastes the colocated 7B plan and a refusal; regenerate them when a recipe or formula changes."""
+    from megatron_sortedrl.commands.plan import render
+
+    doc = (REPO / "docs" / "scaling.md").read_text()
+    cfg, plan = _plan("qwen7b_colocated_8gpu.yaml")
+    assert render(plan, cfg) in doc
+    cfg, plan = _plan("qwen7b_colocated_8gpu.yaml", ["cluster.offload_trainer=false"])
+    assert "error: " + plan.failures()[0].line() + " (or plan.check=warn to start anyway)" in doc
