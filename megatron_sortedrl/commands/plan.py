@@ -7,7 +7,8 @@
 Reads the model's config.json only (no weights): `--model-config DIR_OR_FILE`, else model.path. A recipe's
 `${oc.env:...}` paths that this machine does not set are given placeholders for planning (nothing is
 opened). Prints trainer memory per GPU and pipeline stage, engine memory and KV-cache capacity at both
-rollout layouts, weight-sync bytes and time, and host memory per node, each against its capacity less
+rollout layouts, weight-sync bytes and time, for a colocated run (`cluster.colocate`) memory per GPU in each
+phase (rollout, switch, update) and the switch seconds, and host memory per node, each against its capacity less
 `plan.margin` (docs/scaling.md). Exit status: 0 when everything fits, 1 when something does not (the
 lines say what and which key to turn), 2 on bad input. `train` runs the same check at start.
 """

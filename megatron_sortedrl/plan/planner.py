@@ -22,6 +22,10 @@ router, token-dispatch buffers and expert activations (`moe_memory.py`), engines
 an expert layout megatron-core cannot build (EP not dividing the experts, EP x ETP not dividing TP x DP, TP > 1
 without sequence parallelism) is refused in one line before any arithmetic (`check_moe_layout`).
 
+Colocated runs (`cluster.colocate` on GPU): the trainer check becomes one check per phase (rollout, weight
+handoff, update) of a GPU that holds a trainer rank and an engine rank, and host memory adds the offloaded state
+(`colocated.py`).
+
 Left out: heterogeneous nodes, the trainer's temporary buffers outside the items listed (NCCL workspaces,
 allocator fragmentation: that is what the margin is for), and checkpoint saves.
 """
