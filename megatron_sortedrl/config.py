@@ -575,13 +575,19 @@ class PlanConfig:
     process_host_gib: float = help_field(
         "Host memory of one Python process (torch, Megatron or vLLM imports, CUDA context) before its data; "
         "0: 2 on GPU nodes, 1 on CPU.", 0.0, min=0)
+    offload_gbs: float = help_field(
+        "Colocated: GB/s of one GPU's host-device copies (trainer offload and reload, a level-1 engine's weights); "
+        "0: 25 on GPU (PCIe, every GPU of a node copying at once), 5 on CPU.", 0.0, min=0)
+    handoff_gbs: float = help_field(
+        "Colocated: GB/s at which an engine GPU receives the model from the trainer over CUDA IPC; 0: 100 on GPU, "
+        "plan.sync_bandwidth_gbs on CPU.", 0.0, min=0)
 
     def __post_init__(self) -> None:
         if self.check not in ("error", "warn", "skip"):
             raise ConfigError("plan.check", self.check, "one of error, warn, skip")
         if not 0 <= self.margin < 1:
             raise ConfigError("plan.margin", self.margin, "a fraction in [0, 1)")
-        for key in ("sync_bandwidth_gbs", "engine_reserve_gib", "process_host_gib"):
+        for key in ("sync_bandwidth_gbs", "engine_reserve_gib", "process_host_gib", "offload_gbs", "handoff_gbs"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"plan.{key}", getattr(self, key), "a number >= 0")
 

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_sortedrl.config import RunConfig, help_field, load_config
 from megatron_sortedrl.errors import ConfigError
 from scheduler.cost_model import EngineCostModel
+from scheduler.layout_sim import LayoutCosts, check_layout
 from scheduler.speculation_model import SpeculationConfig
 from scheduler.reward_cost import RewardCostConfig
 
@@ -66,9 +67,11 @@ class ClusterCosts:
         for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
-        if not 0 <= self.trainer_gpus <= self.gpus - self.gpus_per_node:
+        # A one-node scenario may give the trainer up to half of its GPUs (scheduler/layout_sim.py).
+        if not 0 <= self.trainer_gpus <= self.gpus - min(self.gpus_per_node, self.gpus // 2):
             raise ConfigError("cluster.trainer_gpus", self.trainer_gpus,
-                              f"0 (colocated) or a number that leaves the engines at least a node of {self.gpus} GPUs")
+                              f"0 (colocated) or a number that leaves the engines at least a node of {self.gpus} GPUs "
+                              "(half of them on one node)")
         if any(k <= 0 for k in self.engine_slowdown):
             raise ConfigError("cluster.engine_slowdown", self.engine_slowdown, "positive multipliers")
 
@@ -125,6 +128,8 @@ class SimConfig:
     speculation: SpeculationConfig = help_field("HistoSpec model for `<policy>+histospec` variants.", factory=SpeculationConfig)
     reward: RewardCostConfig = help_field("Reward scoring cost and workers (scheduler/reward_cost.py).",
                                           factory=RewardCostConfig)
+    layout: LayoutCosts = help_field("Colocated or disaggregated step costs (scheduler/layout_sim.py; '' = as before).",
+                                     factory=LayoutCosts)
     calibrate_from: str = help_field(
         "A `train` run directory: measure engine and cluster costs from its timeline and metrics, replay its "
         "response lengths and use its config.yaml as the run config (scheduler/calibrate.py; '' = off).", "")
@@ -148,6 +153,7 @@ def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tup
         key = getattr(exc, "full_key", None) or "<sim config>"
         raise ConfigError(key, getattr(exc, "value", None),
                           f"a known key with a value of its type ({str(exc).splitlines()[0]})") from None
+    check_layout(sim)
     base = Path(sim.run_config) if sim.run_config else None
     if base is not None and not base.is_absolute() and not base.is_file():
         base = path.parent.parent / sim.run_config  # relative to the repository root

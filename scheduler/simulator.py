@@ -19,7 +19,8 @@ every engine as a continuous batcher:
   its heavy-tailed scoring time on `reward.workers` reward workers when that section is on
   (`scheduler/reward_cost.py`; each round reports `reward_critical_s`);
 - at harvest the remaining requests are aborted and handed back with their tokens; training takes
-  `train_fixed_s + tokens / train_tokens_per_s`, then `weight_sync_s`; then the next round.
+  `train_fixed_s + tokens / train_tokens_per_s`, then `weight_sync_s` (or the layout's own step: a colocated
+  switch around training, a disaggregated network sync; `scheduler/layout_sim.py`); then the next round.
 
 Every request, phase and worker transition is written as a `megatron_sortedrl.telemetry.timeline` event,
 so the bubble ratios come from the same functions as for a real run (see `scheduler/report.py`).
@@ -59,6 +60,7 @@ from scheduler.base import PolicyBase
 from scheduler.reward_cost import RewardQueue
 from scheduler.cost_model import EngineCostModel
 from scheduler.layout import make_planner
+from scheduler.layout_sim import step_phases
 from scheduler.placement import WorkerQueues
 from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
@@ -423,14 +425,12 @@ class Simulator:
                 self.emit("worker", "idle", t_end, worker=e.wid)
         self.emit("phase", "end", t_end, phase="rollout")
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
-        c = self.sim.cluster
         update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
         streamed = 0.0
         if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
             # Stream training and the trainer's placement (scheduler/stream_sim.py): what is left after the harvest.
             train_s, streamed = train_phase_s(self, h.batch, t0, t_end, tokens)
-            self.phase("train", train_s)
-            self.phase("sync", c.weight_sync_s)
+            step_phases(self, train_s)  # train and sync, or a colocated switch around train (layout_sim.py)
             self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
         groups: dict[str, set] = {}
         for s in h.batch:

@@ -7,7 +7,8 @@
 Reads the model's config.json only (no weights): `--model-config DIR_OR_FILE`, else model.path. A recipe's
 `${oc.env:...}` paths that this machine does not set are given placeholders for planning (nothing is
 opened). Prints trainer memory per GPU and pipeline stage, engine memory and KV-cache capacity at both
-rollout layouts, weight-sync bytes and time, and host memory per node, each against its capacity less
+rollout layouts, weight-sync bytes and time, for a colocated run (`cluster.colocate`) memory per GPU in each
+phase (rollout, switch, update) and the switch seconds, and host memory per node, each against its capacity less
 `plan.margin` (docs/scaling.md). Exit status: 0 when everything fits, 1 when something does not (the
 lines say what and which key to turn), 2 on bad input. `train` runs the same check at start.
 """
@@ -139,6 +140,10 @@ def render(plan, cfg, explain: bool = False) -> str:
            f"about {s['seconds']:.2f} s at {s['bandwidth_gbs']:g} GB/s per link (every engine GPU receives the whole "
            "model; plan.sync_bandwidth_gbs)")
 
+    if plan.colocated:
+        for item in _phase_table(plan, cfg):
+            print_(item)
+
     groups: dict[tuple, list[int]] = {}
     for n in plan.host:
         groups.setdefault(tuple(sorted((k, round(v)) for k, v in n["items"].items())), []).append(n["node"])
@@ -168,6 +173,44 @@ def render(plan, cfg, explain: bool = False) -> str:
         for c in plan.failures():
             print_(c.line())
     return "".join(line.rstrip() + "\n" for line in console.export_text().splitlines())
+
+
+def _phase_table(plan, cfg):
+    """Colocated: per GPU and phase (rollout, weight-handoff switch, update), then the switch costs."""
+    from rich import box
+    from rich.table import Table
+
+    col = plan.colocated
+    c = cfg.cluster
+    head = (f"colocated phases per GPU, GiB (engine TP={col['engine_tp']} awake, cluster.engine_sleep_level="
+            f"{col['sleep_level']}, trainer {'offloaded' if col['offload_trainer'] else 'resident'} during rollout: "
+            f"cluster.offload_trainer={str(col['offload_trainer']).lower()})")
+    t = Table(box=box.SIMPLE_HEAD)
+    t.add_column("item")
+    multi = len(col["stages"]) > 1
+    for st in col["stages"]:
+        for ph in ("rollout", "switch", "update"):
+            t.add_column(f"{ph}" + (f" s{st['stage']}" if multi else ""), justify="right")
+    items = list(dict.fromkeys(k for st in col["stages"] for ph in st["phases"].values() for k in ph))
+    for item in items:
+        t.add_row(item, *[_gib(ph[item]) if item in ph else "-" for st in col["stages"] for ph in st["phases"].values()])
+    t.add_row("total", *[_gib(st["totals"][ph]) for st in col["stages"] for ph in ("rollout", "switch", "update")])
+    usable = c.gpu_memory_gib * (1 - cfg.plan.margin) * GIB
+    t.add_row("usable", *[_gib(usable)] * (3 * len(col["stages"])))
+    fits = {ch.what: ch.fits for ch in plan.checks}
+    t.add_row("fits", *["yes" if fits.get(f"colocated {ph} {'phase' if ph != 'switch' else 'peak'}, stage "
+                                      f"{st['stage']} per GPU" + (" (vLLM budget)" if ph == "rollout" else ""), True)
+                        else "NO" for st in col["stages"] for ph in ("rollout", "switch", "update")])
+    s = col["switch_s"]
+    worst = max(col["stages"], key=lambda st: st["state"])
+    return [head, t, (
+        f"rollout phase leaves room for rollout.gpu_memory_utilization <= {min(x['max_gpu_memory_utilization'] for x in col['stages']):.2f}"
+        f" (set {cfg.rollout.gpu_memory_utilization})"), (
+        f"switch per step, s: sleep {s['sleep']:.2f}, reload {s['reload']:.2f}, offload {s['offload']:.2f}, wake "
+        f"{s['wake']:.2f}, handoff {s['handoff']:.2f}; total {s['total']:.2f} (trainer state "
+        f"{worst['state'] / GIB:.2f} GiB per GPU at {col['offload_gbs']:g} GB/s, plan.offload_gbs; model "
+        f"{col['handoff_bytes'] / GIB:.2f} GiB per engine GPU over CUDA IPC at {col['handoff_gbs']:g} GB/s, "
+        "plan.handoff_gbs)")]
 
 
 def run(args: argparse.Namespace) -> int:

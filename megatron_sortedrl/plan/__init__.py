@@ -5,8 +5,9 @@
 
 Modules: `arch` (model shapes from a config.json, dense and Mixture-of-Experts), `trainer_memory` (trainer
 bytes per GPU and stage; its MoE terms in `moe_memory`: experts per EP rank, router, dispatch buffers),
-`engine` (rollout engine weights, KV cache, weight-sync estimate), `planner` (the whole plan with host
-memory per node, the fit checks `train` runs at start, recompute `auto`). See docs/scaling.md.
+`engine` (rollout engine weights, KV cache, weight-sync estimate), `colocated` (`cluster.colocate`: memory per
+GPU in the rollout, switch and update phases, offloaded state per node, switch seconds), `planner` (the whole
+plan with host memory per node, the fit checks `train` runs at start, recompute `auto`). See docs/scaling.md.
 
 The trainer-memory model (`trainer_memory.py`) is checked against bytes measured on CPU
 (`measure_activations.py`, `benchmarks/plan_vs_measured.py`) and against Megatron-LM's own theoretical

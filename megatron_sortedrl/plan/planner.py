@@ -22,6 +22,10 @@ router, token-dispatch buffers and expert activations (`moe_memory.py`), engines
 an expert layout megatron-core cannot build (EP not dividing the experts, EP x ETP not dividing TP x DP, TP > 1
 without sequence parallelism) is refused in one line before any arithmetic (`check_moe_layout`).
 
+Colocated runs (`cluster.colocate` on GPU): the trainer check becomes one check per phase (rollout, weight
+handoff, update) of a GPU that holds a trainer rank and an engine rank, and host memory adds the offloaded state
+(`colocated.py`).
+
 Left out: heterogeneous nodes, the trainer's temporary buffers outside the items listed (NCCL workspaces,
 allocator fragmentation: that is what the margin is for), and checkpoint saves.
 """
@@ -72,6 +76,7 @@ class Plan:
     checks: list[Check] = field(default_factory=list)
     explain: list[str] = field(default_factory=list)
     process_gib: float = 0.0  # host memory assumed per process
+    colocated: dict = field(default_factory=dict)  # cluster.colocate on GPU: phases per GPU, switch costs (colocated.py)
 
     @property
     def fits(self) -> bool:
@@ -85,7 +90,8 @@ class Plan:
                 "fits": self.fits, "trainer_stages": self.trainer,
                 "engines": {k: {kk: vv for kk, vv in v.items() if kk != "explain"} for k, v in self.engines.items()},
                 "weight_sync": {k: v for k, v in self.sync.items() if k != "explain"}, "host_nodes": self.host,
-                "checks": [{**vars(c), "fits": c.fits} for c in self.checks], "explain": self.explain}
+                "checks": [{**vars(c), "fits": c.fits} for c in self.checks], "explain": self.explain,
+                **({"colocated": self.colocated} if self.colocated else {})}
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -217,17 +223,21 @@ def _process_gib(cfg, device: str) -> float:
     return cfg.plan.process_host_gib or PROCESS_GIB[device]
 
 
+def driver_items(cfg, arch: Arch, device: str) -> dict:
+    """Node 0's host memory outside trainer ranks and engines: driver, reward workers, Ray, kept weights."""
+    proc = _process_gib(cfg, device) * GIB
+    return {"driver and reward processes": (1 + cfg.data.reward_workers) * proc,
+            "Ray (raylet; GCS on node 0)": proc,
+            "kept weight buckets (object store, for relayout)": arch.num_params * DTYPE_BYTES[cfg.model.dtype]}
+
+
 def host_nodes(cfg, arch: Arch, device: str, trainer: list[dict], engines: dict, sync: dict) -> list[dict]:
     """Host memory per node (bytes by item). GPU run: processes, pinned sync buckets, kept weights in Ray's
     object store; CPU run: also every trainer rank's and engine's memory, all on the one node."""
     proc = _process_gib(cfg, device) * GIB
     p = cfg.parallel
-    dtype = DTYPE_BYTES[cfg.model.dtype]
     buckets = min(BUCKETS_IN_FLIGHT * BUCKET_BYTES, max(sync["stage_bytes"]))  # a small model is one bucket
-    model_bytes = arch.num_params * dtype
-    driver = {"driver and reward processes": (1 + cfg.data.reward_workers) * proc,
-              "Ray (raylet; GCS on node 0)": proc,
-              "kept weight buckets (object store, for relayout)": model_bytes}
+    driver = driver_items(cfg, arch, device)
     if device == "cpu":
         ranks_per_stage = p.tensor_model_parallel_size * p.data_parallel_size
         items = dict(driver)
@@ -296,7 +306,19 @@ def make_plan(cfg, arch: Arch | None = None, recompute: dict | None = None) -> P
     plan.sync = weight_sync_estimate(cfg, arch, device)
     plan.explain += plan.sync["explain"]
     plan.process_gib = _process_gib(cfg, device)
-    plan.host = host_nodes(cfg, arch, device, plan.trainer, plan.engines, plan.sync)
+    if cfg.cluster.colocate and device == "gpu":  # phases per GPU, offloaded state per node (colocated.py)
+        from megatron_sortedrl.plan.colocated import colocated_host_nodes, colocated_phases
+
+        plan.colocated = colocated_phases(cfg, arch, device, plan.trainer, plan.engines)
+        plan.host = colocated_host_nodes(cfg, plan.colocated, plan.process_gib * GIB, driver_items(cfg, arch, device))
+    else:
+        plan.host = host_nodes(cfg, arch, device, plan.trainer, plan.engines, plan.sync)
+        if cfg.cluster.colocate:  # CPU: the offload is a copy of the trainer's state within host memory
+            ranks = cfg.parallel.tensor_model_parallel_size * cfg.parallel.data_parallel_size
+            items = plan.host[0]["items"]
+            items["offloaded trainer state (a copy)"] = ranks * sum(
+                st["items"].get(k, 0.0) for st in plan.trainer for k in ("weights", "gradients", "optimizer"))
+            plan.host[0]["total"] = sum(items.values())
     for node in plan.host:
         plan.explain.append(f"host node {node['node']}: " + " + ".join(
             f"{k} {v / GIB:.2f}" for k, v in node["items"].items() if v) + f" = {node['total'] / GIB:.2f} GiB")
@@ -307,8 +329,12 @@ def make_plan(cfg, arch: Arch | None = None, recompute: dict | None = None) -> P
 
     if device == "gpu":
         gpu = cfg.cluster.gpu_memory_gib * GIB
-        for st in plan.trainer:
+        for st in plan.trainer if not plan.colocated else []:  # colocated: the update phase's check counts it
             plan.checks.append(_trainer_check(cfg, st, gpu, "per GPU", recompute, moe=arch.is_moe))
+        if plan.colocated:
+            from megatron_sortedrl.plan.colocated import colocated_checks
+
+            plan.checks += colocated_checks(cfg, plan.colocated, Check)
         for key, em in plan.engines.items():
             seq = em["full_sequence_tokens"]
             plan.checks.append(Check(
