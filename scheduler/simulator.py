@@ -37,6 +37,10 @@ trainer's own GPUs do, from the round's start; the train phase keeps the rest.
 Tail migration (`cluster.tail_migration`, `scheduler/tail_migration.py`): an engine that ran dry takes over a
 running request of the busiest engine.
 
+Multi-turn trajectories (`workload.turns_max` > 1, `scheduler/trajectory_sim.py`): turns decode as above; between
+two turns the sample leaves its engine while its tool runs (log-normal latency per tool kind), then re-enters it
+and prefills the tool message. With one turn none of it runs.
+
 Left out: asynchronous RL (overlapping rollout and training across updates), stragglers and failures, and
 network contention during weight sync.
 """
@@ -66,6 +70,7 @@ from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
 from scheduler.stream_sim import train_phase_s
 from scheduler.tail_migration import take_running
+from scheduler.trajectory_sim import ToolDone, TrajectorySim, tokens_per_tool_s
 from scheduler.workload import make_workload
 
 
@@ -74,7 +79,7 @@ class SimulationError(RuntimeError):
 
 
 class _Seq:
-    __slots__ = ("req", "target", "gen0", "gen", "prompt", "first", "rate", "pos")
+    __slots__ = ("req", "target", "gen0", "gen", "prompt", "first", "rate", "pos", "cached")
 
     def __init__(self, req: Request, target: int) -> None:
         self.req, self.target = req, target
@@ -82,6 +87,7 @@ class _Seq:
         self.prompt = max(1, len(req.sample.prompt_tokens))
         self.first = True  # a first_token event is due after its first prefill (not after a preemption's)
         self.rate, self.pos = 1, 1  # tokens per engine step, positions verified per step (HistoSpec)
+        self.cached = 0  # context tokens its next admission need not prefill (prefix cache after a tool call)
 
     @property
     def context(self) -> int:
@@ -190,7 +196,8 @@ class SimEngine:
             self.preempted.popleft()
             self.running.append(seq)
             self.ctx += seq.context
-            prefill += seq.context
+            prefill += seq.context - seq.cached
+            seq.cached = 0
             started.append(seq)
         if prefill:
             self.t += self.model.prefill_s(self.tp, prefill)
@@ -232,6 +239,7 @@ class SimResult:
     policy_stats: dict[str, Any] = field(default_factory=dict)
     total_s: float = 0.0
     max_num_seqs: int = 0
+    trajectories: dict[str, Any] = field(default_factory=dict)  # multi-turn: per sample id (TrajectorySim.report)
 
 
 class Simulator:
@@ -258,6 +266,7 @@ class Simulator:
         self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
+        self.traj: TrajectorySim | None = None  # multi-turn trajectories (set by `simulate`; None: single-turn)
 
     # plumbing ---------------------------------------------------------------------------------------------
     def emit(self, kind: str, event: str, t: float, **kw: Any) -> None:
@@ -278,13 +287,17 @@ class Simulator:
         if s.response_length == 0 or sid not in self.targets:  # a fresh attempt draws a new length
             attempt = self.attempts.get(sid, -1) + 1
             self.attempts[sid] = attempt
-            self.targets[sid] = self.workload.length(s.prompt_id, s.epoch, s.index, attempt)
-        target = min(self.targets[sid], s.response_length + req.max_tokens)
+            self.targets[sid] = (self.traj.draw(s, attempt) if self.traj else
+                                 self.workload.length(s.prompt_id, s.epoch, s.index, attempt))
+        end = self.traj.turn_end(s) if self.traj else self.targets[sid]  # a trajectory decodes turn by turn
+        target = min(end, s.response_length + req.max_tokens)
         seq = _Seq(req, max(target, s.response_length + 1))
         if self.spec is not None:
             seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
             self.by_prompt.setdefault(s.prompt_id, {})[sid] = seq
         self.where[sid] = engine
+        if self.traj:
+            self.traj.started(s, engine.t)
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
 
@@ -296,6 +309,8 @@ class Simulator:
         return s
 
     def finished(self, engine: SimEngine, seq: _Seq) -> None:
+        if self.traj is not None and self.traj.turn_ended(engine, seq):
+            return  # a turn ended and a tool call follows: the sample waits off the engine
         s = self._commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
         if hasattr(self.workload, "reward"):  # a workload without a pass-rate process leaves rewards unset
@@ -367,7 +382,7 @@ class Simulator:
         self.emit("phase", "start", t0, phase="rollout")
         self.preemptions = self.migrations = 0
         self.heap = []
-        self.queues.add(rnd.requests)
+        self.queues.add(self.traj.hold(rnd.requests, t0 + self.sim.cluster.round_start_s) if self.traj else rnd.requests)
         self.ahead = deque(rnd.lookahead)
         self.ahead_share = math.ceil(len(rnd.lookahead) / max(1, len(self.engines)))
         for e in self.engines:
@@ -389,6 +404,10 @@ class Simulator:
                     self.rerate_siblings()
                 continue
             self.clock.t = max(self.clock.t, t)
+            if isinstance(item, ToolDone):
+                self.traj.on_tool_done(item)  # type: ignore[union-attr]
+                self.rerate_siblings()
+                continue
             for sid in self.policy.on_sample_finished(item, self.clock):
                 self.abort(sid)
             self.rerate_siblings()
@@ -411,8 +430,15 @@ class Simulator:
                     self.where.pop(sid, None)
                     s = self._commit(seq, self.policy.version)
                     self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
+                    if self.traj:
+                        self.traj.aborted(s, t_end)
                     self.policy.on_sample_aborted(s, self.clock)
             e.running, e.preempted, e.ctx = [], deque(), 0
+        for sid in list(self.traj.waiting) if self.traj else []:  # waiting on a tool: carried with its turns
+            s = self.traj.abort(sid, t_end)
+            if sid in wanted:
+                wanted.discard(sid)
+                self.policy.on_sample_aborted(s, self.clock)
         self.by_prompt, self.rerate = {}, set()
         for req in self.queues.drain() + list(self.ahead):
             if req.sample.sample_id in wanted:
@@ -458,10 +484,15 @@ class Simulator:
                 s = self._commit(seq, self.policy.version)
                 self.emit("request", "abort", max(engine.t, self.clock.t), worker=engine.wid, sample_id=sample_id,
                           tokens=s.response_length)
+                if self.traj:
+                    self.traj.aborted(s, self.clock.t)
                 if mid_round:  # a slot freed up: admit more and re-plan the engine's next chunk
                     engine.admit()
                 self.policy.on_sample_aborted(s, self.clock)
                 return
+        if self.traj is not None and (s := self.traj.abort(sample_id, self.clock.t)) is not None:
+            self.policy.on_sample_aborted(s, self.clock)
+            return
         req = self.queues.remove(sample_id)
         if req is None and (req := next((r for r in self.ahead if r.sample.sample_id == sample_id), None)):
             self.ahead.remove(req)
@@ -512,10 +543,18 @@ def simulate(sim: SimConfig, run: RunConfig, policy_name: str | None = None, rec
         raise UserError(f"engine: the model ({sim.engine.weight_gib} GiB) does not fit a node of "
                         f"{sim.cluster.gpus_per_node} x {sim.engine.gpu_mem_gib} GiB GPUs")
     simulator = Simulator(sim, run, policy, workload, record=record)
+    if sim.workload.turns_max > 1:  # the policy's history then predicts trajectory cost (scheduler/base.py)
+        simulator.traj = TrajectorySim(simulator)
+        inner = getattr(policy, "inner", policy)  # (dynamic sampling wraps the policy)
+        inner.trajectory_info = simulator.traj.info
+        inner.tokens_per_tool_s = tokens_per_tool_s(sim, run.rollout.tensor_parallel_size)
     if speculative:
         simulator.spec = HistoSpecSim(sim.speculation, seed=sim.workload.seed)
     result = simulator.run_all()
     result.policy = policy_name or result.policy
     if simulator.spec is not None:
         result.policy_stats["speculation"] = simulator.spec.stats()
+    if simulator.traj is not None:
+        result.policy_stats["trajectory"] = simulator.traj.stats()
+        result.trajectories = simulator.traj.report()
     return result
