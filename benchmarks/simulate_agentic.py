@@ -8,7 +8,9 @@ Scenario: configs/sim_agentic_7b_8gpu.yaml (Qwen2.5-7B on 8 GPUs, 1-8 assistant 
 latencies log-normal per kind from 0.1 s to tens of seconds; scheduler/trajectory_sim.py). Each seed redraws the
 whole workload (`workload.seed`: turns, tokens, tool calls, rewards); within a seed every policy sees the same
 trajectories. Per seed a row per policy gives samples/s and `throughput_vs_sync` (over sync's in that seed);
-the table reports the median over seeds with [min, max]. Also per policy: worker bubble, staleness share, wasted
+the table reports the median over seeds with [min, max]. `<policy>@tokens_only` rows are references, not
+baselines: the policy with its history predicting tokens alone (tool seconds weigh nothing: `tokens_per_tool_s`
+0), to show what predicting the trajectory's cost buys. Also per policy: worker bubble, staleness share, wasted
 tokens, updates and the trajectories' tool calls and tool seconds.
 
 Writes docs/benchmarks/sim_agentic.json (every seed's rows and the summary), sim_agentic.md (the table) and
@@ -26,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,7 +39,7 @@ from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
 
 CONFIG = "configs/sim_agentic_7b_8gpu.yaml"
-POLICIES = ("sync", "tail", "twotier", "twotier+histospec")
+POLICIES = ("sync", "tail", "twotier", "twotier+histospec", "tail@tokens_only", "twotier@tokens_only")
 KEEP = ("policy", "total_s", "samples", "samples_per_s", "rounds", "long_rounds", "worker_bubble", "slot_bubble",
         "max_staleness", "staleness", "wasted_tokens", "tokens_trained", "preemptions")
 
@@ -46,7 +49,13 @@ def run_seed(config: str, seed: int) -> list[dict]:
     for policy in POLICIES:
         sim, run = load_sim_config(ROOT / config, [f"workload.seed={seed}"])
         t0 = time.time()
-        result = simulate(sim, run, policy)
+        base, _, variant = policy.partition("@")
+        if variant == "tokens_only":  # the history's tool seconds weigh nothing in the predicted cost
+            with mock.patch("scheduler.simulator.tokens_per_tool_s", lambda *_: 0.0):
+                result = simulate(sim, run, base)
+        else:
+            result = simulate(sim, run, policy)
+        result.policy = policy
         row = {k: v for k, v in summarize(result).items() if k in KEEP}
         row.update(seed=seed, sim_wall_s=round(time.time() - t0, 1), stale_share=_stale_share(row),
                    trajectory=result.policy_stats["trajectory"])
