@@ -52,7 +52,8 @@ from scheduler.protocol import Request
 from scheduler.sim_config import WorkloadConfig
 
 if TYPE_CHECKING:  # the simulator imports this module; these are only its types
-    from scheduler.simulator import SimEngine, Simulator, _Seq
+    from scheduler.sim_engine import SimEngine, _Seq
+    from scheduler.simulator import Simulator
 
 
 class ToolCall(NamedTuple):
