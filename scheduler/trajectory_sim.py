@@ -98,7 +98,7 @@ class Trajectory:
         return sum(e <= r for e in self.ends())
 
 
-class _Level:
+class TurnLevel:
     """Per-prompt level of the turn count, persistent across epochs (the length level's process, own seeds)."""
 
     def __init__(self, cfg: WorkloadConfig) -> None:
@@ -113,7 +113,7 @@ class _Level:
         return self.z[prompt_id, epoch]
 
 
-def draw_trajectory(workload: Any, level: _Level, prompt_id: str, epoch: int, index: int, attempt: int,
+def draw_trajectory(workload: Any, level: TurnLevel, prompt_id: str, epoch: int, index: int, attempt: int,
                     max_len: int) -> Trajectory:
     """The trajectory of one sample attempt (module docstring); seeded by its coordinates, the same for every policy."""
     workload_cfg: WorkloadConfig = workload.cfg
@@ -174,7 +174,7 @@ class TrajectorySim:
 
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
-        self.level = _Level(sim.sim.workload)
+        self.level = TurnLevel(sim.sim.workload)
         self.draws: dict[str, Trajectory] = {}  # sample id -> trajectory of its current attempt
         self.waiting: dict[str, _Wait] = {}  # sample id -> its tool call in flight this round
         self.ready: dict[str, tuple[int, float]] = {}  # carried at a tool call: (response tokens, answer time)

@@ -223,3 +223,15 @@ def test_bad_key_on_the_command_line_is_one_line_exit_2():
 
 def test_tool_kind_defaults_are_valid():
     assert ToolKind().median_s > 0
+
+
+def test_physical_limit_counts_tool_time_and_every_policy_respects_it():
+    """The limit's latency term is the longest critical path (turns decoded alone + tool latencies); no policy
+    finishes the agent scenario faster than the bound."""
+    from scheduler.limit import physical_limit
+
+    sim, run = load_sim_config(AGENT, SMALL)
+    lim = physical_limit(sim, run, speculation=True)
+    assert lim["latency_engine"]["tool_s"] > 0 and lim["latency_s"] > lim["latency_engine"]["tool_s"]
+    for policy in ("sync", "tail", "twotier", "twotier+histospec"):
+        assert simulate(sim, run, policy, record=False).total_s >= lim["total_s"]
