@@ -12,7 +12,9 @@ and the number of epochs (one epoch: no history at all). Three rows replay lengt
 (`workload.kind=replay`) that reconstruct published shapes of RL length distributions; they are generated
 here from a seeded model, labelled `reconstructed`, because no per-sample RL length logs are available
 offline and this repository holds no recorded real-run timeline yet (`runs/*/timeline.jsonl` replays the
-same way: add it with `--replay NAME=PATH`). The committed 32B, 128-GPU scenario is one more row.
+same way: add it with `--replay NAME=PATH`). The committed 32B, 128-GPU scenario is one more row. The
+`agent_*` regimes, last, are multi-turn trajectories with tool calls between turns (scheduler/trajectory_sim.py,
+`AGENT_REGIMES`): the same base, sessions of 1-8 assistant turns, tool latencies log-normal per kind.
 
 Writes docs/benchmarks/regime_grid.json (one row per regime and policy: `throughput_vs_sync`,
 `throughput_vs_best` against the best of sync, sorted and tail in that regime, `worker_bubble`,
@@ -81,6 +83,26 @@ REGIMES: dict[str, tuple[str, list[str]]] = {
     "small_batch": ("rollout batch of 8 prompts (update 64 samples)", ["run.scheduler.rollout_batch_size=8",
                                                                         "run.scheduler.update_batch_size=64",
                                                                         "run.scheduler.group_size=32"]),
+}
+
+
+# Multi-turn regimes (scheduler/trajectory_sim.py), appended after every other row so those keep their places.
+# Tools as configs/sim_agentic_7b_8gpu.yaml: calculator 0.1 s, sandboxed python 2 s, search 5 s, test runs 15 s
+# (medians; log-normal sigma 0.5-1.2, cut at 120 s); median_response is then the median tokens of one turn.
+AGENT_TOOLS = ("[{name: calculator, weight: 3, median_s: 0.1, sigma: 0.5, tokens: 16}, "
+               "{name: python, weight: 3, median_s: 2.0, sigma: 1.0, tokens: 200}, "
+               "{name: search, weight: 2, median_s: 5.0, sigma: 1.2, tokens: 400}, "
+               "{name: tests, weight: 1, median_s: 15.0, sigma: 1.0, tokens: 300}]")
+AGENT = ["workload.turns_max=8", "workload.turns_median=3", "workload.turns_sigma=0.7", "workload.median_response=400",
+         f"workload.tool_kinds={AGENT_TOOLS}"]
+AGENT_REGIMES: dict[str, tuple[str, list[str]]] = {
+    "agent_tools": ("multi-turn: 1-8 turns (median 3) of ~400 tokens, tools from 0.1 s to tens of seconds", AGENT),
+    "agent_slow_tools": ("multi-turn, slow tools: every latency 10x (median 1-150 s, cut at 120 s): tool time dominates",
+                         AGENT[:-1] + ["workload.tool_kinds=" + AGENT_TOOLS.replace("0.1,", "1.0,").replace(
+                             "2.0,", "20.0,").replace("5.0,", "50.0,").replace("15.0,", "150.0,")]),
+    "agent_many_turns": ("multi-turn, long sessions: median 6 turns of ~150 tokens, up to 8",
+                         AGENT[:1] + ["workload.turns_median=6", "workload.turns_sigma=0.4",
+                                      "workload.median_response=150", f"workload.tool_kinds={AGENT_TOOLS}"]),
 }
 
 
@@ -260,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_32b:
         jobs.append(("qwen32b_128gpu", "the committed scenario: Qwen2.5-32B, 128 GPUs, 32k tails",
                      "configs/sim_qwen32b_128gpu.yaml", [], False))
+    for name, (desc, over) in AGENT_REGIMES.items():
+        jobs.append((name, desc, BASE, over, False))
     rows: list[dict] = []
     t0 = time.time()
     for name, desc, path, over, reconstructed in jobs:

@@ -10,6 +10,13 @@ Staleness of a sample at harvest is `version - sample.oldest_version` (0: fully 
 mode resets any sample holding tokens from an older version before it is submitted or trained; partial
 mode keeps them up to `max_staleness` versions and resets older ones (their tokens are counted as wasted).
 
+Trajectories (multi-turn samples with tool calls): the driver (or the simulator) sets `trajectory_info`, a
+function of a finished sample returning its (assistant turns, tool seconds), and `tokens_per_tool_s`; the history
+then records each trajectory and every prediction the policies and placement use is the trajectory's cost
+(`LengthHistory.predict_cost`: tokens plus tool seconds on its critical path, in token units). Aborts and
+carry-over need nothing more: a partial sample keeps its tokens, so it keeps its completed turns (and in partial
+mode the turn in progress too); on-policy resets drop them as they drop any stale token.
+
 Left out: data loading itself (the cursor yields prompt ids; the driver's `sample_factory` fills tokens).
 """
 
@@ -131,6 +138,9 @@ class PolicyBase:
         # sample id -> tokens already counted, for responses still running when their prompt left the live set
         # (taken with its group complete, or dropped): what they generate until handed back is waste too
         self._gone: dict[str, int] = {}
+        # Trajectories (module docstring): finished sample -> (turns, tool seconds); None for single-turn runs.
+        self.trajectory_info: Callable[[Sample], tuple[int, float]] | None = None
+        self.tokens_per_tool_s = 0.0
 
     # -- helpers for subclasses ---------------------------------------------------------------------------
 
@@ -144,7 +154,7 @@ class PolicyBase:
         return st
 
     def predict(self, st: PromptState) -> float:
-        return self.history.predict(st.prompt_id)
+        return self.history.predict_cost(st.prompt_id, self.tokens_per_tool_s)
 
     def predicted_long(self, st: PromptState) -> bool:
         """Only history about this prompt counts: the dataset-wide fallback must not route unseen prompts."""
@@ -274,7 +284,11 @@ class PolicyBase:
         self._adopt(st, sample)
         st.mark(sample.sample_id, "finished")
         st.done_at[sample.sample_id] = clock.now()
-        self.history.record(st.prompt_id, st.epoch, sample.response_length)
+        if self.trajectory_info is None:
+            self.history.record(st.prompt_id, st.epoch, sample.response_length)
+        else:
+            turns, tool_s = self.trajectory_info(sample)
+            self.history.record(st.prompt_id, st.epoch, sample.response_length, turns=turns, tool_s=tool_s)
         return []
 
     def on_sample_aborted(self, sample: Sample, clock: Clock) -> None:

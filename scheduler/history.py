@@ -15,6 +15,14 @@ the *streak*, how many of its most recent epochs in a row gave a group whose rew
 uninformative group: zero group-relative advantage). `scheduler/selective.py` skips prompts by it. Bounded
 by the same `max_prompts` (least recently recorded evicted) and saved in the same `state_dict()`.
 
+Trajectories (multi-turn, tool-using samples; `record(..., turns=, tool_s=)`): per prompt, the same window
+of epochs also keeps each finished trajectory's (tokens, turns, tool seconds), and `predict_cost` turns them into
+one number in token units, the trajectory's critical path: tokens + `tokens_per_tool_s` x tool seconds, where
+`tokens_per_tool_s` is how many tokens one sequence decodes in a second (a tool second holds the sample back as
+long as that many tokens would), per recorded trajectory and then the predictor over them. A prompt with no
+trajectory record predicts as above (`predict`), so single-turn runs are unchanged. `predict_trajectory` gives
+the three parts apart (tokens, turns, tool seconds).
+
 Left out: per-token history (that lives in speculative/, which keeps the responses themselves) and any
 learned predictor; the papers report that the previous epoch's lengths already predict well.
 """
@@ -49,11 +57,27 @@ class LengthHistory:
         self._recent: deque[int] = deque(maxlen=global_window)
         # prompt_id -> [last epoch with a complete group, uninformative streak, that group's rewards]; LRU order.
         self._rewards: OrderedDict[str, list[Any]] = OrderedDict()
+        # prompt_id -> {epoch: [[tokens, turns, tool_s], ...]} for trajectories (same epochs and LRU as _lengths),
+        # and a ring of recent ones for the fallback of unseen prompts.
+        self._traj: OrderedDict[str, dict[int, list[list[float]]]] = OrderedDict()
+        self._recent_traj: deque[list[float]] = deque(maxlen=global_window)
 
     # -- recording ----------------------------------------------------------------------------------------
 
-    def record(self, prompt_id: str, epoch: int, length: int) -> None:
-        """One finished sample of `prompt_id` in `epoch` had `length` response tokens."""
+    def record(self, prompt_id: str, epoch: int, length: int, turns: int | None = None,
+               tool_s: float | None = None) -> None:
+        """One finished sample of `prompt_id` in `epoch` had `length` response tokens; a trajectory also gives its
+        assistant `turns` and the seconds its tool calls took (`tool_s`)."""
+        if turns is not None or tool_s is not None:
+            rec = [int(length), int(turns or 1), float(tool_s or 0.0)]
+            per = self._traj.pop(prompt_id, {})
+            per.setdefault(epoch, []).append(rec)
+            for old in sorted(per)[: -self.keep_epochs]:
+                del per[old]
+            self._traj[prompt_id] = per
+            self._recent_traj.append(rec)
+            while len(self._traj) > self.max_prompts:
+                self._traj.popitem(last=False)
         per_epoch = self._lengths.pop(prompt_id, {})
         per_epoch.setdefault(epoch, []).append(int(length))
         for old in sorted(per_epoch)[: -self.keep_epochs]:
@@ -131,6 +155,35 @@ class LengthHistory:
             guess = quantile(seen, self.q)
         return max(guess, float(self._lower.get(prompt_id, 0)))
 
+    def _pick(self, values: list[float]) -> float:
+        if self.predictor == "prev_max":
+            return float(max(values))
+        if self.predictor == "prev_mean":
+            return sum(values) / len(values)
+        return quantile(values, self.q)
+
+    def _trajectories(self, prompt_id: str) -> list[list[float]]:
+        per = self._traj.get(prompt_id)
+        return per[max(per)] if per else []
+
+    def predict_trajectory(self, prompt_id: str) -> dict[str, float]:
+        """Predicted tokens, turns and tool seconds of a trajectory of `prompt_id`, each by the predictor over the
+        latest epoch's trajectories (the dataset-wide recent ones for an unseen prompt; zeros before any)."""
+        recs = self._trajectories(prompt_id) or list(self._recent_traj)
+        if not recs:
+            return {"tokens": self.predict(prompt_id), "turns": 1.0, "tool_s": 0.0}
+        return {"tokens": max(self._pick([r[0] for r in recs]), float(self._lower.get(prompt_id, 0))),
+                "turns": self._pick([r[1] for r in recs]), "tool_s": self._pick([r[2] for r in recs])}
+
+    def predict_cost(self, prompt_id: str, tokens_per_tool_s: float) -> float:
+        """Predicted critical path of a trajectory of `prompt_id` in token units (module docstring); exactly
+        `predict` while no trajectory was recorded (single-turn runs)."""
+        if not self._recent_traj:
+            return self.predict(prompt_id)
+        recs = self._trajectories(prompt_id) or list(self._recent_traj)
+        guess = self._pick([r[0] + tokens_per_tool_s * r[2] for r in recs])
+        return max(guess, float(self._lower.get(prompt_id, 0)))
+
     # -- checkpointing ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,6 +192,8 @@ class LengthHistory:
             "lengths": [[pid, {str(e): v for e, v in per.items()}] for pid, per in self._lengths.items()],
             "lower": dict(self._lower), "recent": list(self._recent),
             "rewards": [[pid, rec] for pid, rec in self._rewards.items()],
+            **({"trajectories": [[pid, {str(e): v for e, v in per.items()}] for pid, per in self._traj.items()],
+                "recent_trajectories": list(self._recent_traj)} if self._recent_traj else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,3 +202,6 @@ class LengthHistory:
         self._recent = deque(state.get("recent", []), maxlen=self._recent.maxlen)
         self._rewards = OrderedDict((pid, [int(r[0]), int(r[1]), [float(x) for x in r[2]]])
                                     for pid, r in state.get("rewards", []))
+        self._traj = OrderedDict((pid, {int(e): [list(r) for r in v] for e, v in per.items()})
+                                 for pid, per in state.get("trajectories", []))
+        self._recent_traj = deque((list(r) for r in state.get("recent_trajectories", [])), maxlen=self._recent.maxlen)

@@ -26,6 +26,10 @@ training overlap, so it charges them as GPU time on all GPUs, at least the longe
 `train_fixed_s` and `weight_sync_s` (the rounds stay synchronous, nothing overlaps those). It is never above
 the colocated bound and equals it when generation is throughput bound.
 
+Trajectories (`workload.turns_max` > 1, `scheduler/trajectory_sim.py`): throughput counts the decoded tokens (the
+assistant turns), training every token of the trajectory (tool messages included), and the latency term is the
+longest critical path, a trajectory's turns decoded alone plus its tool latencies.
+
 Responses are each sample's first drawn length (a policy that restarts a sample draws a fresh one; the
 test checks the bound holds for every policy, restarts included). Prefill, reward latency and re-layout are
 left out (a bound may only leave costs out).
@@ -43,6 +47,7 @@ from typing import Any
 from megatron_sortedrl.config import RunConfig
 from scheduler.cost_model import EngineCostModel
 from scheduler.sim_config import SimConfig
+from scheduler.trajectory_sim import TurnLevel, draw_trajectory
 from scheduler.speculation_model import SpeculationConfig, emitted
 from scheduler.workload import make_workload
 
@@ -100,12 +105,19 @@ def physical_limit(sim: SimConfig, run: RunConfig, speculation: bool = True, wor
     prompts = {pid: wl.prompt_tokens(pid) for pid in wl.prompt_ids}
     resp_tokens = train_tokens = 0
     longest = (0, 1)  # (length, its prompt)
+    level = TurnLevel(sim.workload) if sim.workload.turns_max > 1 else None
+    paths = []  # trajectories: (tool seconds, decoded tokens, prompt) of each sample
     for pid, ptoks in prompts.items():
         for e in range(epochs):
             for i in range(n):
-                length = wl.length(pid, e, i, 0)
+                if level is None:
+                    length = total = wl.length(pid, e, i, 0)
+                else:
+                    traj = draw_trajectory(wl, level, pid, e, i, 0, run.rollout.max_response_length)
+                    length, total = sum(traj.turns), traj.total
+                    paths.append((traj.tool_s, length, ptoks))
                 resp_tokens += length
-                train_tokens += length + ptoks
+                train_tokens += total + ptoks
                 longest = max(longest, (length, ptoks))
     samples = len(prompts) * n * epochs
     model, c = sim.engine, sim.cluster
@@ -114,6 +126,10 @@ def physical_limit(sim: SimConfig, run: RunConfig, speculation: bool = True, wor
     thr = best_tokens_per_gpu_s(model, tps, min(prompts.values()), spec)
     throughput_s = resp_tokens / (thr["tokens_per_gpu_s"] * c.gpus)
     lat = latency_s(model, tps, longest[1], longest[0], spec)
+    if paths:  # the longest critical path: a trajectory's turns decoded alone plus its tool calls
+        lat = max(({**latency_s(model, tps, p, g, spec), "tool_s": t} for t, g, p in paths),
+                  key=lambda d: d["seconds"] + d["tool_s"])
+        lat["seconds"] += lat["tool_s"]
     per_update = max(run.scheduler.rollout_batch_size, run.scheduler.group_size)
     updates = math.ceil(len(prompts) * epochs / per_update)
     train_s = updates * c.train_fixed_s + train_tokens / c.train_tokens_per_s

@@ -77,6 +77,17 @@ class ClusterCosts:
 
 
 @dataclass
+class ToolKind:
+    """One kind of tool a multi-turn workload calls (scheduler/trajectory_sim.py): its latency is log-normal."""
+
+    name: str = help_field("Label in tables (e.g. calculator, python, search).", "tool")
+    weight: float = help_field("Relative share of the calls that go to this kind.", 1.0)
+    median_s: float = help_field("Median latency of one call in seconds.", 1.0)
+    sigma: float = help_field("Log-normal sigma of the latency (heavier tail when larger).", 1.0)
+    tokens: int = help_field("Mean tokens of the tool message appended to the context (drawn 0.5-1.5x).", 64)  # type: ignore[assignment]
+
+
+@dataclass
 class WorkloadConfig:
     kind: str = help_field("synthetic (heavy-tailed lengths below) | replay (lengths recorded in `replay_path`).", "synthetic")
     replay_path: str = help_field("replay: a run timeline (.jsonl) or a {prompt_id: {epoch: [lengths]}} JSON file.", "")
@@ -94,6 +105,14 @@ class WorkloadConfig:
     mixed_share_start: float = help_field("Rewards: share of prompts solved sometimes (informative groups) in the first epoch.", 0.32)
     mixed_share_end: float = help_field("Rewards: share of prompts solved sometimes in the last epoch.", 0.21)
     pass_rate_jitter: float = help_field("Rewards: per-epoch random move of a prompt's skill rank (0: classes persist exactly).", 0.04)
+    turns_max: int = help_field("Multi-turn (scheduler/trajectory_sim.py): most assistant turns per trajectory, a tool "
+                                "call between two turns; 1 = single-turn samples, no tools.", 1)  # type: ignore[assignment]
+    turns_median: float = help_field("Multi-turn: median assistant turns per trajectory (before the 1..turns_max clamp).", 2.0)
+    turns_sigma: float = help_field("Multi-turn: log-normal sigma of the turn count (prompt share and persistence as "
+                                    "for lengths); median_response is then the median tokens of one turn.", 0.6)
+    tool_kinds: list[ToolKind] = help_field("Multi-turn: the tools called, each with a log-normal latency; a prompt's "
+                                            "k-th call uses the same kind every epoch.", factory=list)
+    tool_timeout_s: float = help_field("Multi-turn: a tool call ends (with a timeout message) after this many seconds.", 120.0)
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -113,6 +132,19 @@ class WorkloadConfig:
             if getattr(self, f"unsolved_share_{when}") + getattr(self, f"mixed_share_{when}") > 1.0:
                 raise ConfigError(f"workload.mixed_share_{when}", getattr(self, f"mixed_share_{when}"),
                                   f"at most 1 - unsolved_share_{when}")
+        if self.turns_max < 1:
+            raise ConfigError("workload.turns_max", self.turns_max, "an integer >= 1 (1 = single-turn)")
+        if self.turns_max > 1:
+            if self.kind != "synthetic":
+                raise ConfigError("workload.turns_max", self.turns_max, "1 with workload.kind=replay (trajectories are synthetic)")
+            if not self.tool_kinds:
+                raise ConfigError("workload.tool_kinds", self.tool_kinds, "at least one tool kind when turns_max > 1")
+            if self.turns_median < 1 or self.turns_sigma < 0 or self.tool_timeout_s <= 0:
+                raise ConfigError("workload.turns_median", (self.turns_median, self.turns_sigma, self.tool_timeout_s),
+                                  "turns_median >= 1, turns_sigma >= 0, tool_timeout_s > 0")
+        for i, tool in enumerate(self.tool_kinds):
+            if tool.weight <= 0 or tool.median_s <= 0 or tool.sigma < 0 or tool.tokens < 1:
+                raise ConfigError(f"workload.tool_kinds.{i}", tool, "weight > 0, median_s > 0, sigma >= 0, tokens >= 1")
         if self.median_response <= 0 or self.sigma < 0:
             raise ConfigError("workload.sigma", (self.median_response, self.sigma), "median_response > 0, sigma >= 0")
 

@@ -38,6 +38,10 @@ trainer's own GPUs do, from the round's start; the train phase keeps the rest.
 Tail migration (`cluster.tail_migration`, `scheduler/tail_migration.py`): an engine that ran dry takes over a
 running request of the busiest engine.
 
+Multi-turn trajectories (`workload.turns_max` > 1, `scheduler/trajectory_sim.py`): turns decode as above; between
+two turns the sample leaves its engine while its tool runs (log-normal latency per tool kind), then re-enters it
+and prefills the tool message. With one turn none of it runs.
+
 Left out: asynchronous RL (overlapping rollout and training across updates), stragglers and failures, and
 network contention during weight sync.
 """
@@ -66,162 +70,14 @@ from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
+from scheduler.sim_engine import SimEngine, _Seq  # noqa: F401  (one engine; re-exported)
 from scheduler.stream_sim import train_phase_s
-from scheduler.tail_migration import take_running
+from scheduler.trajectory_sim import ToolDone, TrajectorySim, tokens_per_tool_s
 from scheduler.workload import make_workload
 
 
 class SimulationError(RuntimeError):
     """The policy waited for samples while nothing could run (a policy bug, not a user error)."""
-
-
-class _Seq:
-    __slots__ = ("req", "target", "gen0", "gen", "prompt", "first", "rate", "pos")
-
-    def __init__(self, req: Request, target: int) -> None:
-        self.req, self.target = req, target
-        self.gen0 = self.gen = req.sample.response_length  # tokens at submission / now
-        self.prompt = max(1, len(req.sample.prompt_tokens))
-        self.first = True  # a first_token event is due after its first prefill (not after a preemption's)
-        self.rate, self.pos = 1, 1  # tokens per engine step, positions verified per step (HistoSpec)
-
-    @property
-    def context(self) -> int:
-        return self.prompt + self.gen
-
-
-class SimEngine:
-    """One continuously batched engine; state is exact at `t` and a planned chunk runs to `t_next`."""
-
-    def __init__(self, wid: int, tp: int, model: EngineCostModel, sim: Simulator) -> None:
-        self.wid, self.tp, self.model, self.sim = wid, tp, model, sim
-        self.cap, self.max_seqs = model.kv_capacity(tp), model.max_num_seqs
-        self.t = 0.0
-        self.running: list[_Seq] = []  # admission order (the last one is preempted first)
-        self.preempted: deque[_Seq] = deque()
-        self.ctx = 0  # KV tokens held by running sequences
-        self.ahead = False  # runs the next round's lookahead requests (took one while it had no round work)
-        self.idle_since: float | None = None  # since when it has had nothing to run (stream training uses its GPUs)
-        self.chunk = (0, 0.0)  # planned decode steps and their duration from t
-        self.token = 0  # invalidates stale heap entries
-
-    # planning ---------------------------------------------------------------------------------------------
-    def plan(self) -> None:
-        self.token += 1
-        if not self.running:
-            self.chunk = (0, 0.0)
-            return
-        b = len(self.running)
-        if self.sim.spec is None:
-            steps = min(s.target - s.gen for s in self.running)
-            rates = pos = b
-        else:
-            steps = min(math.ceil((s.target - s.gen) / s.rate - 1e-9) for s in self.running)
-            rates, pos = sum(s.rate for s in self.running), sum(s.pos for s in self.running)
-        room = int((self.cap - self.ctx) // rates)
-        steps = max(1, min(steps, room)) if room >= 1 else 1
-        dt = steps * self.sim.step_s(self.model, self.tp, b, pos, self.ctx + rates * steps / 2)
-        self.chunk = (steps, dt)
-        self.sim.push(self.t + dt, self)
-
-    def advance_to(self, t: float, finish_step: bool = False) -> None:
-        """Applies the part of the planned chunk that fits before `t`: the steps completed by then (the round
-        is harvested at `t`), or with `finish_step` up to the end of the step running at `t` (a mid-round abort:
-        a real engine finishes its step, then drops the request, so no time is lost to a half step)."""
-        steps, dt = self.chunk
-        if not self.running or t <= self.t or dt <= 0:
-            return
-        frac = steps * (t - self.t) / dt
-        done = min(steps, math.ceil(frac) if finish_step else int(frac))
-        if finish_step and done == steps:  # the chunk ends with this step: its finishes happen as planned
-            self.on_event()
-            return
-        for s in self.running:
-            s.gen += done * s.rate
-            self.ctx += done * s.rate
-        self.t = self.t + dt * done / steps if finish_step else t
-
-    # events -----------------------------------------------------------------------------------------------
-    def on_event(self) -> None:
-        steps, dt = self.chunk
-        for s in self.running:
-            s.gen += steps * s.rate
-            self.ctx += steps * s.rate
-        self.t += dt
-        still = []
-        for s in self.running:
-            if s.gen >= s.target - 1e-6:
-                self.ctx -= s.context
-                s.gen = s.target  # a speculative step may overshoot in expectation: EOS ends it
-                self.sim.finished(self, s)
-            else:
-                still.append(s)
-        self.running = still
-        # The next step would overflow the KV cache: preempt (a lone sequence is let through rather than thrash).
-        while len(self.running) > 1 and self.ctx + len(self.running) > self.cap:
-            victim = self.running.pop()
-            self.ctx -= victim.context
-            self.preempted.appendleft(victim)
-            self.sim.preemptions += 1
-        self.admit()
-
-    def admit(self, steal: bool = True) -> None:
-        prefill, started = 0, []
-        while len(self.running) < self.max_seqs:
-            if not self.preempted:
-                # Take work from another worker's queue only when there is KV room to start it now.
-                req = self.sim.queues.pop(self.wid, steal=steal and self.ctx < 0.9 * self.cap)
-                if (req is None and steal and self.sim.ahead and (self.ahead or not self.running)
-                        and len(self.running) < self.sim.ahead_share):
-                    # Lookahead: only an engine with no round work left starts them, so the round's tail never
-                    # shares a batch with them; each takes its share in flight, so every engine that runs dry
-                    # finds some (an engine that filled all its slots would leave the last ones nothing).
-                    req, self.ahead = self.sim.ahead.popleft(), True
-                if req is None:
-                    # Tail migration (scheduler/tail_migration.py): run dry, take a running request of the busiest.
-                    moved = (take_running(self.sim, self) if steal and self.sim.sim.cluster.tail_migration
-                             and not self.running else None)
-                    if moved is None:
-                        break
-                    self.preempted.append(moved)
-                else:
-                    self.preempted.append(self.sim.start(self, req))
-            seq = self.preempted[0]
-            if self.running and self.ctx + seq.context + len(self.running) + 1 > self.cap:
-                break  # no KV room yet: it waits inside the engine
-            self.preempted.popleft()
-            self.running.append(seq)
-            self.ctx += seq.context
-            prefill += seq.context
-            started.append(seq)
-        if prefill:
-            self.t += self.model.prefill_s(self.tp, prefill)
-            for seq in started:
-                if seq.first:
-                    seq.first = False
-                    self.sim.emit("request", "first_token", self.t, worker=self.wid, sample_id=seq.req.sample.sample_id,
-                                  tokens=seq.gen)
-        if self.running or self.preempted:
-            self.idle_since = None
-        elif self.idle_since is None:
-            self.idle_since = self.t
-        if self.running and not self.sim.busy[self.wid]:
-            self.sim.busy[self.wid] = True
-            self.sim.emit("worker", "busy", self.t, worker=self.wid)
-        elif not self.running and not self.preempted and self.sim.busy[self.wid]:
-            self.sim.busy[self.wid] = False
-            self.sim.emit("worker", "idle", self.t, worker=self.wid)
-        self.plan()
-
-    def abort(self, sample_id: str) -> _Seq | None:
-        for pool in (self.running, self.preempted):
-            for s in pool:
-                if s.req.sample.sample_id == sample_id:
-                    pool.remove(s)
-                    if pool is self.running:
-                        self.ctx -= s.context
-                    return s
-        return None
 
 
 @dataclass
@@ -234,6 +90,7 @@ class SimResult:
     policy_stats: dict[str, Any] = field(default_factory=dict)
     total_s: float = 0.0
     max_num_seqs: int = 0
+    trajectories: dict[str, Any] = field(default_factory=dict)  # multi-turn: per sample id (TrajectorySim.report)
 
 
 class Simulator:
@@ -260,6 +117,7 @@ class Simulator:
         self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
+        self.traj: TrajectorySim | None = None  # multi-turn trajectories (set by `simulate`; None: single-turn)
 
     # plumbing ---------------------------------------------------------------------------------------------
     def emit(self, kind: str, event: str, t: float, **kw: Any) -> None:
@@ -280,13 +138,17 @@ class Simulator:
         if s.response_length == 0 or sid not in self.targets:  # a fresh attempt draws a new length
             attempt = self.attempts.get(sid, -1) + 1
             self.attempts[sid] = attempt
-            self.targets[sid] = self.workload.length(s.prompt_id, s.epoch, s.index, attempt)
-        target = min(self.targets[sid], s.response_length + req.max_tokens)
+            self.targets[sid] = (self.traj.draw(s, attempt) if self.traj else
+                                 self.workload.length(s.prompt_id, s.epoch, s.index, attempt))
+        end = self.traj.turn_end(s) if self.traj else self.targets[sid]  # a trajectory decodes turn by turn
+        target = min(end, s.response_length + req.max_tokens)
         seq = _Seq(req, max(target, s.response_length + 1))
         if self.spec is not None:
             seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
             self.by_prompt.setdefault(s.prompt_id, {})[sid] = seq
         self.where[sid] = engine
+        if self.traj:
+            self.traj.started(s, engine.t)
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
 
@@ -298,6 +160,8 @@ class Simulator:
         return s
 
     def finished(self, engine: SimEngine, seq: _Seq) -> None:
+        if self.traj is not None and self.traj.turn_ended(engine, seq):
+            return  # a turn ended and a tool call follows: the sample waits off the engine
         s = self._commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
         if hasattr(self.workload, "reward"):  # a workload without a pass-rate process leaves rewards unset
@@ -369,7 +233,7 @@ class Simulator:
         self.emit("phase", "start", t0, phase="rollout")
         self.preemptions = self.migrations = 0
         self.heap = []
-        self.queues.add(rnd.requests)
+        self.queues.add(self.traj.hold(rnd.requests, t0 + self.sim.cluster.round_start_s) if self.traj else rnd.requests)
         self.ahead = deque(rnd.lookahead)
         self.ahead_share = math.ceil(len(rnd.lookahead) / max(1, len(self.engines)))
         for e in self.engines:
@@ -391,6 +255,10 @@ class Simulator:
                     self.rerate_siblings()
                 continue
             self.clock.t = max(self.clock.t, t)
+            if isinstance(item, ToolDone):
+                self.traj.on_tool_done(item)  # type: ignore[union-attr]
+                self.rerate_siblings()
+                continue
             for sid in self.policy.on_sample_finished(item, self.clock):
                 self.abort(sid)
             self.rerate_siblings()
@@ -413,8 +281,15 @@ class Simulator:
                     self.where.pop(sid, None)
                     s = self._commit(seq, self.policy.version)
                     self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
+                    if self.traj:
+                        self.traj.aborted(s, t_end)
                     self.policy.on_sample_aborted(s, self.clock)
             e.running, e.preempted, e.ctx = [], deque(), 0
+        for sid in list(self.traj.waiting) if self.traj else []:  # waiting on a tool: carried with its turns
+            s = self.traj.abort(sid, t_end)
+            if sid in wanted:
+                wanted.discard(sid)
+                self.policy.on_sample_aborted(s, self.clock)
         self.by_prompt, self.rerate = {}, set()
         for req in self.queues.drain() + list(self.ahead):
             if req.sample.sample_id in wanted:
@@ -458,10 +333,15 @@ class Simulator:
                 s = self._commit(seq, self.policy.version)
                 self.emit("request", "abort", max(engine.t, self.clock.t), worker=engine.wid, sample_id=sample_id,
                           tokens=s.response_length)
+                if self.traj:
+                    self.traj.aborted(s, self.clock.t)
                 if mid_round:  # a slot freed up: admit more and re-plan the engine's next chunk
                     engine.admit()
                 self.policy.on_sample_aborted(s, self.clock)
                 return
+        if self.traj is not None and (s := self.traj.abort(sample_id, self.clock.t)) is not None:
+            self.policy.on_sample_aborted(s, self.clock)
+            return
         req = self.queues.remove(sample_id)
         if req is None and (req := next((r for r in self.ahead if r.sample.sample_id == sample_id), None)):
             self.ahead.remove(req)
@@ -512,10 +392,18 @@ def simulate(sim: SimConfig, run: RunConfig, policy_name: str | None = None, rec
         raise UserError(f"engine: the model ({sim.engine.weight_gib} GiB) does not fit a node of "
                         f"{sim.cluster.gpus_per_node} x {sim.engine.gpu_mem_gib} GiB GPUs")
     simulator = Simulator(sim, run, policy, workload, record=record)
+    if sim.workload.turns_max > 1:  # the policy's history then predicts trajectory cost (scheduler/base.py)
+        simulator.traj = TrajectorySim(simulator)
+        inner = getattr(policy, "inner", policy)  # (dynamic sampling wraps the policy)
+        inner.trajectory_info = simulator.traj.info
+        inner.tokens_per_tool_s = tokens_per_tool_s(sim, run.rollout.tensor_parallel_size)
     if speculative:
         simulator.spec = HistoSpecSim(sim.speculation, seed=sim.workload.seed)
     result = simulator.run_all()
     result.policy = policy_name or result.policy
     if simulator.spec is not None:
         result.policy_stats["speculation"] = simulator.spec.stats()
+    if simulator.traj is not None:
+        result.policy_stats["trajectory"] = simulator.traj.stats()
+        result.trajectories = simulator.traj.report()
     return result

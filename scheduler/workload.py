@@ -27,6 +27,9 @@ band. The shares move linearly from `*_start` to `*_end` over the epochs (more p
 between), so with n = 16 about 30% of groups are informative early and 20% late. A sample's reward is a
 seeded Bernoulli draw of its prompt's rate, the same for every policy.
 
+Multi-turn trajectories (`workload.turns_max` > 1) are drawn by `scheduler/trajectory_sim.py`; each turn's tokens
+come from `turn_length`, the model above with a per-turn eps (the prompt's level is shared by its turns).
+
 Left out: correlation between length and reward, and length drift over training.
 """
 
@@ -99,8 +102,13 @@ class SyntheticWorkload:
         return self._z[key]
 
     def length(self, prompt_id: str, epoch: int, index: int, attempt: int = 0) -> int:
+        return self.turn_length(prompt_id, epoch, index, attempt, 0)
+
+    def turn_length(self, prompt_id: str, epoch: int, index: int, attempt: int, turn: int) -> int:
+        """Tokens of assistant turn `turn` of a trajectory (turn 0 is `length`: single-turn samples are unchanged)."""
         workload = self.cfg
-        eps = random.Random(f"{workload.seed}:eps:{prompt_id}:{epoch}:{index}:{attempt}").gauss(0.0, 1.0)
+        key = f"{workload.seed}:eps:{prompt_id}:{epoch}:{index}:{attempt}" + (f":t{turn}" if turn else "")
+        eps = random.Random(key).gauss(0.0, 1.0)
         log_len = math.log(workload.median_response) + workload.sigma * (
             math.sqrt(workload.prompt_share) * self._level(prompt_id, epoch)
             + math.sqrt(1 - workload.prompt_share) * eps)
