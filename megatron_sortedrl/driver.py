@@ -148,6 +148,8 @@ class Driver:
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
                                   num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
+        if self.agentic:  # the history predicts trajectory cost: tokens, turns, tool seconds
+            self.agentic.attach(self.policy)
         # trainer/stream.py; a streamed group gets the batch's overlong shaping before its advantages
         self.stream = DriverStream(self.trainer, self.policy, lambda g: shape_batch(
             g, cfg.sampling, cfg.rollout.max_response_length)[0]) if cfg.trainer.stream else None
@@ -273,6 +275,8 @@ class Driver:
         """Records this step's responses per prompt, ships the change to every engine's drafter, measures."""
         self._phase("history", "start")
         out = self.feed.end_step(batch, kind)
+        if self.agentic:
+            self.agentic.observe(batch)
         self._phase("history", "end")
         return out
 

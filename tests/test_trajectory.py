@@ -287,3 +287,23 @@ def test_trainer_items_mask_tool_tokens_on_top_of_overlong_masking(tok):
     assert items[0]["mask"] == [1.0] * start + [0.0] * (end - start) + [1.0] * (s.response_length - end)
     assert items[1]["mask"] is None and items[2]["mask"] == [0.0]
     assert items[0]["extras"]["rollout_logprobs"] == s.rollout_logprobs
+
+
+def test_the_scheduler_history_records_trajectory_cost_from_the_samples(tok):
+    """The driver attaches its trajectories to the policy: the history records each finished trajectory's turns
+    and tool seconds (not its tokens alone), and a step's decode rate prices a tool second in tokens."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.layout import FixedPlanner
+    from scheduler.policies import make_policy
+
+    policy = make_policy(SchedulerConfig(), ["p"], n_samples=1, max_response_length=64,
+                         planner=FixedPlanner(gpus=1, gpus_per_node=1, tp_short=1, tp_long=1))
+    traj = Trajectories(tok, stub.ToolRunner(), stub.hermes, stub.HERMES_STOP, 4, 64)
+    traj.attach(policy)
+    s = Sample("p", 0, prompt_tokens=[5, 6], response_tokens=list(range(10, 40)), tool_spans=[(10, 20)], turns=2,
+               submit_time=1.0, finish_time=6.0, meta={"tool_seconds": 3.0})
+    assert policy.trajectory_info(s) == (2, 3.0)
+    traj.observe([s])  # 20 generated tokens in 5 - 3 = 2 engine seconds
+    assert policy.tokens_per_tool_s == 10.0
+    policy.history.record("p", 0, s.response_length, turns=2, tool_s=3.0)
+    assert policy.history.predict_cost("p", policy.tokens_per_tool_s) == s.response_length + 10.0 * 3.0

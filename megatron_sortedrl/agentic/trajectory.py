@@ -35,6 +35,7 @@ strings of several tokens (the engines run without a tokenizer: the parser's sto
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -111,6 +112,24 @@ class Trajectories:
         parser = parser_from(cfg.tools.parser)
         stop = HERMES_STOP if cfg.tools.parser == "hermes" else getattr(parser, "stop", HERMES_STOP)
         return cls(tokenizer, runner, parser, stop, cfg.tools.max_turns, cfg.rollout.max_response_length, **kw)
+
+    def attach(self, policy: Any) -> None:
+        """Lets the scheduler's history predict each prompt's trajectory cost (tokens, turns, tool seconds:
+        `scheduler/base.py`, `scheduler/history.py`), as the simulator does, from the samples' own records."""
+        policy.trajectory_info = trajectory_info
+        self.policy = policy
+
+    def observe(self, batch: list[Sample]) -> None:
+        """Gives the policy this step's tokens per tool second: the median decode rate of one trajectory, its
+        generated tokens over its time with the engines (first submit to finish, tool waits excluded; queueing
+        counts, so it is a lower bound of the engine's rate). A tool second costs that many tokens of a turn."""
+        rates = []
+        for s in batch:
+            busy = s.finish_time - s.submit_time - float(s.meta.get("tool_seconds", 0.0))
+            if s.generated_length and busy > 0:
+                rates.append(s.generated_length / busy)
+        if rates and getattr(self, "policy", None) is not None:
+            self.policy.tokens_per_tool_s = statistics.median(rates)
 
     def schemas(self, names: list[str] | None = None) -> list[dict]:
         """The tools' OpenAI-style schemas (a data row's own tool list narrows them), for the prompt's template."""
@@ -233,6 +252,11 @@ def initial_state(s: Sample) -> dict:
     (`meta["tools_kwargs"]`, verl's `extra_info.tools_kwargs`)."""
     kwargs = s.meta.get("tools_kwargs")
     return {"tools_kwargs": kwargs} if kwargs else {}
+
+
+def trajectory_info(s: Sample) -> tuple[int, float]:
+    """A finished trajectory's (assistant turns, tool seconds), what the scheduler's history records."""
+    return s.turns, float(s.meta.get("tool_seconds", 0.0))
 
 
 def step_metrics(batch: list[Sample]) -> dict[str, float]:
