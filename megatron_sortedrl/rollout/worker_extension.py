@@ -309,6 +309,24 @@ class WeightSyncExtension:
     def msrl_rank(self) -> int:
         return int(self.rank)  # type: ignore[attr-defined]
 
+    def msrl_memory_bytes(self) -> dict:
+        """Bytes this rank's weights and KV cache hold (what a sleep frees; colocate/engines.py reports them)."""
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        seen: set[int] = set()
+        weights = 0
+        for t in (*self._msrl_model().parameters(), *self._msrl_model().buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        kv = 0
+        caches = getattr(runner, "kv_caches", None) or []
+        for c in caches:  # a tensor per layer (or a list of them, by backend)
+            for t in (c if isinstance(c, (list, tuple)) else [c]):
+                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    kv += t.numel() * t.element_size()
+        return {"weights": weights, "kv_cache": kv}
+
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     """{first name of a parameter shared by several modules: its other names} (e.g. lm_head -> embedding)."""

@@ -59,6 +59,11 @@ def _with_routes(item: dict, sample: Sample, cfg) -> dict:
     return item
 
 
+def _summed(outs: list[dict]) -> dict:
+    return {"bytes": sum(o["bytes"] for o in outs), "seconds": max(o["seconds"] for o in outs),
+            **({"device_allocated": max(o["device_allocated"] for o in outs)} if "device_allocated" in outs[0] else {})}
+
+
 class TrainerActor:
     """Ray actor body: holds one `TrainerWorker` and forwards calls to it."""
 
@@ -325,6 +330,16 @@ class TrainerGroup:
         if path is None:
             raise CheckpointError("no checkpoint to load (latest_checkpoint found none)")
         return self._all("load", str(Path(path).resolve()), load_optimizer)[0]
+
+    def offload_state(self) -> dict:
+        """Colocated layout: every rank's parameters, gradients and optimizer state to host memory
+        (`trainer/offload.py`); returns the bytes moved over all ranks, the slowest rank's seconds and the
+        device memory still allocated on the rank holding the most."""
+        return _summed(self._all("offload_state"))
+
+    def reload_state(self) -> dict:
+        """The state `offload_state` moved away, back on every rank's device; same figures."""
+        return _summed(self._all("reload_state"))
 
     @staticmethod
     def latest_checkpoint(root: str | Path) -> Path | None:

@@ -30,6 +30,7 @@ from megatron_sortedrl import algorithms as A
 from megatron_sortedrl.host_heap import fix_host_mmap_threshold, trim_host_heap  # allocator policy: see there
 from megatron_sortedrl.trainer import cpu_compat
 from megatron_sortedrl.trainer.routing_replay import TrainerReplay, replaying
+from megatron_sortedrl.trainer.offload import OffloadMixin
 from megatron_sortedrl.trainer.stream import StreamTrainingMixin
 from megatron_sortedrl.trainer.logprobs import (
     Sampling,
@@ -50,7 +51,7 @@ def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "gpu" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
 
-class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: trainer/stream.py
+class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/stream.py; *_state: trainer/offload.py
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.master = (master_addr, master_port)
