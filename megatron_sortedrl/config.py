@@ -643,6 +643,10 @@ class RunConfig:
             raise ConfigError("trainer.stream", True,
                               f"false with algorithm.advantage={adv} (it whitens over the whole batch, unknown while "
                               "groups are streamed); use grpo or rloo to stream")
+        if self.cluster.colocate:
+            from megatron_sortedrl.colocate.placement import check_colocated
+
+            check_colocated(self)  # engines on the trainer's devices, block by block
         if self.trainer.stream and self.cluster.colocate:  # colocate/: the engines hold the devices in a round
             raise ConfigError("trainer.stream", True, "false with cluster.colocate=true (a colocated trainer cannot "
                               "run a backward while the engines generate on its devices; docs/cluster.md)")

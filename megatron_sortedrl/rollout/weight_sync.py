@@ -61,6 +61,11 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 WeightSource = Iterable[tuple[str, torch.Tensor]] | str | Path
 
 
+def rereadable(source: Any) -> bool:
+    """Whether a sync from `source` can be done again: the trainer, a directory, a list (not an iterator)."""
+    return hasattr(source, "push_weights") or isinstance(source, (str, os.PathLike, list, tuple))
+
+
 def iter_source(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from an iterator or from every `*.safetensors` file of a directory (sorted)."""
     if isinstance(source, (str, Path)):
