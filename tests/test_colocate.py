@@ -66,9 +66,10 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
     cfg = load_config("configs/tiny_cpu.yaml", [
         f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4",
         "trainer.warmup_sft_steps=5", "trainer.eval_interval=2", "checkpoint.save_interval=0",
-        "rollout.max_response_length=64", "data.num_eval_prompts=4", "logging.tensorboard=false",
-        "scheduler.policy=twotier", "scheduler.mode=partial", "scheduler.rollout_batch_size=4",
-        "scheduler.update_batch_size=8", "scheduler.group_size=8", "cluster.colocate=true",
+        "rollout.max_response_length=128", "data.num_eval_prompts=4", "logging.tensorboard=false",
+        # rounds big enough that the harvest finds samples still generating (they are carried as partials)
+        "scheduler.policy=twotier", "scheduler.mode=partial", "scheduler.rollout_batch_size=8",
+        "scheduler.update_batch_size=16", "scheduler.group_size=16", "cluster.colocate=true",
         "cluster.engine_sleep_level=2"])
     driver = Driver(cfg, printer=print)
     aborted: dict[str, list] = {}  # sample id -> (tokens, log-probs, version spans) at each abort
@@ -111,19 +112,22 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
                 ("handoff", "end", "object_store")]
         if step == 3:  # the evaluation after step 2 slept the engines at level 2: the weights are handed over again
             want = [("wake", "start", "weights"), ("wake", "end", "weights"), ("handoff", "end", "object_store")] + want
+        if step in (2, 4):  # then the evaluation (eval_interval=2, and the final one), bracketed the same way
+            want = want + want[:4] + want[6:10]
         assert order == want, f"step {step}: {order}"
     ends = [e for e in events if e.kind == "phase" and e.event == "end" and e.phase in ("offload", "reload", "sleep",
                                                                                          "wake", "handoff")]
     assert ends and all(e.bytes and e.bytes > 0 for e in ends), [e for e in ends if not e.bytes]
     offloads = {e.bytes for e in ends if e.phase in ("offload", "reload")}
     assert len(offloads) == 1  # the same trainer state leaves and comes back every time
-    assert all(r.metrics["colocate/offload_bytes"] == next(iter(offloads)) for r in steps[1:])
+    assert all(r.metrics["colocate/offload_bytes"] == r.metrics["colocate/offload_count"] * next(iter(offloads)) > 0
+               for r in steps)
 
     # Partials carried across a sleep resume with their tokens, log-probs and version spans, then go on under a
     # newer policy version.
     trained = {s.sample_id: s for r in steps for s in r.batch}
     resumed = [(sid, aborted[sid][-1], trained[sid]) for sid in trained if sid in aborted]
-    assert resumed, "no partial sample crossed a sleep and was trained"
+    assert resumed, f"no partial sample crossed a sleep and was trained ({len(aborted)} aborted with tokens)"
     for sid, (tokens, logps, spans, step), s in resumed:
         assert s.response_tokens[:len(tokens)] == tokens and s.rollout_logprobs[:len(logps)] == logps, sid
         assert s.version_spans[:len(spans)] == spans, sid
