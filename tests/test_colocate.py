@@ -109,9 +109,9 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
                 ("rollout", "end", None), ("sleep", "start", "level 2"), ("sleep", "end", "level 2 (CPU: not freed)"),
                 ("reload", "start", "trainer state"), ("reload", "end", "trainer state"), ("train", "start", None),
                 ("train", "end", None), ("wake", "start", "weights"), ("wake", "end", "weights"),
-                ("handoff", "end", "object_store")]
+                ("handoff", "end", "shm")]
         if step == 3:  # the evaluation after step 2 slept the engines at level 2: the weights are handed over again
-            want = [("wake", "start", "weights"), ("wake", "end", "weights"), ("handoff", "end", "object_store")] + want
+            want = [("wake", "start", "weights"), ("wake", "end", "weights"), ("handoff", "end", "shm")] + want
         if step in (2, 4):  # then the evaluation (eval_interval=2, and the final one), bracketed the same way
             want = want + want[:4] + want[6:10]
         assert order == want, f"step {step}: {order}"

@@ -6,8 +6,9 @@
   reload, values intact (pinned host buffers, non-blocking copies).
 * A CUDA vLLM engine built with sleep mode: the device's free memory rises by at least the KV cache after
   `sleep(2)`, falls again after waking weights then KV cache, and the engine still generates.
-* A colocated tiny run on one GPU: every offload/reload and sleep/wake of the timeline has bytes, and the
-  trainer rank's allocated memory after an offload is below that after a reload.
+* A colocated tiny run on one GPU: every offload/reload and sleep/wake of the timeline has bytes, the weights
+  are handed over by CUDA IPC, and the trainer rank's allocated memory after an offload is below that after a
+  reload.
 
 Skipped without a GPU (conftest); never run on the CPU machines this was written on.
 """
@@ -89,5 +90,6 @@ def test_colocated_run_moves_memory_per_phase(tmp_path):
     for phase in ("offload", "reload", "sleep", "wake", "handoff"):
         assert any(e.phase == phase and e.bytes for e in ends), phase
     assert all(e.detail and "not freed" not in e.detail for e in ends if e.phase == "sleep")
+    assert {e.detail for e in ends if e.phase == "handoff"} == {"ipc"}  # one node: the stage sender's CUDA IPC
     for row in rows:
         assert row["colocate/offload_device_allocated"] < row["colocate/reload_device_allocated"]

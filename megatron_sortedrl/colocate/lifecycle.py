@@ -22,8 +22,9 @@ since the last hand-off (a checkpoint or an evaluation in between), moves the tr
 (`cluster.offload_trainer`) and wakes the KV cache last, so on a GPU the engines' cache is allocated once the
 trainer's memory is free. `to_train` puts the engines to sleep at `cluster.engine_sleep_level` (1: weights to
 host memory; 2: dropped) and brings the trainer's state back. `hand_off` is the weight sync: the trainer must
-be resident (it reads its parameters) and the engines' weights awake; on GPU the pool sends the buckets over
-CUDA IPC (`weight_transport=auto` picks "ipc" when colocated), on CPU through the object store.
+be resident (it reads its parameters) and the engines' weights awake; on GPU each stage sender hands its
+buckets over CUDA IPC when the run is on one node (`weight_transport=auto` picks "ipc" when colocated;
+`weight_sync_gpu.ipc_send_stage`), else and on CPU through host shared memory.
 
 Engines are tracked by actor: an engine the pool rebuilt (relayout, HistoSpec switch, restart after a failure)
 starts awake with the last synced weights, and the next transition takes it along.
@@ -123,7 +124,7 @@ class Colocated(Disaggregated):
         report = self.pool.sync_weights(self.trainer, version=version)
         for k in self._engines():
             self.weights_valid[k] = True
-        self._end("handoff", self.pool.transport, int(report.bytes))
+        self._end("handoff", report.transport, int(report.bytes))  # what it went over: ipc, shm, nccl
         return report
 
     def step_row(self) -> dict[str, float]:

@@ -12,7 +12,9 @@ r sits in block r // B; engine e (TP t) uses the devices of trainer ranks e*t ..
 Fractional GPUs: a trainer rank asks for 0.6 of a GPU, so no two ranks can be packed onto one GPU of their
 bundle and each gets its own; an engine asks for 0.4 (what is left of one GPU) for Ray's bookkeeping, and its
 vLLM workers see exactly its trainer ranks' GPUs through CUDA_VISIBLE_DEVICES (set explicitly, with Ray told
-not to overwrite it), since Ray cannot give one actor fractions of several GPUs. On CPU the bundles carry the
+not to overwrite it), since Ray cannot give one actor fractions of several GPUs; on one node the engine also
+sees the node's other trainer GPUs after its own, so it can open the stage senders' CUDA IPC handles (the
+weight hand-off, `weight_sync_gpu.ipc_send_stage`). On CPU the bundles carry the
 trainer ranks' and the engines' CPUs (one per rank each, as disaggregated), so the same code runs.
 
 Checked on a GPU machine only (tests/test_colocate_gpu.py); the CPU path is exercised by every colocated run.
@@ -77,6 +79,11 @@ class SharedPlacement:
     block: int
     gpu_ids: list[list[str]]  # per trainer rank: the GPU ids Ray gave it (empty on CPU)
 
+    @property
+    def one_node(self) -> bool:
+        """Every bundle on one node: each engine can see every stage sender's GPU (CUDA IPC hand-off)."""
+        return len(set(self.reservation.bundle_nodes)) == 1 and any(self.gpu_ids)
+
     def bundle_of(self, engine: int, tp: int) -> int:
         return engine * tp // self.block
 
@@ -85,6 +92,8 @@ class SharedPlacement:
         ranks = range(engine * tp, (engine + 1) * tp)
         if "num_gpus" in resources:
             devices = [i for r in ranks for i in self.gpu_ids[r]]
+            if self.one_node:  # the others after its own (vLLM's ranks take the first ones), for CUDA IPC
+                devices += [i for ids in self.gpu_ids for i in ids if i not in devices]
             env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
             resources = {**resources, "num_gpus": ENGINE_GPU_SHARE}
         return resources, env

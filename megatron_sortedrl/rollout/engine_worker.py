@@ -364,6 +364,11 @@ class EngineWorker:
         counts = await self.engine.collective_rpc("msrl_load_packed", args=(path, nbytes, meta, True))
         return int(counts[0])
 
+    async def load_ipc_bucket(self, handles: dict, nbytes: int, meta: list) -> int:
+        """Loads one packed bucket a colocated stage sender holds on its GPU (CUDA IPC; `ipc_send_stage`)."""
+        counts = await self.engine.collective_rpc("msrl_load_ipc", args=(handles, nbytes, meta))
+        return int(counts[0])
+
     async def node_id(self) -> str:
         from megatron_sortedrl.placement import node_id
 

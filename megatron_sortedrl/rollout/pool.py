@@ -531,10 +531,12 @@ class RolloutPool:
         return dead
 
     def _push(self, actors: list[Any], pusher: WeightPusher, version: int) -> SyncReport:
-        # Multi-sender GPU transfer is NCCL only; colocated (ipc) engines get the object-store path.
-        nccl = self.transport == "nccl"
+        # Multi-sender GPU transfer: NCCL, or CUDA IPC for colocated engines that see every sender's GPU (one
+        # node, colocate/placement.py); anything else goes through the object-store / shared-memory path.
+        shared = self.opts.shared_placement
+        t = self.transport if self.transport == "nccl" or (shared is not None and shared.one_node) else "object_store"
         return sync_push(actors, pusher, version, bucket_bytes=self.opts.bucket_bytes,
-                         transport="nccl" if nccl else "object_store", nccl={} if nccl else None,
+                         transport=t, nccl={} if t == "nccl" else None,
                          mode=self.opts.weight_sync_mode)
 
     def _reload(self, slots: list[_Slot]) -> None:

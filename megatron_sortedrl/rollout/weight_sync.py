@@ -413,6 +413,7 @@ def _check_counts(counts: list[int], meta: Meta) -> None:
 from megatron_sortedrl.rollout.weight_sync_gpu import (  # noqa: E402
     DeviceRing,
     GpuWeightSync,
+    ipc_send_stage,
     nccl_ranks,
     nccl_send_buckets,
     nccl_send_stage,

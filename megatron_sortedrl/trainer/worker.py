@@ -393,6 +393,8 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
                 comm = self._nccl_comm({"master_address": ep[0], "master_port": ep[1],
                                         "world_size": nccl["stage_world_size"]}, 0)
                 stats = ws.nccl_send_stage(comm, tensors, bucket_bytes)
+            elif transport == "ipc":  # colocated on one node: CUDA IPC handles of a GPU bucket
+                stats = ws.ipc_send_stage(engines, tensors, bucket_bytes)
             else:
                 stats = ws.stage_push(engines, tensors, bucket_bytes=bucket_bytes,
                                       max_buckets_in_flight=max_buckets_in_flight, mode=mode)
