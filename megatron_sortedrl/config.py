@@ -547,10 +547,6 @@ class ClusterConfig:
         if not re.fullmatch(r"[\w.:@,^=-]*", self.socket_ifname):
             raise ConfigError("cluster.socket_ifname", self.socket_ifname, "an interface name such as eth0 or ib0 "
                               "(gloo/NCCL syntax: a comma-separated list, ^ excludes)")
-        if self.colocate:
-            # Engines would ask for GPUs the trainer's placement group holds and wait forever.
-            raise ConfigError("cluster.colocate", self.colocate,
-                              "false: trainer/rollout colocation is not implemented; give rollout its own nodes")
         if self.engine_sleep_level not in (1, 2):
             raise ConfigError("cluster.engine_sleep_level", self.engine_sleep_level,
                               "1 (weights kept in host memory) or 2 (weights freed)")
@@ -653,6 +649,13 @@ class RunConfig:
             raise ConfigError("trainer.stream", True,
                               f"false with algorithm.advantage={adv} (it whitens over the whole batch, unknown while "
                               "groups are streamed); use grpo or rloo to stream")
+        if self.cluster.colocate:
+            from megatron_sortedrl.colocate.placement import check_colocated
+
+            check_colocated(self)  # engines on the trainer's devices, block by block
+        if self.trainer.stream and self.cluster.colocate:  # colocate/: the engines hold the devices in a round
+            raise ConfigError("trainer.stream", True, "false with cluster.colocate=true (a colocated trainer cannot "
+                              "run a backward while the engines generate on its devices; docs/cluster.md)")
         if self.trainer.warmup_answer_only_share > 0 and self.data.task not in ANSWER_LINE_TASKS:
             raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
                               f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "

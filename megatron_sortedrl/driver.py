@@ -100,7 +100,8 @@ class Driver:
 
         from megatron_sortedrl.data import load_prompts
         from megatron_sortedrl.data.prompting import PromptEncoder
-        from megatron_sortedrl.rollout import PoolOptions, RolloutPool
+        from megatron_sortedrl.colocate import start_engines
+        from megatron_sortedrl.rollout import PoolOptions
         from megatron_sortedrl.tiny_model import build_tiny_model
         from megatron_sortedrl.trainer.group import TrainerGroup
         from megatron_sortedrl.trainer.stream import DriverStream
@@ -141,7 +142,9 @@ class Driver:
         self.say("starting rollout pool ...")
         # HistoSpec's round switch starts the engines plain while no prompt has history (speculative/fast_path.py).
         spec = initial_speculative_config(cfg.speculative)
-        self.pool = RolloutPool(PoolOptions.from_config(cfg, speculative_config=spec))
+        # colocate/: a colocated run's engines share the trainer's devices; `colo` makes each switch a phase
+        self.pool, self.colo = start_engines(cfg, self.trainer, PoolOptions.from_config(cfg, speculative_config=spec),
+                                             self.say)
         self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
         planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/layout_driver.py)
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
@@ -187,6 +190,7 @@ class Driver:
         self.records = RunRecords(self.cfg, self.run_dir, self.step if self._resumed else None,
                                   self._resumed.get("clock_epoch"), self.say)
         self.clock, self.timeline, self.metrics = self.records.clock, self.records.timeline, self.records.metrics
+        self.colo.attach(self._phase)
         self.nvml = None
         if self.cfg.logging.nvml_sample_hz > 0 and _cluster_gpus() > 0:
             from megatron_sortedrl.telemetry.nodes import NodeSamplers
@@ -219,23 +223,20 @@ class Driver:
         """Supervised steps on worked solutions, then the engines get the warmed-up weights (warmup.py)."""
         from megatron_sortedrl.warmup import warm_start
 
+        self.colo.to_train()
         return warm_start(self)
 
     def restore_engines(self) -> None:
         """After a resume: the engines get the checkpoint's weights and version, the drafters its whole history."""
-        self.pool.sync_weights(self._weights(), version=self.version)
+        self.colo.hand_off(self.version)
         self.feed.reset_engines()
-
-    def _weights(self):
-        # The trainer group is the source: its stage senders push packed buckets straight to the engines, so
-        # neither the driver nor any trainer rank holds the whole model (see rollout/weight_sync.py).
-        return self.trainer
 
     def compose_round(self):
         rnd = compose_round(self)  # hands the policy the rewards that arrived while the last step trained
         if rnd is not None:  # the planner's layout for the round, on the engines (a relayout phase if it changed)
             apply_layout(self, rnd, self.layout_row)
             apply_speculation(self, rnd, self.layout_row)  # plain engines for a round without history
+            self.colo.to_rollout()  # colocated: engines wake, the trainer's state leaves the devices
         self._phase("rollout", "start", layout=layout_name(*self.pool.layout))
         if rnd is None:  # data used up: close the phase, or it would stretch over the final eval
             self._phase("rollout", "end")
@@ -249,7 +250,9 @@ class Driver:
     def generate(self, rnd):
         """Streams the round (`round_stream.py`): submits, scores completions as they land, lets the policy
         harvest; returns the `Harvest`."""
-        return stream_round(self, rnd)
+        harvest = stream_round(self, rnd)
+        self.colo.to_train()  # colocated: engines sleep, the trainer's state comes back (the harvest trains after)
+        return harvest
 
     def _score(self, s: Sample) -> None:
         s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
@@ -266,7 +269,7 @@ class Driver:
     def sync_weights(self) -> dict[str, float]:
         self._phase("sync", "start")
         self.version += 1
-        report = self.pool.sync_weights(self._weights(), version=self.version)
+        report = self.colo.hand_off(self.version)  # colocated: the engines' weights wake first
         self.policy.on_update(self.version, self.clock)
         self._phase("sync", "end")
         return {"sync/seconds": report.seconds, "sync/bytes": report.bytes}
@@ -285,6 +288,7 @@ class Driver:
         from megatron_sortedrl.rollout import GenRequest
 
         self._phase("eval", "start")
+        self.colo.to_rollout()
         samples = {f"eval/{p.prompt_id}/s{self.step}": p for p in self.eval_prompts}
         items = [(GenRequest(rid, self._tokens(p), self._sampling(self.cfg.rollout.max_response_length, True)),
                   i % self.pool.layout[0]) for i, (rid, p) in enumerate(samples.items())]
@@ -298,6 +302,7 @@ class Driver:
                 c.to_sample(s)
                 s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
                 out.append(s)
+        self.colo.to_train()
         scored = self.rewards.score(out)
         self._phase("eval", "end")
         acc = sum(s.reward for s in scored) / max(1, len(scored))
@@ -342,7 +347,7 @@ class Driver:
         step_s = time.monotonic() - t0
         row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
                        self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}), self.layout_row,
-                       step_metrics(harvest.batch) if self.agentic else {})
+                       step_metrics(harvest.batch) if self.agentic else {}, self.colo.step_row())
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:

@@ -16,8 +16,10 @@ for both layouts of elastic parallelism: the short-round layout (`rollout.num_wo
 Ray cluster `megatron_sortedrl.placement` pins trainer TP groups and engines to the nodes named here
 (`layout_node`, `rollout_first_gpu`) and checks where they landed.
 
-Left out: heterogeneous nodes, multi-node TP (neither Megatron's nor vLLM's TP should cross nodes) and
-colocated trainer and rollout (`cluster.colocate` is refused at config load).
+With `cluster.colocate` the engines take the trainer's own GPUs from GPU 0 (`rollout_first_gpu` is 0; the
+blocks they share are checked by `colocate/placement.check_colocated`).
+
+Left out: heterogeneous nodes, multi-node TP (neither Megatron's nor vLLM's TP should cross nodes).
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ def rollout_first_gpu(cfg) -> int:
     """First GPU of the rollout pool: after the trainer, aligned to the largest engine TP so no engine
     straddles a node boundary (gpus_per_node is a multiple of every TP, checked below)."""
     r = cfg.rollout
+    if cfg.cluster.colocate:  # the engines share the trainer's GPUs
+        return 0
     return _round_up(cfg.parallel.world_size, max(r.tensor_parallel_size, r.long_round_tensor_parallel_size))
 
 

@@ -27,7 +27,8 @@ the visible nodes with their free resources.
 
 Tested on an emulated 4-node cluster: `.venv/bin/python -m pytest tests/test_placement_cluster.py -q`.
 Hand-written: Ray has no "order bundles by node" or "pin to the n-th node" helper. Left out: heterogeneous
-nodes, colocating trainer and rollout on the same GPUs, and moving a group once placed.
+nodes and moving a group once placed. Colocated trainer and engines share bundles of their own
+(`megatron_sortedrl/colocate/placement.py`), built from the same `Bundle` and `reserve`.
 """
 
 from __future__ import annotations

@@ -78,5 +78,5 @@ def warm_start(driver: Any) -> dict[str, float]:
         if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
             driver.say(f"warm-up {i + 1}/{steps}: loss {out.get('loss', float('nan')):.3f} "
                        f"({time.monotonic() - t0:.0f}s, {len(pool)} problems)")
-    driver.pool.sync_weights(driver._weights(), version=0)
+    driver.colo.hand_off(0)  # colocate/: the plain sync, after the engines' weights woke on a colocated layout
     return out

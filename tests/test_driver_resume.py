@@ -6,7 +6,7 @@ the periodic checkpoints survive). Resumed to the end, the run must have trained
 exactly once with all its responses (which is what an uninterrupted run over one epoch trains, whatever the
 completion order), every step must appear once in the metrics, and policy versions must continue.
 
-    python -m pytest tests/test_driver_resume.py -q        # about 3 minutes on 2 cores
+    python -m pytest tests/test_driver_resume.py -q        # about 3 minutes on 2 cores (x2 with -m slow: colocated)
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("layout", ["disaggregated", pytest.param("colocated", marks=pytest.mark.slow)])
+def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir, tmp_path, layout):
     run_dir = tmp_path / "run"
-    args = _overrides(tiny_model_dir, run_dir)
+    # colocated: the same invariants with engines that sleep and a trainer whose state leaves for every round
+    args = _overrides(tiny_model_dir, run_dir) + (["cluster.colocate=true"] if layout == "colocated" else [])
     train_ids = {p.prompt_id for p in load_prompts(load_config("configs/tiny_cpu.yaml", args).data, "train")}
     assert len(train_ids) == N_PROMPTS
 
@@ -93,6 +95,13 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
     assert set(per_prompt) == train_ids, f"lost prompts: {sorted(train_ids - set(per_prompt))}"
     assert set(per_prompt.values()) == {N_SAMPLES}
     assert summary["steps"] == len(steps) and (run_dir / "report" / "report.html").is_file()
+    if layout == "colocated":  # every step's transitions are on the timeline, each ending with its bytes
+        from megatron_sortedrl.telemetry.timeline import read_timeline
+
+        ends = [e for e in read_timeline(run_dir / "timeline.jsonl") if e.kind == "phase" and e.event == "end"]
+        for phase in ("sleep", "offload", "reload", "wake", "handoff"):
+            got = {e.step for e in ends if e.phase == phase and e.bytes}
+            assert set(steps) <= got, f"{phase}: no phase with bytes in steps {sorted(set(steps) - got)}"
 
 
 def test_resume_required_without_checkpoint_is_one_line(tmp_path):

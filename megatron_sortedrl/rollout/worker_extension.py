@@ -38,7 +38,9 @@ the process that imports it. vLLM imports it in each worker process when it buil
 weight loads map their large blocks and return them on free instead of fragmenting the heap from sync to
 sync; `msrl_finish_weight_update` trims the heap once the whole load is done (`msrl_heap_info` reports it).
 
-Deliberately left out: CUDA IPC; the single-sender GPU path for (name, tensor) sources uses vLLM's own
+A colocated engine loads the stage senders' GPU buckets through their CUDA IPC handles (`msrl_load_ipc`).
+
+Deliberately left out: the single-sender GPU path for (name, tensor) sources uses vLLM's own
 `weight_transfer_config`, driven by `weight_sync.GpuWeightSync`.
 """
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -141,6 +144,25 @@ class WeightSyncExtension:
         flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) if nbytes else torch.empty(0,
                                                                                                          dtype=torch.uint8)
         return self._msrl_load(unpack_tensors(flat, meta), flat if detach else None)
+
+    def msrl_load_ipc(self, handles: dict, nbytes: int, meta: list) -> int:
+        """Loads a packed bucket from the CUDA IPC handle of a colocated stage sender's GPU buffer (GPU only):
+        `handles` maps the sender GPU's uuid to `reduce_tensor`'s arguments, whose device index (argument 6)
+        is the sender's numbering and is replaced by this process's index of that GPU. The sender reuses the
+        buffer for its next bucket, so whatever vLLM's reload still holds of it is copied out (`reused`)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        from megatron_sortedrl.rollout.weight_sync import unpack_tensors
+
+        local = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+        uuid, args = next(iter(handles.items()))
+        if uuid not in local:
+            raise RuntimeError(f"CUDA IPC hand-off: the sender's GPU {uuid} is not visible to this engine "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
+        args = list(args)
+        args[6] = local[uuid]
+        flat = rebuild_cuda_tensor(*args)[:nbytes]
+        return self._msrl_load(unpack_tensors(flat, meta), flat)
 
     def msrl_nccl_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Joins the trainer->engines NCCL group (GPU only): stage senders first, then every engine GPU."""
@@ -324,6 +346,24 @@ class WeightSyncExtension:
 
     def msrl_rank(self) -> int:
         return int(self.rank)  # type: ignore[attr-defined]
+
+    def msrl_memory_bytes(self) -> dict:
+        """Bytes this rank's weights and KV cache hold (what a sleep frees; colocate/engines.py reports them)."""
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        seen: set[int] = set()
+        weights = 0
+        for t in (*self._msrl_model().parameters(), *self._msrl_model().buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        kv = 0
+        caches = getattr(runner, "kv_caches", None) or []
+        for c in caches:  # a tensor per layer (or a list of them, by backend)
+            for t in (c if isinstance(c, (list, tuple)) else [c]):
+                if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    kv += t.numel() * t.element_size()
+        return {"weights": weights, "kv_cache": kv}
 
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:

@@ -14,7 +14,9 @@ busy | idle; a trajectory's turn is one submit..finish request, its tool wait ru
 `tokens` (int, response tokens so far / in total; at `first_token`: the tokens that exist once decoding
 starts, i.e. those the request was submitted with plus the one a real engine's prefill step samples; the
 simulator decodes every token, so there it is the submitted count), `phase` (str, one of `PHASES` for phase events),
-`layout` (str, on rollout phase starts and `relayout` phases: the engine layout, e.g. "2xTP1").
+`layout` (str, on rollout phase starts and `relayout` phases: the engine layout, e.g. "2xTP1"), `detail` (str,
+on colocated transitions: what moved, e.g. "weights" or "kv_cache" on a `wake`) and `bytes` (int, on the end
+of a colocated transition: the bytes it moved or freed; see docs/cluster.md, "Colocated").
 
 Each process writes its own file (`timeline.jsonl` for the driver, `timeline.<name>.jsonl` for workers);
 `read_run_timeline(run_dir)` merges them by time. The metric functions also come as pure functions over
@@ -46,7 +48,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "worker": ("busy", "idle"),
 }
 # Phase names the driver uses; readers accept others too (a user's custom phase is still time spent).
-PHASES: tuple[str, ...] = ("rollout", "reward", "logprob", "train", "sync", "history", "checkpoint", "eval", "relayout")
+PHASES: tuple[str, ...] = ("rollout", "reward", "logprob", "train", "sync", "history", "checkpoint", "eval", "relayout",
+                           # colocated layout (megatron_sortedrl/colocate/): the transitions between rollout and update
+                           "sleep", "wake", "offload", "reload", "handoff")
 TIMELINE_GLOB = "timeline*.jsonl"
 
 
@@ -67,6 +71,8 @@ class Event:
     tokens: int | None = None  # request events: response tokens generated so far (finish: in total)
     phase: str | None = None  # phase events: one of PHASES
     layout: str | None = None  # rollout start and relayout events: the engine layout, e.g. "2xTP1" (engines x TP)
+    detail: str | None = None  # colocated transitions: what moved ("weights", "kv_cache", "trainer state")
+    bytes: int | None = None  # end of a colocated transition: bytes moved or freed
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -97,6 +103,8 @@ class Event:
             tokens=None if obj.get("tokens") is None else int(obj["tokens"]),
             phase=obj.get("phase"),
             layout=None if obj.get("layout") is None else str(obj["layout"]),
+            detail=None if obj.get("detail") is None else str(obj["detail"]),
+            bytes=None if obj.get("bytes") is None else int(obj["bytes"]),
         )
 
 

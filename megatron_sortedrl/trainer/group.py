@@ -20,8 +20,12 @@ reporting rank's answer; ranks are never addressed individually.
 
 Samples travel as small dicts (tokens and per-token floats), not as `Sample` objects.
 
-Deliberately left out: colocating trainer and rollout on the same GPUs, and restarting dead actors (a
-failed rank raises in the driver; restart from the last checkpoint).
+With `cluster.colocate` the bundles are blocks of devices shared with the engines (`colocate/placement.py`):
+each rank asks for a GPU fraction, and the group lends its reservation to the rollout pool (`shared_placement`);
+`offload_state` / `reload_state` move every rank's state to host memory and back (`trainer/offload.py`).
+
+Deliberately left out: restarting dead actors (a failed rank raises in the driver; restart from the last
+checkpoint).
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def _with_routes(item: dict, sample: Sample, cfg) -> dict:
     return item
 
 
+def _summed(outs: list[dict]) -> dict:
+    return {"bytes": sum(o["bytes"] for o in outs), "seconds": max(o["seconds"] for o in outs),
+            **({"device_allocated": max(o["device_allocated"] for o in outs)} if "device_allocated" in outs[0] else {})}
+
+
 class TrainerActor:
     """Ray actor body: holds one `TrainerWorker` and forwards calls to it."""
 
@@ -70,6 +79,11 @@ class TrainerActor:
         from megatron_sortedrl.placement import node_id
 
         return node_id()
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -113,8 +127,15 @@ class TrainerGroup:
         tp = p.tensor_model_parallel_size
         layout = f"TP={tp} x PP={p.pipeline_model_parallel_size} x DP={p.data_parallel_size}"
         self.actors = []
+        # colocated (colocate/placement.py): blocks of devices shared with the engines, a GPU fraction per rank
+        group, gpus, bundles = tp, (1 if gpu else 0), None
+        if cfg.cluster.colocate:
+            from megatron_sortedrl.colocate.placement import TRAINER_GPU_SHARE, block_size, colocated_bundles
+
+            group, gpus = block_size(cfg), (TRAINER_GPU_SHARE if gpu else 0)
+            bundles = colocated_bundles(cfg, gpu=gpu, cpus_per_rank=num_cpus_per_rank)
         try:
-            self._placement = P.reserve(
+            self._placement = P.reserve(bundles or
                 P.trainer_bundles(self.world_size, tp, gpu=gpu, cpus_per_rank=num_cpus_per_rank,
                                   gpus_per_node=cfg.cluster.gpus_per_node), f"trainer ({layout})", timeout)
         except BaseException:
@@ -123,8 +144,8 @@ class TrainerGroup:
             raise
         try:
             self.actors, self.rank_nodes = P.start_group(
-                ray.remote(TrainerActor), lambda r: (cfg, r, self.world_size), self._placement, tp, "trainer", timeout,
-                layout=layout, num_cpus=num_cpus_per_rank, num_gpus=1 if gpu else 0,
+                ray.remote(TrainerActor), lambda r: (cfg, r, self.world_size), self._placement, group, "trainer",
+                timeout, layout=layout, num_cpus=num_cpus_per_rank, num_gpus=gpus,
                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
             addr, port = P.wait_ready([self.actors[0].address.remote()], "trainer rank 0 address", timeout)[0]
             self.info = P.wait_ready([a.setup.remote(addr, port) for a in self.actors], "trainer set-up", timeout,
@@ -132,6 +153,12 @@ class TrainerGroup:
         except BaseException:
             self._release()  # no half-started group left behind holding CPUs/GPUs
             raise
+        self.shared_placement = None  # colocated: lent to the rollout pool (colocate/lifecycle.start_engines)
+        if cfg.cluster.colocate:
+            from megatron_sortedrl.colocate.placement import SharedPlacement
+
+            ids = P.wait_ready([a.gpu_ids.remote() for a in self.actors], "trainer GPU ids", timeout)
+            self.shared_placement = SharedPlacement(self._placement, group, ids)
         self.reporters = [i["rank"] for i in self.info if i["reporter"]]
         self.first_reporter = min(i["rank"] for i in self.info if i["reporter"] and i["dp_rank"] == 0)
 
@@ -326,6 +353,16 @@ class TrainerGroup:
         if path is None:
             raise CheckpointError("no checkpoint to load (latest_checkpoint found none)")
         return self._all("load", str(Path(path).resolve()), load_optimizer)[0]
+
+    def offload_state(self) -> dict:
+        """Colocated layout: every rank's parameters, gradients and optimizer state to host memory
+        (`trainer/offload.py`); returns the bytes moved over all ranks, the slowest rank's seconds and the
+        device memory still allocated on the rank holding the most."""
+        return _summed(self._all("offload_state"))
+
+    def reload_state(self) -> dict:
+        """The state `offload_state` moved away, back on every rank's device; same figures."""
+        return _summed(self._all("reload_state"))
 
     @staticmethod
     def latest_checkpoint(root: str | Path) -> Path | None:

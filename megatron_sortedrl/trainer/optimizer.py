@@ -2,6 +2,7 @@
 
     opt, sched = build_optimizer(ddp_model, cfg, on_gpu=False)
     metrics = optimizer_step(opt, sched, [ddp_model], loss, grad_clip=1.0, on_gpu=False)
+    ddp_cfg = ddp_config(cfg, gpu=False, dp=1)             # Megatron DDP settings (bucket size, overlap)
 
 GPU: Megatron's optimizer with the distributed optimizer (when `parallel.use_distributed_optimizer`),
 bf16/fp16 mixed precision and Megatron's own gradient clipping. CPU: the same `get_megatron_optimizer`
@@ -135,3 +136,21 @@ def optimizer_step(opt, sched, model_chunks: list, loss: float, *, grad_clip: fl
 
 def _param_grads(opt) -> list[torch.Tensor]:
     return [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+
+
+def ddp_config(cfg, gpu: bool, dp: int):
+    """Megatron DDP settings: on a GPU the gradient reduction overlaps the backward pass.
+
+    Buckets of max(40M, 1M x DP) elements, Megatron-LM's default: big enough to keep NCCL efficient,
+    small enough that the first buckets are reduced while later layers are still in backward.
+    `overlap_param_gather` stays off: with it the distributed optimizer's parameter all-gather finishes
+    only in the next forward's hooks, but this trainer reads the new weights right after every update
+    (rollout weight sync, export, checkpoints), so the gather would have to be forced there anyway and
+    a reader that forgot would publish stale weights. CPU (gloo) keeps everything synchronous."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, check_for_nan_in_grad=False,
+        use_distributed_optimizer=bool(gpu and cfg.parallel.use_distributed_optimizer),
+        overlap_grad_reduce=gpu, overlap_param_gather=False,
+        bucket_size=max(40_000_000, 1_000_000 * dp) if gpu else None)

@@ -30,6 +30,8 @@ from megatron_sortedrl import algorithms as A
 from megatron_sortedrl.host_heap import fix_host_mmap_threshold, trim_host_heap  # allocator policy: see there
 from megatron_sortedrl.trainer import cpu_compat
 from megatron_sortedrl.trainer.routing_replay import TrainerReplay, replaying
+from megatron_sortedrl.trainer.offload import OffloadMixin
+from megatron_sortedrl.trainer.optimizer import ddp_config  # noqa: F401 (tests patch it here)
 from megatron_sortedrl.trainer.stream import StreamTrainingMixin
 from megatron_sortedrl.trainer.logprobs import (
     Sampling,
@@ -50,7 +52,7 @@ def on_gpu(cfg) -> bool:
     return cfg.cluster.device == "gpu" or (cfg.cluster.device == "auto" and torch.cuda.is_available())
 
 
-class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: trainer/stream.py
+class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/stream.py; *_state: trainer/offload.py
     def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.master = (master_addr, master_port)
@@ -391,6 +393,8 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
                 comm = self._nccl_comm({"master_address": ep[0], "master_port": ep[1],
                                         "world_size": nccl["stage_world_size"]}, 0)
                 stats = ws.nccl_send_stage(comm, tensors, bucket_bytes)
+            elif transport == "ipc":  # colocated on one node: CUDA IPC handles of a GPU bucket
+                stats = ws.ipc_send_stage(engines, tensors, bucket_bytes)
             else:
                 stats = ws.stage_push(engines, tensors, bucket_bytes=bucket_bytes,
                                       max_buckets_in_flight=max_buckets_in_flight, mode=mode)
@@ -494,21 +498,3 @@ class TrainerWorker(StreamTrainingMixin):  # stream_accumulate / stream_step: tr
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def ddp_config(cfg, gpu: bool, dp: int):
-    """Megatron DDP settings: on a GPU the gradient reduction overlaps the backward pass.
-
-    Buckets of max(40M, 1M x DP) elements, Megatron-LM's default: big enough to keep NCCL efficient,
-    small enough that the first buckets are reduced while later layers are still in backward.
-    `overlap_param_gather` stays off: with it the distributed optimizer's parameter all-gather finishes
-    only in the next forward's hooks, but this trainer reads the new weights right after every update
-    (rollout weight sync, export, checkpoints), so the gather would have to be forced there anyway and
-    a reader that forgot would publish stale weights. CPU (gloo) keeps everything synchronous."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, check_for_nan_in_grad=False,
-        use_distributed_optimizer=bool(gpu and cfg.parallel.use_distributed_optimizer),
-        overlap_grad_reduce=gpu, overlap_param_gather=False,
-        bucket_size=max(40_000_000, 1_000_000 * dp) if gpu else None)
