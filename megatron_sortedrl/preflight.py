@@ -8,7 +8,7 @@ Checked: settings a real run cannot honour yet (`scheduler.layout_planner=preemp
 there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the tools and the tool-call parser (`tools.*`); every directory the run writes (run
 directory, checkpoint directory, TensorBoard directory: created and a file written and removed); the
 checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
-policy). The config's own values and the parallel layout are checked when the config loads (`config.py`),
+policy). The config's own values and the parallel layout are checked when the config loads (`config/`),
 the datasets when they load (`data/loaders.py`), both also before anything starts.
 
 Left out: anything that needs the hardware (GPU memory, node count): the launch plan checks those.

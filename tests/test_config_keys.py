@@ -3,7 +3,7 @@
     python -m pytest tests/test_config_keys.py -q
 
 A static scan (the standard library's `ast`, no imports of the scanned code): for every leaf key of the
-run config (`megatron_sortedrl/config.py`, with `scheduler.*` and `speculative.*` from their packages)
+run config (`megatron_sortedrl/config/`, with `scheduler.*` and `speculative.*` from their packages)
 and of the simulator config (`scheduler/sim_config.py`), some Python file of the package, `scheduler/`,
 `speculative/` or `tools/` must read the attribute from an object that names its section: `cfg.data.seed`,
 `data_cfg.seed`, `tiny.seed`, `s.history_max_prompts` after `s = cfg.scheduler`, or a parameter annotated
@@ -29,7 +29,9 @@ from megatron_sortedrl.config import RunConfig
 from scheduler.sim_config import SimConfig
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG_MODULES = {"megatron_sortedrl/config.py", "scheduler/config.py", "speculative/config.py", "scheduler/sim_config.py"}
+CONFIG_MODULES = {"scheduler/config.py", "speculative/config.py", "scheduler/sim_config.py",
+                  "megatron_sortedrl/agentic/config.py",
+                  *(p.relative_to(REPO).as_posix() for p in (REPO / "megatron_sortedrl" / "config").glob("*.py"))}
 SCANNED_DIRS = ("megatron_sortedrl", "scheduler", "speculative", "tools")
 ROOT_NAMES = ("cfg", "config", "run", "sim")  # names the run (or sim) config object goes by at the top level
 

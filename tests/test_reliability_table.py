@@ -99,6 +99,12 @@ def inputs(tmp_path_factory, tiny_model_dir):
     p["no_config"] = t / "no_config"
     p["no_config"].mkdir()
     shutil.copy(tiny_model_dir / "tokenizer_config.json", p["no_config"])
+    p["no_template"] = t / "no_template"  # the tiny model without its chat template (a base model)
+    shutil.copytree(tiny_model_dir, p["no_template"])
+    tok_cfg = json.loads((p["no_template"] / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (p["no_template"] / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (p["no_template"] / "chat_template.jinja").unlink(missing_ok=True)
     p["no_tokenizer"] = t / "no_tokenizer"
     p["no_tokenizer"].mkdir()
     shutil.copy(tiny_model_dir / "config.json", p["no_tokenizer"])
