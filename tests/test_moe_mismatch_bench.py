@@ -144,7 +144,7 @@ def test_bad_arguments_exit_2_in_one_line(argv, monkeypatch, capsys):
 def test_rollout_dtype_reaches_the_engines_and_defaults_to_the_model_dtype(tmp_path):
     from megatron_sortedrl.config import load_config
     from megatron_sortedrl.errors import ConfigError
-    from megatron_sortedrl.rollout.pool import PoolOptions
+    from megatron_sortedrl.rollout.pool_options import PoolOptions
 
     keys = [f"model.path={tmp_path / 'none'}"]
     assert PoolOptions.from_config(load_config(ROOT / "configs/tiny_cpu.yaml", keys)).dtype == "float32"

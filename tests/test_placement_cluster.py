@@ -119,7 +119,7 @@ def test_bundles_follow_the_layout_plan():
         assert [b.node for b in bundles] == [e.node for e in engines]
         assert all(b.resources == {"GPU": tp, "CPU": 1.0} for b in bundles)
     # what the rollout pool is given from the config: GPUs per node, its first GPU, the start-up timeout
-    from megatron_sortedrl.rollout.pool import engine_placement_from
+    from megatron_sortedrl.rollout.pool_options import engine_placement_from
 
     assert engine_placement_from(cfg) == (GPUS, 8, 900.0)
 

@@ -85,7 +85,7 @@ def test_engine_arguments():
 def test_executor_choice_per_engine():
     from megatron_sortedrl.config import load_config
     from megatron_sortedrl.errors import ConfigError
-    from megatron_sortedrl.rollout.pool import executor_for
+    from megatron_sortedrl.rollout.pool_options import executor_for
 
     # auto: one process for a CPU engine of TP 1; a worker per rank on GPUs and for every TP > 1 layout
     assert [executor_for("auto", d, tp) for d, tp in (("cpu", 1), ("cpu", 2), ("gpu", 1))] == ["uni", "mp", "mp"]

@@ -187,7 +187,7 @@ def test_an_engine_with_a_proposer_vllm_cannot_capture_under_starts_without_capt
 
 
 def test_gpu_engines_of_an_moe_model_with_replay_get_the_capture_options(moe_dir):
-    from megatron_sortedrl.rollout.pool import PoolOptions
+    from megatron_sortedrl.rollout.pool_options import PoolOptions
 
     cfg = load_config(None, [f"model.path={moe_dir}", "cluster.device=gpu", "algorithm.routing_replay=true"])
     extra = PoolOptions.from_config(cfg).engine_extra

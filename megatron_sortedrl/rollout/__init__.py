@@ -5,7 +5,8 @@
 See docs/rollout.md. Importing this package does not import vLLM; the engine actors do.
 """
 
-from megatron_sortedrl.rollout.pool import PoolOptions, RolloutPool, WorkerUnavailable, speculative_config_from
+from megatron_sortedrl.rollout.pool import RolloutPool, WorkerUnavailable
+from megatron_sortedrl.rollout.pool_options import PoolOptions, speculative_config_from
 from megatron_sortedrl.rollout.types import Completion, GenRequest, SyncReport, WorkerLoad
 from megatron_sortedrl.rollout.weight_sync import iter_buckets, iter_source
 

@@ -39,129 +39,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_sortedrl.rollout.engine_worker import DEFAULT_EXTENSION, EngineWorker, engine_env, engine_kwargs
-from megatron_sortedrl.rollout.types import Completion, GenRequest, SyncReport, WorkerLoad
-from megatron_sortedrl.rollout.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    GpuWeightSync,
-    WeightPusher,
-    WeightSource,
-    iter_packed,
-    iter_source,
-    replay,
-    rereadable,
-    sync_cpu,
-    sync_push,
-)
+from megatron_sortedrl.rollout.engine_worker import EngineWorker, engine_env, engine_kwargs
+from megatron_sortedrl.rollout.pool_options import PoolOptions, executor_for
+from megatron_sortedrl.rollout.pool_weights import PoolWeights
+from megatron_sortedrl.rollout.types import Completion, GenRequest, WorkerLoad
+from megatron_sortedrl.rollout.weight_sync import GpuWeightSync
 
 
 class WorkerUnavailable(RuntimeError):
     """A request was sent to a worker slot that died and was not restarted."""
-
-
-@dataclass
-class PoolOptions:
-    model_path: str
-    device: str = "cpu"  # cpu | gpu (resolved, not "auto")
-    num_engines: int = 1
-    tp: int = 1
-    dtype: str = "float32"
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    seed: int = 0
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.5
-    kv_cache_gib: float = 1.0
-    speculative_config: dict | None = None
-    worker_extension_cls: str = DEFAULT_EXTENSION
-    cpus_per_rank: float = 1.0  # Ray CPUs reserved per TP rank on CPU machines
-    cpu_bind: str = "spread"  # spread: engine k rank r on core (k*tp+r) % cores; auto: vLLM's NUMA binding
-    request_timeout_s: float = 600.0
-    poll_wait_s: float = 0.5
-    restart_failed: bool = True
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    keep_weights: bool = True  # keep the last synced buckets in Ray's object store for relayout/restart
-    # object_store: buckets through Ray + shared memory (any device); nccl | ipc: vLLM's GPU transfer engines
-    # (the caller must hold a CUDA device); auto: object_store on CPU, ipc when colocated, else nccl.
-    weight_transport: str = "auto"
-    # pipelined: stages send at once, layer by layer, bounded shared memory; serial: the path before (to compare)
-    weight_sync_mode: str = "pipelined"
-    colocate: bool = False
-    shared_placement: Any = None  # colocated: the trainer's bundles and GPUs (colocate/placement.SharedPlacement)
-    # Placement: with gpus_per_node > 0 on GPU, engine e of TP t sits on layout GPUs first_gpu + e*t onwards,
-    # i.e. on the nodes `python -m megatron_sortedrl layout` names; 0 places engines anywhere Ray packs them.
-    gpus_per_node: int = 0
-    first_gpu: int = 0
-    startup_timeout_s: float = 900.0
-    engine_extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs keywords
-    # vLLM executor per engine: auto = uni for a CPU engine of TP 1 (docs/benchmarks/engine_executor.json), else mp
-    executor: str = "auto"
-
-    @classmethod
-    def from_config(cls, cfg, **overrides: Any) -> PoolOptions:
-        """Options from a `RunConfig` (short-round layout); `overrides` replace single fields.
-
-        `max_model_len` is the longest prompt plus the longest response (checked against the model's positions
-        when the config was loaded), not the model's `max_position_embeddings`, so a response is only ever cut
-        by `max_tokens`; the rope scaling the trainer uses reaches the engines through `hf_overrides`."""
-        import json
-        from pathlib import Path
-
-        import torch
-
-        from megatron_sortedrl.rope import resolve_rope
-
-        device = cfg.cluster.device
-        if device == "auto":
-            device = "gpu" if torch.cuda.is_available() else "cpu"
-        hf_config = Path(cfg.model.path) / "config.json"
-        shape = json.loads(hf_config.read_text()) if hf_config.is_file() else {}
-        if shape:
-            cfg.validate_context(shape)  # the model directory may have been built or replaced since loading
-        rope = resolve_rope(shape, dict(cfg.model.rope_scaling), source=str(hf_config)) if shape else None
-        opts = cls(model_path=cfg.model.path, device=device, num_engines=cfg.rollout.num_workers,
-                   tp=cfg.rollout.tensor_parallel_size, dtype=cfg.rollout.dtype or cfg.model.dtype, max_num_seqs=cfg.rollout.max_num_seqs,
-                   max_model_len=cfg.max_model_len, seed=cfg.seed, enforce_eager=cfg.rollout.enforce_eager,
-                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, kv_cache_gib=cfg.rollout.kv_cache_gib,
-                   speculative_config=speculative_config_from(cfg.speculative),
-                   request_timeout_s=cfg.rollout.request_timeout_s, colocate=cfg.cluster.colocate,
-                   executor=cfg.rollout.executor)
-        from megatron_sortedrl.rollout.engine_worker import capture_routed_experts
-
-        opts.engine_extra.update(capture_routed_experts(cfg.rollout.return_routed_experts, cfg.algorithm.routing_replay,
-                                                        shape, device, opts.speculative_config))
-        opts.gpus_per_node, opts.first_gpu, opts.startup_timeout_s = engine_placement_from(cfg)
-        if rope is not None and rope.hf_overrides():
-            opts.engine_extra["hf_overrides"] = rope.hf_overrides()
-        for key, value in overrides.items():
-            setattr(opts, key, value)
-        return opts
-
-
-def executor_for(choice: str, device: str, tp: int) -> str:
-    """The vLLM executor of one engine: `auto` runs a CPU engine of TP 1 in one process (`uni`: 1.22x the
-    tokens/s of `mp` on 2 cores, docs/benchmarks/engine_executor.json) and every other engine with a worker
-    process per rank (`mp`; GPU engines are unmeasured, so they keep it); `uni` asked for a TP > 1 layout (an
-    elastic long round) falls back to `mp`, the only executor that can run it."""
-    if choice == "auto":
-        return "uni" if device == "cpu" and tp == 1 else "mp"
-    return "mp" if tp > 1 else choice
-
-
-def engine_placement_from(cfg) -> tuple[int, int, float]:
-    """(gpus_per_node, first rollout GPU, start-up timeout) of a RunConfig, as the layout plans them."""
-    from megatron_sortedrl.layout import rollout_first_gpu
-
-    gpn = cfg.cluster.gpus_per_node
-    return gpn, (rollout_first_gpu(cfg) if gpn else 0), cfg.cluster.startup_timeout_s
-
-
-def speculative_config_from(spec) -> dict | None:
-    """vLLM `speculative_config` for a `SpeculativeConfig` section (None when disabled); the mapping is
-    HistoSpec's own (`speculative.proposer.vllm_speculative_config`), so there is one definition of it."""
-    from speculative.proposer import vllm_speculative_config
-
-    return vllm_speculative_config(spec)
 
 
 @dataclass
@@ -180,7 +66,7 @@ class _Slot:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class RolloutPool:
+class RolloutPool(PoolWeights):
     def __init__(self, opts: PoolOptions, *, start: bool = True) -> None:
         import ray
 
@@ -459,129 +345,6 @@ class RolloutPool:
                 n = sum(1 for w in self._owner.values() if w == slot.index)
                 loads.append(WorkerLoad(slot.index, n, 0, 0, self.version if slot.state != "dead" else -1, slot.tp))
         return loads
-
-    # ----------------------------------------------------------------------------------------- weights
-    @property
-    def transport(self) -> str:
-        t = self.opts.weight_transport
-        if t == "auto":
-            t = "object_store" if self.opts.device == "cpu" else ("ipc" if self.opts.colocate else "nccl")
-        return t
-
-    def sync_weights(self, source: WeightSource | WeightPusher, version: int) -> SyncReport:
-        """Loads new weights into every engine and sets the policy version samples record.
-
-        `source`: the trainer group (it pushes from one sender per pipeline stage; the pool only
-        orchestrates), a (name, tensor) iterator, or a safetensors directory. An engine that dies during the
-        sync is failed like one that dies in a round, the sync is done again on the others, and the engine
-        restarts afterwards, so it loads this sync's weights and version (a one-shot iterator source cannot
-        be read twice: then the error is raised)."""
-        import ray
-
-        # Engines still restarting are waited for without their reload: this sync brings them up to date.
-        self._wait_started([s for s in self.slots if s.state == "starting"], reload=False)
-        died: list[_Slot] = []
-        while True:
-            ready = [s for s in self.slots if s.state == "ready"]
-            try:
-                report, replay_src = self._sync_to(ready, source, version)
-                break
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                dead = self._dead(ready)
-                if not dead or len(dead) == len(ready) or not rereadable(source):
-                    raise
-                for slot in dead:
-                    self._fail(slot, f"died during weight sync: {type(exc).__name__}", restart=False)
-                died += dead
-        self.version = version
-        self._replay_src = None  # drop kept buckets of the previous sync before anything else holds them
-        self._replay_src = replay_src
-        self.events.append({"event": "sync", "time": time.monotonic(), **report.to_dict()})
-        if self.opts.restart_failed:
-            for slot in died:  # started now, they load the weights and version just synced (`_reload`)
-                self.events.append({"event": "worker_restart", "time": time.monotonic(), "worker": slot.index})
-                self._launch(slot)
-        return report
-
-    def _sync_to(self, ready: list[_Slot], source: WeightSource | WeightPusher, version: int) -> tuple[SyncReport, Any]:
-        actors = [s.actor for s in ready]
-        o = self.opts
-        if hasattr(source, "push_weights"):
-            return self._push(actors, source, version), ("push", source, source.weights_epoch)
-        if self.transport == "object_store":
-            from pathlib import Path
-
-            is_dir = isinstance(source, (str, Path))
-            report, kept = sync_cpu(actors, source, version, bucket_bytes=o.bucket_bytes,
-                                    keep_buckets=o.keep_weights and not is_dir)
-            return report, (("dir", str(source)) if is_dir else (("kept", kept) if kept else None))
-        report, kept = self._sync_gpu(ready, source, version)
-        return report, (("kept", kept) if kept else None)
-
-    def _dead(self, slots: list[_Slot]) -> list[_Slot]:
-        """The slots whose engine actor no longer answers a ping."""
-        import ray
-
-        dead = []
-        for slot in slots:
-            try:
-                ray.get(slot.actor.ping.remote(), timeout=30)
-            except Exception:
-                dead.append(slot)
-        return dead
-
-    def _push(self, actors: list[Any], pusher: WeightPusher, version: int) -> SyncReport:
-        # Multi-sender GPU transfer: NCCL, or CUDA IPC for colocated engines that see every sender's GPU (one
-        # node, colocate/placement.py); anything else goes through the object-store / shared-memory path.
-        shared = self.opts.shared_placement
-        t = self.transport if self.transport == "nccl" or (shared is not None and shared.one_node) else "object_store"
-        return sync_push(actors, pusher, version, bucket_bytes=self.opts.bucket_bytes,
-                         transport=t, nccl={} if t == "nccl" else None,
-                         mode=self.opts.weight_sync_mode)
-
-    def _reload(self, slots: list[_Slot]) -> None:
-        """Gives freshly started engines the last synced weights and version (see `_replay_src`)."""
-        if self._replay_src is None or not slots:
-            return
-        actors = [s.actor for s in slots]
-        kind = self._replay_src[0]
-        if kind == "push":
-            _, pusher, epoch = self._replay_src
-            if pusher.weights_epoch != epoch:
-                raise RuntimeError(f"the trainer's weights changed after version {self.version} was synced; "
-                                   "sync again before a layout switch or an engine restart")
-            self._push(actors, pusher, self.version)
-        elif kind == "dir":
-            sync_cpu(actors, self._replay_src[1], self.version, bucket_bytes=self.opts.bucket_bytes)
-        else:
-            replay(actors, self._replay_src[1], self.version)
-
-    def _sync_gpu(self, ready: list[_Slot], source: WeightSource, version: int) -> tuple[SyncReport, list[Any]]:
-        """Single-sender GPU path for (name, tensor) sources: this process broadcasts through vLLM's engines."""
-        import ray
-
-        if self._gpu_sync is None:
-            import socket
-
-            with socket.socket() as sock:  # a free port for the NCCL rendezvous, chosen now
-                sock.bind(("", 0))
-                port = sock.getsockname()[1]
-            self._gpu_sync = GpuWeightSync([s.actor for s in ready], [s.tp for s in ready], self.transport,
-                                           ray.util.get_node_ip_address(), port)
-        kept: list[Any] = []
-        if self.opts.keep_weights:
-            # Host copies for engines started later (relayout, restart), packed into the object store as we go.
-            pending: list[tuple[str, Any]] = []
-
-            def tee():
-                for name, t in iter_source(source):
-                    pending.append((name, t.detach().to("cpu")))
-                    yield name, t
-            report = self._gpu_sync.sync(tee(), version, bucket_bytes=self.opts.bucket_bytes)
-            kept = [(ray.put(flat.numpy()), meta) for flat, meta in iter_packed(iter(pending), self.opts.bucket_bytes)]
-        else:
-            report = self._gpu_sync.sync(source, version, bucket_bytes=self.opts.bucket_bytes)
-        return report, kept
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[list[Any]]:
         """Calls a worker-extension method on every TP rank of every ready engine (e.g. "histospec_update")."""
