@@ -11,11 +11,12 @@ Qwen2 model fine-tuned on calculator trajectories of three turns for prompts "Co
 calculator on A*B, turn 2 on the result + C, turn 3 answers), two phrasings per turn, so temperature 1 leaves real
 entropy. Rollout: `speculative.trajectory_replay.replay`, each turn a continued request, the tool messages
 answered by the built-in calculator on the call the model wrote (a malformed call gets the parser's error) and
-rendered by the chat template. Per repeat and method (order rotated per repeat) a fresh engine generates epoch 1
-(n samples per prompt, temperature 1) and then epoch 2 with other seeds; HistoSpec's history is epoch 1's
+rendered by the chat template. One engine per method (`suffix`, then HistoSpec's) generates epoch 1 (n samples
+per prompt, temperature 1) and then epoch 2 once per repeat, with other seeds each time (`suffix`'s cache also
+keeps the earlier repeats' epoch 2: its own behaviour, a slight advantage); HistoSpec's history is epoch 1's
 trajectories (turns apart, tool tokens cut out; for the whole-response variant the whole response), `suffix`
 keeps epoch 1 in its own cache. Both HistoSpec variants and "none" (the same engine with drafting off) run on
-one engine after its epoch 1, each starting from fresh drafter trees. Figures from vLLM's counters: tokens per
+one engine after its epoch 1, interleaved with the order rotated per repeat, each from fresh drafter trees. Figures from vLLM's counters: tokens per
 target forward, acceptance, and ms per generated token; median [min, max] over repeats. The cost gate is off
 (this measures the drafts; the gate decides when to use them, docs/speculative.md).
 Writes docs/benchmarks/histospec_trajectories.{json,md,png}.
@@ -73,7 +74,8 @@ def calculator_answer(text: str) -> str:
         return f"Error: {e}"
 
 
-def run_engine(method: str, model_dir: Path, prompts: list[list[int]], repeat: int, args, tok, renderer) -> dict:
+def run_engine(method: str, model_dir: Path, prompts: list[list[int]], args, tok, renderer) -> list[dict]:
+    """One engine: epoch 1 once, then epoch 2 once per repeat (other seeds each); one dict per repeat."""
     from vllm import LLM
 
     from speculative.config import SpeculativeConfig
@@ -102,30 +104,35 @@ def run_engine(method: str, model_dir: Path, prompts: list[list[int]], repeat: i
                        **{k: fig[k] for k in ("tokens", "forwards", "accepted_tokens", "verified_draft_tokens",
                                               "spec/tokens_per_forward", "spec/acceptance_rate")}}
 
-    out: dict = {}
+    outs: list[dict] = []
     try:
-        seed1, seed2 = 100_000 * (repeat + 1), 100_000 * (repeat + 1) + 50_000
         if method == "suffix":
-            epoch(seed1)  # fills suffix's cache with epoch 1
-            out["suffix"] = epoch(seed2)[1]
-            return out
+            epoch(100_000)  # fills suffix's cache with epoch 1
+            for repeat in range(args.repeats):
+                outs.append({"suffix": epoch(100_000 * (repeat + 2))[1]})
+                print(f"suffix repeat {repeat + 1}: {outs[-1]['suffix']['spec/tokens_per_forward']:.2f}", flush=True)
+            return outs
         llm.collective_rpc("histospec_configure", kwargs={"enabled": False})
-        trajs, _ = epoch(seed1)
+        trajs, _ = epoch(100_000)
         aligned, whole = HistoryStore(max_responses_per_prompt=args.n), HistoryStore(max_responses_per_prompt=args.n)
         for t in trajs:
             tokens, lens = split_turns(t.response, t.tool_spans)
             aligned.record(t.prompt, [tokens], epoch=1, turn_lens=[lens])
             whole.record(t.prompt, [t.response], epoch=1)
-        order = ["none", "histospec", "histospec_whole"]
-        order = order[repeat % 3:] + order[:repeat % 3]
-        for variant in order:
-            marker = renderer.turn_marker() if variant == "histospec" else []
-            llm.collective_rpc("histospec_configure", kwargs={  # fresh trees every time (configure resets them)
-                "enabled": variant != "none", "cost_gate": False, "turn_marker": marker})
-            store = aligned if variant == "histospec" else whole
-            llm.collective_rpc("histospec_update", args=(store.snapshot().to_bytes(),))
-            out[variant] = epoch(seed2)[1]
-        return out
+        for repeat in range(args.repeats):
+            out: dict = {}
+            order = ["none", "histospec", "histospec_whole"]
+            for variant in order[repeat % 3:] + order[:repeat % 3]:  # interleaved, order rotated per repeat
+                marker = renderer.turn_marker() if variant == "histospec" else []
+                llm.collective_rpc("histospec_configure", kwargs={  # fresh trees (configure resets them)
+                    "enabled": variant != "none", "cost_gate": False, "turn_marker": marker})
+                store = aligned if variant == "histospec" else whole
+                llm.collective_rpc("histospec_update", args=(store.snapshot().to_bytes(),))
+                out[variant] = epoch(100_000 * (repeat + 2))[1]
+            outs.append(out)
+            print(f"histospec repeat {repeat + 1}: " + ", ".join(
+                f"{v} {c['spec/tokens_per_forward']:.2f}" for v, c in out.items()), flush=True)
+        return outs
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -210,14 +217,9 @@ def main() -> None:
     renderer = ToolRenderer(tok)
     prompts, _ = corpus(args.prompts, 0, renderer)
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    runs = []
-    for r in range(args.repeats):
-        run: dict = {}
-        for method in METHODS[r % 2:] + METHODS[:r % 2]:  # interleaved, order rotated per repeat
-            run.update(run_engine(method, args.model_dir, prompt_ids, r, args, tok, renderer))
-            print(f"repeat {r + 1}/{args.repeats} {method}: " + ", ".join(
-                f"{v} {run[v]['spec/tokens_per_forward']:.2f}" for v in run), flush=True)
-        runs.append(run)
+    # One engine per method (engine starts cost minutes on a loaded 2-core machine); the repeats run inside it.
+    per_method = [run_engine(m, args.model_dir, prompt_ids, args, tok, renderer) for m in METHODS]
+    runs = [{k: v for outs in per_method for k, v in outs[r].items()} for r in range(args.repeats)]
     result = {"command": "python benchmarks/histospec_trajectories.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)),
         "repeats": args.repeats, "prompts": args.prompts, "n": args.n, "k": args.k,

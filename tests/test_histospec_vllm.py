@@ -81,8 +81,14 @@ def engines(policy):
     gc.collect()
     # vLLM's shutdown asks its engine-core process to exit and does not always wait for it: once, on a loaded
     # machine, one engine core and its worker outlived the whole suite. End what these engines started.
+    def cmdline(p):  # a child that already ended may be a zombie (no command line) until it is reaped
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+
     started = [p for p in psutil.Process().children(recursive=True)
-               if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+               if p.pid not in before and "resource_tracker" not in cmdline(p)]
     _, alive = psutil.wait_procs(started, timeout=10)
     for p in alive:
         p.kill()
