@@ -96,7 +96,7 @@ def run_engine(method: str, model_dir: Path, prompts: list[list[int]], args, tok
         t = time.perf_counter()
         trajs = replay(llm, requests, lambda k, text: calculator_answer(text), max_turns=3,
                        max_turn_tokens=args.max_turn_tokens, stop_ids=[stop], temperature=1.0, seed=seed,
-                       renderer=renderer, decode=tok.decode)
+                       renderer=renderer, decode=tok.decode, max_len=args.max_model_len)
         wall = time.perf_counter() - t
         fig = from_vllm_metrics(llm.get_metrics(), before=before)
         return trajs, {"wall_s": wall, "ms_per_token": wall / max(1.0, fig["tokens"]) * 1e3,
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--max-turn-tokens", type=int, default=96)
-    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=768)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -29,9 +29,11 @@ class Trajectory:
 
 def replay(llm: Any, prompts: list[list[int]], answer: Callable[[int, str], str | None], max_turns: int,
            max_turn_tokens: int, stop_ids: list[int], temperature: float, seed: int, renderer: Any,
-           decode: Callable[[list[int]], str], eos_id: int = 0) -> list[Trajectory]:
+           decode: Callable[[list[int]], str], eos_id: int = 0, max_len: int = 1 << 30) -> list[Trajectory]:
     """One trajectory per prompt (repeat a prompt for several samples); request i of turn k is seeded
-    `seed + 1000 * k + i`, so a replay with the same seed samples the same way whatever the speculation."""
+    `seed + 1000 * k + i`, so a replay with the same seed samples the same way whatever the speculation.
+    `max_len` (the engine's context): a turn is cut there, and a tool message that would leave no room for one
+    more generated token is not appended (the trajectory ends, as the rollout loop's "length")."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -41,8 +43,9 @@ def replay(llm: Any, prompts: list[list[int]], answer: Callable[[int, str], str 
         if not live:
             break
         reqs = [TokensPrompt(prompt_token_ids=trajs[i].prompt + trajs[i].response) for i in live]
-        params = [SamplingParams(temperature=temperature, max_tokens=max_turn_tokens, stop_token_ids=stop_ids,
-                                 detokenize=False, seed=seed + 1000 * k + i) for i in live]
+        params = [SamplingParams(temperature=temperature, stop_token_ids=stop_ids, detokenize=False,
+                                 max_tokens=min(max_turn_tokens, max_len - len(trajs[i].prompt) - len(trajs[i].response)),
+                                 seed=seed + 1000 * k + i) for i in live]
         outs = llm.generate(reqs, params, use_tqdm=False)
         for i, out in zip(live, outs):
             t, turn = trajs[i], list(out.outputs[0].token_ids)
@@ -52,6 +55,9 @@ def replay(llm: Any, prompts: list[list[int]], answer: Callable[[int, str], str 
                 t.done = True
                 continue
             msg = renderer.tokens([reply])
+            if len(t.prompt) + len(t.response) + len(msg) + 1 > max_len:
+                t.done = True
+                continue
             t.tool_spans.append((len(t.response), len(t.response) + len(msg)))
             t.response += msg
     return trajs
