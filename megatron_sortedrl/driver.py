@@ -156,7 +156,9 @@ class Driver:
         # trainer/stream.py; a streamed group gets the batch's overlong shaping before its advantages
         self.stream = DriverStream(self.trainer, self.policy, lambda g: shape_batch(
             g, cfg.sampling, cfg.rollout.max_response_length)[0]) if cfg.trainer.stream else None
-        self.feed = HistoryFeed(cfg.speculative, self.pool)  # HistoSpec: records, ships, measures (speculative/feed.py)
+        # HistoSpec: records, ships, measures (speculative/feed.py); with tools its drafts align turns by the marker
+        marker = self.agentic.renderer.turn_marker() if self.agentic else []
+        self.feed = HistoryFeed(cfg.speculative, self.pool, turn_marker=marker)
         self.history = self.feed.store
 
     def _end_failed_setup(self) -> None:

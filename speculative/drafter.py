@@ -24,6 +24,16 @@ score) and follows the most frequent branch; the product of branch frequencies a
 draft's confidence, and the draft stops where it falls below `min_confidence`. A lookup costs about a
 microsecond natively plus Python call overhead, far below a decode step of any model worth speeding up.
 
+Trajectories (turns aligned): a history response may be a trajectory stored as its generated turns (tool
+tokens cut out, `speculative.history`). The prompt's index then holds one tree per turn index k (the turn k of
+every stored trajectory, each prefixed by the prompt's tail as above) and one tree of all turns. A request
+generating turn k (a continued request: prompt, turns 1..k-1 and tool messages) is matched with the prompt's
+tail followed by its current turn so far, in the turn-k tree: at a turn's start the draft is the previous
+epoch's turn k from its start, never another turn's text or a tool message. Only when the turn-k tree has no
+match at all (or the prompt never reached turn k) does the all-turns tree draft. The proposer finds k and the
+turn's start in a row by `turn_marker` (the tokens that end every rendered tool message: the chat template's
+assistant header), counted after the prompt (`HistoryDrafter.turn_of`).
+
 Why per-prompt trees rather than one global tree (vLLM's `suffix`): RL rollouts revisit the same prompt
 each epoch, and its previous responses are far better predictors than other prompts' responses; a
 per-prompt tree also cannot be polluted by unrelated text and evicts with its prompt.
@@ -38,7 +48,7 @@ Deliberately left out: draft trees inside vLLM (its custom proposer takes chains
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -61,6 +71,7 @@ class DraftSettings:
     max_batch_rows: int = 0  # no drafts in a step with more running rows than this (0: no limit)
     step_draft_budget: int = 0  # draft tokens per engine step, shared by its rows (0: no limit)
     cost_gate: bool = True  # no drafts in a step whose measured cost says they do not pay (speculative.cost_gate)
+    turn_marker: tuple[int, ...] = ()  # tokens ending every tool message (the next turn's header); (): one turn
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
@@ -70,6 +81,7 @@ class DraftSettings:
         if self.epoch_weight < 1.0 or self.cross_requests < 1 or self.max_batch_rows < 0 or self.step_draft_budget < 0:
             raise ValueError("need epoch_weight >= 1, cross_requests >= 1, max_batch_rows >= 0, step_draft_budget >= 0")
         object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "turn_marker", tuple(int(t) for t in self.turn_marker))
         unknown = set(self.sources) - set(SOURCES)
         if unknown:
             raise ValueError(f"unknown draft sources {sorted(unknown)}; choose from {SOURCES}")
@@ -115,28 +127,43 @@ class AdaptiveDraftLength:
 
 
 class PromptIndex:
-    """Suffix tree over one prompt's history responses (each prefixed with the prompt's tail)."""
+    """Suffix trees over one prompt's history: per turn index, and over all turns when a response has several
+    (each sequence prefixed with the prompt's tail). A plain response is one turn: turn 0's tree is the old
+    per-prompt tree."""
 
     def __init__(self, prompt_tokens: np.ndarray, responses: Sequence[np.ndarray], settings: DraftSettings,
-                 epochs: Sequence[int] | None = None) -> None:
+                 epochs: Sequence[int] | None = None, turn_lens: Sequence[Sequence[int]] | None = None) -> None:
         from arctic_inference.suffix_decoding._C import SuffixTree
 
         self.prompt_len = len(prompt_tokens)
         self.num_responses = len(responses)
         # Depth bounds the matched context plus the draft; arctic matches strictly shorter than the context.
-        self.tree = SuffixTree(settings.match_tokens + settings.max_draft_tokens + 1)
+        depth = settings.match_tokens + settings.max_draft_tokens + 1
         tail = np.asarray(prompt_tokens[-settings.match_tokens:], dtype=np.int32)
         epochs = list(epochs) if epochs is not None and len(epochs) == len(responses) else [0] * len(responses)
+        turn_lens = list(turn_lens) if turn_lens is not None and len(turn_lens) == len(responses) \
+            else [[len(r)] for r in responses]
         newest = max(epochs, default=0)
         span = min(newest - min(epochs, default=0), 3)  # beyond 3 epochs apart the weights stop changing
+        self.trees: dict[int, Any] = {}  # turn index -> tree of that turn of every trajectory
+        multi = any(len(t) > 1 for t in turn_lens)
+        self.any_turn = SuffixTree(depth) if multi else None  # every turn of every trajectory
         seq_id = 0
-        for response, epoch in zip(responses, epochs):
+        for response, epoch, lens in zip(responses, epochs, turn_lens):
             # Older epochs weigh less: the tree counts paths, so a newer response is inserted more times.
             replicas = min(MAX_REPLICAS, max(1, round(settings.epoch_weight ** (span - (newest - epoch)))))
-            seq = np.ascontiguousarray(np.concatenate([tail, response]), dtype=np.int32)
-            for _ in range(replicas):
-                self.tree.extend_ndarray(seq_id, seq)
-                seq_id += 1
+            bounds = np.cumsum([0, *lens])
+            for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                if b <= a:
+                    continue  # an empty turn: nothing to draft, its index stays aligned
+                seq = np.ascontiguousarray(np.concatenate([tail, response[a:b]]), dtype=np.int32)
+                trees = [self.trees.setdefault(k, SuffixTree(depth))] + ([self.any_turn] if multi else [])
+                for tree in trees:
+                    for _ in range(replicas):
+                        tree.extend_ndarray(seq_id, seq)
+                        seq_id += 1
+        if not multi:
+            self.any_turn = self.trees.get(0)  # one turn per response: turn 0 is every turn there is
 
 
 class HistoryDrafter:
@@ -159,15 +186,20 @@ class HistoryDrafter:
         return key in self._index
 
     def set_prompt(self, prompt_tokens: Sequence[int] | np.ndarray, responses: Sequence[Sequence[int]],
-                   key: str | None = None, epochs: Sequence[int] | None = None) -> str:
+                   key: str | None = None, epochs: Sequence[int] | None = None,
+                   turn_lens: Sequence[Sequence[int]] | None = None) -> str:
+        """The prompt's history: `responses` (of `epochs`), each split into generated turns by `turn_lens`
+        (lengths adding up to the response; None: each response is one turn)."""
         prompt = np.ascontiguousarray(prompt_tokens, dtype=np.int32)
         key = key or prompt_key(prompt)
-        kept = [(np.ascontiguousarray(r, dtype=np.int32), e)
-                for r, e in zip(responses, epochs if epochs is not None else [0] * len(responses)) if len(r)]
-        rs, epochs = [r for r, _ in kept], [e for _, e in kept]
+        n = len(responses)
+        kept = [(np.ascontiguousarray(r, dtype=np.int32), e, t)
+                for r, e, t in zip(responses, epochs if epochs is not None else [0] * n,
+                                   turn_lens if turn_lens is not None else [[len(r)] for r in responses]) if len(r)]
+        rs, epochs, lens = [r for r, _, _ in kept], [e for _, e, _ in kept], [t for _, _, t in kept]
         self.remove(key)
         if rs:
-            self._index[key] = PromptIndex(prompt, rs, self.settings, epochs)
+            self._index[key] = PromptIndex(prompt, rs, self.settings, epochs, lens)
             prefix = self._prefix(prompt)
             self._prefix_lengths.setdefault(prefix, set()).add(len(prompt))
             self._prefix_of[key] = prefix
@@ -180,7 +212,8 @@ class HistoryDrafter:
 
     def set_entries(self, entries: dict[str, HistoryEntry]) -> None:
         for key, entry in entries.items():
-            self.set_prompt(entry.prompt_tokens, entry.responses, key=key, epochs=entry.epochs())
+            self.set_prompt(entry.prompt_tokens, entry.responses, key=key, epochs=entry.epochs(),
+                            turn_lens=entry.turn_lengths())
 
     def remove(self, key: str) -> None:
         index = self._index.pop(key, None)
@@ -214,15 +247,47 @@ class HistoryDrafter:
                     return key, length
         return None
 
-    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False) -> Draft:
-        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history."""
+    def turn_of(self, row: np.ndarray, prompt_len: int, num_tokens: int) -> tuple[int, int]:
+        """(turn index, row index where that turn starts) of a row whose first `prompt_len` tokens are its
+        prompt: every `turn_marker` after the prompt ends a tool message and opens the next turn."""
+        marker = np.asarray(self.settings.turn_marker, dtype=np.int32)
+        m = len(marker)
+        seg = np.asarray(row[prompt_len:num_tokens], dtype=np.int32)
+        if not m or len(seg) < m:
+            return 0, prompt_len
+        hits = np.flatnonzero(seg[:len(seg) - m + 1] == marker[0])
+        ends = [int(i) + m for i in hits if np.array_equal(seg[i:i + m], marker)]
+        turn, last = 0, -1
+        for end in ends:  # occurrences never overlap (a marker inside a marker is not a new turn)
+            if end - m >= last:
+                turn, last = turn + 1, end
+        return turn, prompt_len + (last if turn else 0)
+
+    def draft(self, key: str, tokens: np.ndarray, max_tokens: int, tree: bool = False, turn: int = 0,
+              turn_start: int | None = None) -> Draft:
+        """Draft continuing `tokens` (prompt + response so far, int32) from the prompt's history. For turn k of
+        a trajectory (`turn`, starting at row index `turn_start`), the prompt's tail and this turn so far are
+        matched against the previous trajectories' turn k (module docstring)."""
         index = self._index.get(key)
         if index is None or max_tokens <= 0 or len(tokens) == 0:
             return Draft()
         s = self.settings
-        context = np.ascontiguousarray(tokens[-(s.match_tokens + 1):], dtype=np.int32)
-        found = index.tree.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0,
-                                             s.min_confidence, tree)
+        width = s.match_tokens + 1
+        start = index.prompt_len if turn_start is None else turn_start
+        if start > index.prompt_len and len(tokens) - start < width:  # the turn is short: lead with the prompt
+            context = np.concatenate([tokens[max(0, index.prompt_len - width):index.prompt_len], tokens[start:]])
+        else:
+            context = tokens
+        context = np.ascontiguousarray(context[-width:], dtype=np.int32)
+        primary = index.trees.get(turn)
+        found = None
+        if primary is not None:
+            found = primary.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0, s.min_confidence, tree)
+        if (found is None or found.match_len == 0) and index.any_turn is not None and index.any_turn is not primary:
+            found = index.any_turn.speculate_ndarray(context, int(max_tokens), s.max_spec_factor, 0.0,
+                                                     s.min_confidence, tree)  # turn k unseen or unmatched
+        if found is None:
+            return Draft()
         return Draft(list(found.token_ids), list(found.probs), list(found.parents), int(found.match_len),
                      float(found.score), "history")
 

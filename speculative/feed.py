@@ -39,7 +39,7 @@ import time
 from typing import Any, Iterable
 
 from speculative.fast_path import RoundEngineSwitch
-from speculative.history import HistoryStore
+from speculative.history import HistoryStore, split_turns
 from speculative.metrics import summarize
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,11 @@ def settings_of(cfg) -> dict[str, Any]:
 
 
 class HistoryFeed:
-    def __init__(self, cfg, pool: Any) -> None:
+    def __init__(self, cfg, pool: Any, turn_marker: Iterable[int] = ()) -> None:
         self.cfg = cfg
+        # Tokens that end every rendered tool message (ToolRenderer.turn_marker); with it the drafters align a
+        # trajectory's turns with the previous epoch's (speculative/drafter.py). (): no tools, one turn.
+        self.turn_marker = [int(t) for t in turn_marker]
         self.pool = pool
         self.store = HistoryStore(max_prompts=cfg.history_max_prompts, max_responses_per_prompt=cfg.history_max_responses,
                                   keep_epochs=cfg.history_epochs)
@@ -78,7 +81,13 @@ class HistoryFeed:
 
     # -- recording ----------------------------------------------------------------------------------
     def _record(self, s: Any) -> None:
-        if s.response_tokens:
+        if not s.response_tokens:
+            return
+        spans = getattr(s, "tool_spans", None)
+        if spans:  # a trajectory: its generated turns, tool tokens cut out (they are never drafted)
+            tokens, lens = split_turns(s.response_tokens, spans)
+            self.store.record(s.prompt_tokens, [tokens], epoch=s.epoch, turn_lens=[lens])
+        else:
             self.store.record(s.prompt_tokens, [s.response_tokens], epoch=s.epoch)
 
     def on_finished(self, s: Any) -> None:
@@ -111,7 +120,7 @@ class HistoryFeed:
         t0 = time.monotonic()
         self._settle(block=True)  # one shipment at a time: the engines apply them in order
         if not self._configured:
-            self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg))
+            self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg), turn_marker=self.turn_marker)
             self._configured = True
         full, self._resend = full or self._resend, False
         delta = self.store.snapshot() if full else self.store.updates_since(self.shipped)
@@ -147,7 +156,7 @@ class HistoryFeed:
         earlier shipments: every engine gets the settings and a full snapshot again."""
         active = [a for per in answers for a in per if isinstance(a, dict) and a.get("active")]
         if not full and any(a.get("version") != version for a in active):
-            self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg))
+            self.pool.collective_rpc("histospec_configure", **settings_of(self.cfg), turn_marker=self.turn_marker)
             self.pool.collective_rpc("histospec_update", self.store.snapshot().to_bytes())
 
     def reset_engines(self) -> None:

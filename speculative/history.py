@@ -21,6 +21,12 @@ after v and the keys evicted after v. Evictions are remembered in a bounded log;
 the log gets a full snapshot instead (`delta.full`), so it can never silently miss an eviction.
 `HistoryReplica` is the worker-side copy that applies deltas and refuses a gap.
 
+Trajectories (a response that is assistant turns with tool messages between them, docs/agentic.md) are stored
+as their generated turns only: `record(..., turn_lens=[[len(turn 0), len(turn 1), ...]])` with the tool tokens
+cut out (`split_turns`), so the drafter can build one tree per turn index and never draft a tool's text. A
+plain response is a trajectory of one turn. The turn lengths travel in the same payload and checkpoint
+(absent in older ones: one turn per response).
+
 Deliberately left out: cross-prompt structures (the drafter builds its cross-prompt tree from these entries) and
 compression of stored tokens (int32 arrays; a 32k-token response of 16 samples is 2 MiB).
 """
@@ -45,6 +51,23 @@ def prompt_key(prompt_tokens: Sequence[int] | np.ndarray) -> str:
     return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
 
 
+def split_turns(response_tokens: Sequence[int], tool_spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """A trajectory's generated tokens (tool spans cut out) and the length of each assistant turn.
+
+    Turn k is what lies between tool span k-1 and tool span k; a turn may be empty (kept, so turn indexes
+    stay aligned with the trajectory's)."""
+    tokens: list[int] = []
+    lens: list[int] = []
+    start = 0
+    for a, b in sorted(tool_spans):
+        tokens.extend(response_tokens[start:a])
+        lens.append(max(0, a - start))
+        start = b
+    tokens.extend(response_tokens[start:])
+    lens.append(max(0, len(response_tokens) - start))
+    return [int(t) for t in tokens], lens
+
+
 def _as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(tokens, dtype=np.int32).reshape(-1)
     return np.ascontiguousarray(arr)
@@ -57,12 +80,19 @@ class HistoryEntry:
     epoch: int  # newest epoch recorded
     version: int  # store version of the last change
     response_epochs: list[int] = field(default_factory=list)  # epoch of each response (empty: all `epoch`)
+    response_turns: list[list[int]] = field(default_factory=list)  # turn lengths per response (empty: one turn)
 
     def epochs(self) -> list[int]:
         """Epoch of each response (entries from an older payload carry only the newest epoch)."""
         if len(self.response_epochs) == len(self.responses):
             return list(self.response_epochs)
         return [self.epoch] * len(self.responses)
+
+    def turn_lengths(self) -> list[list[int]]:
+        """Lengths of each response's generated turns (a plain response: one turn, its whole length)."""
+        if len(self.response_turns) == len(self.responses):
+            return [list(t) if t else [len(r)] for t, r in zip(self.response_turns, self.responses)]
+        return [[len(r)] for r in self.responses]
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +123,8 @@ class HistoryDelta:
             "prompt_lens": [len(self.entries[k].prompt_tokens) for k in keys],
             "response_lens": [[len(r) for r in self.entries[k].responses] for k in keys],
             "response_epochs": [self.entries[k].epochs() for k in keys],
+            # one turn per response is written as [] (the common case costs nothing)
+            "response_turns": [[t if len(t) > 1 else [] for t in self.entries[k].turn_lengths()] for k in keys],
         }
         parts = []
         for k in keys:
@@ -112,15 +144,20 @@ class HistoryDelta:
         tokens = np.frombuffer(data, dtype="<i4", offset=start + n).astype(np.int32)
         entries, pos = {}, 0
         repochs = header.get("response_epochs") or [[] for _ in header["keys"]]  # absent in older payloads
-        for key, epoch, version, plen, rlens, rep in zip(header["keys"], header["epochs"], header["versions"],
-                                                          header["prompt_lens"], header["response_lens"], repochs):
+        rturns = header.get("response_turns") or [[] for _ in header["keys"]]  # absent: one turn per response
+        for key, epoch, version, plen, rlens, rep, rt in zip(header["keys"], header["epochs"], header["versions"],
+                                                              header["prompt_lens"], header["response_lens"], repochs,
+                                                              rturns):
             prompt = tokens[pos:pos + plen]
             pos += plen
             responses = []
             for rl in rlens:
                 responses.append(tokens[pos:pos + rl])
                 pos += rl
-            entries[key] = HistoryEntry(prompt, responses, epoch, version, list(rep))
+            turns = [list(t) for t in rt] if len(rt) == len(responses) else []
+            if any(t and sum(t) != len(r) for t, r in zip(turns, responses)):
+                raise ValueError(f"history payload: turn lengths of prompt {key} do not add up to its responses")
+            entries[key] = HistoryEntry(prompt, responses, epoch, version, list(rep), turns)
         if pos != len(tokens):
             raise ValueError(f"history payload has {len(tokens) - pos} trailing tokens")
         return cls(header["since"], header["version"], header["full"], entries, list(header["evicted"]))
@@ -172,11 +209,16 @@ class HistoryStore:
 
     # -- writing ------------------------------------------------------------------------------------
     def record(self, prompt_tokens: Sequence[int] | np.ndarray, responses: Iterable[Sequence[int]],
-               epoch: int) -> str:
-        """Adds responses of `epoch` for this prompt; returns the prompt's key."""
+               epoch: int, turn_lens: Sequence[Sequence[int]] | None = None) -> str:
+        """Adds responses of `epoch` for this prompt; returns the prompt's key. `turn_lens[i]`: the lengths of
+        response i's generated turns when it is a trajectory (tool tokens already cut out, `split_turns`)."""
         prompt = _as_tokens(prompt_tokens)
-        new = [_as_tokens(r) for r in responses]
-        new = [r for r in new if len(r)]
+        rs = [_as_tokens(r) for r in responses]
+        tl = [list(map(int, t)) for t in turn_lens] if turn_lens is not None else [[] for _ in rs]
+        if len(tl) != len(rs) or any(t and sum(t) != len(r) for t, r in zip(tl, rs)):
+            raise ValueError("turn_lens must give one list per response, adding up to the response's length")
+        kept_new = [(r, t if len(t) > 1 else []) for r, t in zip(rs, tl) if len(r)]
+        new = [r for r, _ in kept_new]
         key = prompt_key(prompt)
         entry = self._entries.get(key)
         if entry is not None and epoch <= entry.epoch - self.keep_epochs:
@@ -188,14 +230,16 @@ class HistoryStore:
             entry = HistoryEntry(prompt, [], epoch, self._version, [])
             self._entries[key] = entry
         epochs = entry.epochs()
+        turns = [t if len(t) > 1 else [] for t in entry.turn_lengths()]
         if epoch > entry.epoch:  # a newer epoch: drop the epochs that fall out of the window
             floor = epoch - self.keep_epochs
-            kept_old = [(r, e) for r, e in zip(entry.responses, epochs) if e > floor]
+            kept_old = [(r, e, t) for r, e, t in zip(entry.responses, epochs, turns) if e > floor]
             self._total_tokens -= entry.num_tokens
-            entry.responses, epochs = [r for r, _ in kept_old], [e for _, e in kept_old]
+            entry.responses = [r for r, _, _ in kept_old]
+            epochs, turns = [e for _, e, _ in kept_old], [t for _, _, t in kept_old]
             self._total_tokens += entry.num_tokens
             entry.epoch = epoch
-        for r in new:
+        for r, t in kept_new:
             if len(entry.responses) >= self.max_responses_per_prompt:
                 oldest = min(epochs)
                 if oldest >= epoch:
@@ -203,10 +247,13 @@ class HistoryStore:
                 i = epochs.index(oldest)
                 self._total_tokens -= len(entry.responses.pop(i))
                 epochs.pop(i)
+                turns.pop(i)
             entry.responses.append(r)
             epochs.append(epoch)
+            turns.append(t)
             self._total_tokens += len(r)
         entry.response_epochs = epochs
+        entry.response_turns = turns if any(turns) else []
         entry.version = self._version
         self._entries.move_to_end(key)
         self._evicted.pop(key, None)

@@ -14,7 +14,10 @@ x with probability p(x), else resample from the residual), so the output distrib
 model's whatever we propose.
 
 It gets no request ids. A row's prompt is found by hashing row prefixes of the prompt lengths that the
-history holds (`HistoryDrafter.resolve`), once per request. Accepted counts are inferred on the next call:
+history holds (`HistoryDrafter.resolve`), once per request. A trajectory's later turns are continued requests
+whose rows start with the same prompt, so they find the same history; the turn they generate, and where it
+starts, is counted from the tool messages' `turn_marker` after the prompt (`HistoryDrafter.turn_of`), and the
+history source drafts from the previous trajectories' same turn. Accepted counts are inferred on the next call:
 a row that continues the same request (same prompt prefix, `num_tokens_no_spec` grown by exactly the
 tokens emitted) emitted `accepted + 1` tokens, which drives the adaptive draft length.
 
@@ -68,13 +71,15 @@ class _Row:
     """What the proposer remembers about the request in one batch row between two steps."""
 
     __slots__ = ("label", "fingerprint", "key", "prompt_len", "generation", "n_last", "draft_len", "length", "rec",
-                 "source")
+                 "source", "turn", "turn_start")
 
     def __init__(self, label: str, fingerprint: bytes, settings: DraftSettings) -> None:
         self.label = label
         self.fingerprint = fingerprint  # first tokens of the row: a cheap "same request" check
         self.key = ""  # history key ("" when the prompt has no history)
         self.prompt_len = 0
+        self.turn = 0  # assistant turn this request generates (0: the first, or a plain response)
+        self.turn_start = 0  # row index where that turn starts (after the prompt and earlier turns' tool messages)
         self.generation = -1  # drafter generation when `key` was resolved
         self.n_last = 0  # num_tokens_no_spec at the last call
         self.draft_len = 0  # length of the draft proposed at the last call
@@ -176,19 +181,24 @@ class HistoSpecProposer:
             if use_history and state.generation != self.drafter.generation:  # history changed: look again
                 found = self.drafter.resolve(row, n)
                 state.key, state.prompt_len = found if found else ("", 0)
+                # A continued request (turn k of a trajectory) holds the earlier turns and tool messages after
+                # its prompt: its drafts come from the previous trajectories' turn k (speculative/drafter.py).
+                state.turn, state.turn_start = self.drafter.turn_of(row, state.prompt_len, n) if found \
+                    else (0, 0)
                 state.rec.prompt_key = state.key
                 state.generation = self.drafter.generation
                 if fresh and state.key in self._hint:
                     state.length.value = self._hint[state.key]
-            if fresh and self.fallback.active:
-                self.fallback.start(state.label, row[:n], state.prompt_len)
+            if fresh and self.fallback.active:  # (a turn's request enters the cross tree with that turn only)
+                self.fallback.start(state.label, row[:n], state.turn_start or state.prompt_len)
             length = state.length.value if st.adaptive_length else st.max_draft_tokens
             budget = min(length, row_cap, self.max_model_len - n - 1)
             best = None
             if gate and budget > 0:
                 context = row[:n]
                 if use_history and state.key:
-                    best = self.drafter.draft(state.key, context, budget)
+                    best = self.drafter.draft(state.key, context, budget, turn=state.turn,
+                                              turn_start=state.turn_start)
                 if self.fallback.active:
                     other = self.fallback.draft(state.label, context, budget)
                     if other.token_ids and (best is None or other.score > best.score):
@@ -234,7 +244,8 @@ class HistoSpecProposer:
             self.drafter.remove(key)
         for key in changed:
             entry = self.replica.entries[key]
-            self.drafter.set_prompt(entry.prompt_tokens, entry.responses, key=key, epochs=entry.epochs())
+            self.drafter.set_prompt(entry.prompt_tokens, entry.responses, key=key, epochs=entry.epochs(),
+                                    turn_lens=entry.turn_lengths())
         return {"version": self.replica.version, "prompts": len(self.drafter), "changed": len(changed),
                 "removed": len(removed)}
 

@@ -30,7 +30,8 @@ not keep side effects outside the state; the re-run costs one more tool call, ne
 
 Left out: tool calls that run while the engine keeps generating (a turn ends at its first </tool_call>), stop
 strings of several tokens (the engines run without a tokenizer: the parser's stop must be one token, as Qwen's
-</tool_call> is) and HistoSpec drafts aligned by turn (later work; drafts still come from whole responses).
+</tool_call> is). HistoSpec drafts a trajectory's turn k from the previous epoch's turn k of the same prompt
+(docs/speculative.md, "Trajectories"; `ToolRenderer.turn_marker` tells the drafters where turns start).
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ class ToolRenderer:
 
     def tokens(self, contents: list[str]) -> list[int]:
         return list(self.tok.encode(self.text(contents), add_special_tokens=False))
+
+    def turn_marker(self) -> list[int]:
+        """Token ids that end every rendering of tool messages: the template's header of the next assistant turn.
+        HistoSpec counts them after the prompt to tell which turn a continued request generates
+        (docs/speculative.md, "Trajectories"); [] when the template's header cannot be told apart."""
+        done = self._render(self._probe + [{"role": "tool", "content": "?"}], generation=False)
+        full = self._render(self._probe + [{"role": "tool", "content": "?"}], generation=True)
+        if not full.startswith(done) or len(full) == len(done):
+            return []
+        marker = list(self.tok.encode(full[len(done):], add_special_tokens=False))
+        # Tokenised alone it must be what every rendering ends with (a BPE merge across the boundary would not be).
+        ends = all(t[-len(marker):] == marker for t in (self.tokens(["0"]), self.tokens(["a b"])))
+        return marker if ends else []
 
 
 def stop_token_id(tokenizer: Any, stop: str) -> int:
