@@ -311,7 +311,7 @@ def test_driver_generates_more_rounds_before_training_and_ends_on_an_empty_harve
 
     def stub(harvests):
         calls = []
-        d = SimpleNamespace(events=[], step=1, calls=calls)
+        d = SimpleNamespace(events=[], step=1, calls=calls, agentic=None, colo=SimpleNamespace(step_row=lambda: {}))
         d.compose_round = lambda: calls.append("compose") or SimpleNamespace(kind="short")
         d.generate = lambda rnd: calls.append("generate") or harvests.pop(0)
         d.train = lambda batch: calls.append(("train", len(batch))) or {}

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import socket
+import statistics
 import sys
 import time
 import types
@@ -118,7 +119,11 @@ def test_sampler_writes_meta_rows_and_overhead_on_the_run_clock(tmp_path, monkey
     assert "power_w" not in r0  # unsupported reading left out, not zero
     assert 50.0 <= r0["t"] < 60.0  # run clock, not wall clock
     ts = [r["t"] for r in s.rows if r["gpu"] == 0]
-    assert ts == sorted(ts) and all(b - a >= 0.015 for a, b in zip(ts, ts[1:]))
+    # Ticks keep their grid: strictly increasing, about one interval apart. A tick a little late is followed by
+    # one on the grid (a shorter gap), so single gaps may be short on a loaded machine; a loop that bursts
+    # would make most of them short.
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    assert ts == sorted(ts) and min(gaps) > 0 and statistics.median(gaps) >= 0.015, gaps
     assert stats["ms_per_tick"] < 20 and 0 <= stats["cpu_fraction_of_one_core"] < 0.5
 
 
