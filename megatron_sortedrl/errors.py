@@ -6,6 +6,9 @@ a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 
 class UserError(Exception):
     """A problem in the user's input (config, data, checkpoint, reward function), not in our code."""
@@ -36,3 +39,20 @@ class CheckpointError(UserError):
 class ClusterError(UserError):
     """The Ray cluster cannot host the layout (too few nodes or GPUs, a group split across nodes, a start-up
     step past `cluster.startup_timeout_s`); the message names what is missing and which nodes are visible."""
+
+
+def import_dotted(key: str, ref: str, allowed: str) -> Any:
+    """The object a dotted path `package.module.attr` names (a user's tool, parser, ...); a path without a
+    module, a module that does not import, or an attribute it lacks is a `ConfigError` naming `key`, with
+    `allowed` saying what fits and the reason in brackets."""
+    module_name, _, attr = ref.rpartition(".")
+    if not module_name:
+        raise ConfigError(key, ref, allowed)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(key, ref, f"{allowed} (import failed: {exc})") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(key, ref, f"{allowed} (module '{module_name}' has no '{attr}')")
+    return obj

@@ -78,7 +78,7 @@ def test_parser_from_builtin_dotted_path_and_bad_names():
     shout = parser_from("agentic_support.parse_shout")
     assert shout("CALL echo") == Parsed([ToolCall("echo", {})])
     for bad, says in (("nope", "one of hermes"), ("no_such_module_xyz.parse", "import failed"),
-                      ("agentic_support.missing_fn", "has no function 'missing_fn'")):
+                      ("agentic_support.missing_fn", "has no 'missing_fn'")):
         with pytest.raises(ConfigError) as err:
             parser_from(bad)
         assert isinstance(err.value, UserError)  # the CLI prints it in one line and exits 2

@@ -26,13 +26,12 @@ dotted path to your own parser covers them. Tests: `python -m pytest tests/test_
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.errors import ConfigError, import_dotted
 
 HERMES_STOP = "</tool_call>"  # stop string that ends a turn that called a tool
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -122,15 +121,8 @@ def parser_from(name: str) -> Callable[[str], Parsed]:
     else is a config error naming tools.parser."""
     if name in PARSERS:
         return PARSERS[name]
-    module_name, _, attr = name.rpartition(".")
     allowed = f"one of {', '.join(PARSERS)} or a dotted path to a function (text) -> Parsed"
-    if not module_name:
-        raise ConfigError("tools.parser", name, allowed)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("tools.parser", name, f"{allowed} (import failed: {exc})") from None
-    fn = getattr(module, attr, None)
+    fn = import_dotted("tools.parser", name, allowed)
     if not callable(fn):
-        raise ConfigError("tools.parser", name, f"{allowed} (module '{module_name}' has no function '{attr}')")
+        raise ConfigError("tools.parser", name, f"{allowed} ('{name}' is not a function)")
     return fn

@@ -32,13 +32,12 @@ worker process). Tests: `python -m pytest tests/test_agentic_tools.py -q`.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.errors import ConfigError, import_dotted
 
 # The kinds a failed call is counted as (ToolOutcome.errors); bad_arguments: the arguments do not fit the
 # tool's schema, or the tool refused them with a ToolError.
@@ -239,16 +238,7 @@ def load_tool(ref: str, settings: ToolSettings | None = None, key: str = "tools.
         return BUILTINS[ref](settings)
     allowed = (f"a built-in tool ({', '.join(BUILTINS)}) or a dotted path module.attr to a function with a "
                "`schema` attribute, a tool class or a tool instance")
-    module_name, _, attr = ref.rpartition(".")
-    if not module_name:
-        raise ConfigError(key, ref, allowed)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(key, ref, f"{allowed} (import failed: {exc})") from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise ConfigError(key, ref, f"{allowed} (module '{module_name}' has no '{attr}')")
+    obj = import_dotted(key, ref, allowed)
     try:
         tool = obj() if inspect.isclass(obj) else FunctionTool(obj) if inspect.isfunction(obj) else obj
     except AttributeError:
