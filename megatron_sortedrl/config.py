@@ -49,8 +49,9 @@ def help_field(text: str, default: Any = None, factory: Any = None, **checks: An
     return field(default=default, metadata=meta)
 
 
+TASKS = ("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "tool_multiplication", "file")
 # Tasks whose warm-start solutions trainer.warmup_answer_only_share can cut to a `#### <answer>` line.
-ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition")
+ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition", "tool_multiplication")
 
 
 @dataclass
@@ -122,9 +123,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code (procedural) | "
-                           "file (train_files/eval_files).", "arithmetic",
-                           choices=("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"))
+    task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code | "
+                           "tool_multiplication (procedural; the last needs tools.tools with calculator) | "
+                           "file (train_files/eval_files).", "arithmetic", choices=TASKS)
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
     prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
@@ -149,9 +150,8 @@ class DataConfig:
     num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0, min=0)
 
     def __post_init__(self) -> None:
-        if self.task not in ("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"):
-            raise ConfigError("data.task", self.task,
-                              "one of arithmetic, long_addition, column_addition, knights_knaves, code, file")
+        if self.task not in TASKS:
+            raise ConfigError("data.task", self.task, "one of " + ", ".join(TASKS))
         if self.on_bad_row not in ("error", "skip"):
             raise ConfigError("data.on_bad_row", self.on_bad_row, "one of error, skip")
         if self.task == "file" and not self.train_files:
@@ -657,6 +657,9 @@ class RunConfig:
             raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
                               f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "
                               "an answer to cut them to)")
+        if self.data.task == "tool_multiplication" and "calculator" not in self.tools.tools:
+            raise ConfigError("tools.tools", list(self.tools.tools), "a list with calculator for "
+                              "data.task=tool_multiplication (its worked solutions call it; configs/tools_cpu.yaml)")
         if self.sampling.overlong_buffer >= r.max_response_length:
             raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
                               f"fewer tokens than rollout.max_response_length ({r.max_response_length})")
