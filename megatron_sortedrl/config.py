@@ -140,6 +140,9 @@ class DataConfig:
     max_difficulty: int = help_field("Procedural tasks: largest difficulty.", 4, min=1)
     seed: int = help_field("Seed of the procedural generator (train and eval sets use different streams).", 1234, min=0)
     apply_chat_template: bool = help_field("Wrap prompts with the tokenizer's chat template (real chat models).", False)
+    tool_schemas_in_prompt: bool = help_field(
+        "With tools: give the template the tools' schemas (tools=). false leaves them out, for a model that learns "
+        "its tools in the warm start (the built-in tiny model reads them as ~800 characters, one token each).", True)
     max_prompt_length: int = help_field("Prompts longer than this many tokens are reported and skipped.", 256, min=1)
     reward_fn: str = help_field(
         "Dotted path of `def reward(sample, ground_truth) -> float`; empty picks the task's default.", ""

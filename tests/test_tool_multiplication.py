@@ -86,6 +86,18 @@ def test_vocabulary_covers_prompts_calls_and_tool_answers(cfg, tok, traj):
             assert tok.decode(tok.encode(m["content"], add_special_tokens=False)) == m["content"]
 
 
+def test_tool_schemas_stay_out_of_the_prompt_only_when_asked(cfg, tok, traj):
+    """data.tool_schemas_in_prompt=false (the tools run) renders the question alone; true puts the calculator's
+    schema into the template's system turn."""
+    from dataclasses import replace
+
+    p = load_prompts(cfg.data, "eval")[0]
+    short = tok.decode(PromptEncoder(tok, cfg.data, traj.schemas).encode(p))
+    assert short == f"<|im_start|>user\n{p.text}<|im_end|>\n<|im_start|>assistant\n"
+    full = tok.decode(PromptEncoder(tok, replace(cfg.data, tool_schemas_in_prompt=True), traj.schemas).encode(p))
+    assert '"name": "calculator"' in full and full.endswith(short)
+
+
 def test_warm_start_renders_a_worked_trajectory_as_the_rollout_loop_does(cfg, tok, traj):
     """render_worked (the warm start's targets) equals the trajectory the rollout loop builds from the same turns
     (engine tokens, the real tools' answer rendered by the template, the final turn with its end-of-text), and its
