@@ -118,7 +118,7 @@ class Driver:
         self.eos = self.tok.eos_token_id
         # multi-turn tool use: the turn loop and its tool runner, None without tools (agentic/trajectory.py)
         self.agentic = trajectories_for(cfg, self.tok, self._tool_event)
-        self.encoder = PromptEncoder(self.tok, cfg.data, self.agentic.schemas if self.agentic else None)
+        self.encoder = PromptEncoder(self.tok, cfg.data, self.agentic.schemas if self.agentic is not None else None)
         self._ptok: dict[str, list[int]] = {}
         (self.run_dir / "skipped_prompts.jsonl").unlink(missing_ok=True)  # written anew at every start
         self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in self._encoded(load_prompts(cfg.data, "train"))}
@@ -151,13 +151,13 @@ class Driver:
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,
                                   num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
-        if self.agentic:  # the history predicts trajectory cost: tokens, turns, tool seconds
+        if self.agentic is not None:  # the history predicts trajectory cost: tokens, turns, tool seconds
             self.agentic.attach(self.policy)
         # trainer/stream.py; a streamed group gets the batch's overlong shaping before its advantages
         self.stream = DriverStream(self.trainer, self.policy, lambda g: shape_batch(
             g, cfg.sampling, cfg.rollout.max_response_length)[0]) if cfg.trainer.stream else None
         # HistoSpec: records, ships, measures (speculative/feed.py); with tools its drafts align turns by the marker
-        marker = self.agentic.renderer.turn_marker() if self.agentic else []
+        marker = self.agentic.renderer.turn_marker() if self.agentic is not None else []
         self.feed = HistoryFeed(cfg.speculative, self.pool, turn_marker=marker)
         self.history = self.feed.store
 
@@ -246,8 +246,9 @@ class Driver:
 
     def _sampling(self, max_tokens: int, greedy: bool = False) -> dict[str, Any]:
         r = self.cfg.rollout
+        stops = [self.eos] + (self.agentic.stop_token_ids if self.agentic is not None else [])
         return {"max_tokens": max_tokens, "temperature": 0.0 if greedy else r.temperature, "top_p": r.top_p,
-                "top_k": r.top_k, "stop_token_ids": [self.eos] + (self.agentic.stop_token_ids if self.agentic else [])}
+                "top_k": r.top_k, "stop_token_ids": stops}
 
     def generate(self, rnd):
         """Streams the round (`round_stream.py`): submits, scores completions as they land, lets the policy
@@ -280,35 +281,23 @@ class Driver:
         """Records this step's responses per prompt, ships the change to every engine's drafter, measures."""
         self._phase("history", "start")
         out = self.feed.end_step(batch, kind)
-        if self.agentic:
+        if self.agentic is not None:
             self.agentic.observe(batch)
         self._phase("history", "end")
         return out
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts (mean reward)."""
-        from megatron_sortedrl.rollout import GenRequest
+        """Greedy accuracy on the held-out prompts (mean reward); with tools, trajectories through the same turn
+        loop as rollouts (agentic/evaluate.py)."""
+        from megatron_sortedrl.agentic.evaluate import eval_metrics, generate_eval
 
         self._phase("eval", "start")
         self.colo.to_rollout()
-        samples = {f"eval/{p.prompt_id}/s{self.step}": p for p in self.eval_prompts}
-        items = [(GenRequest(rid, self._tokens(p), self._sampling(self.cfg.rollout.max_response_length, True)),
-                  i % self.pool.layout[0]) for i, (rid, p) in enumerate(samples.items())]
-        self.pool.submit_many(items)
-        out: list[Sample] = []
-        while self.pool.in_flight:
-            for c in self.pool.poll(0.05):
-                p = samples[c.request_id]
-                s = Sample(prompt_id=p.prompt_id, index=0, epoch=-1, prompt_tokens=self._tokens(p),
-                           ground_truth=p.ground_truth)
-                c.to_sample(s)
-                s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
-                out.append(s)
+        out = generate_eval(self, self.eval_prompts)
         self.colo.to_train()
         scored = self.rewards.score(out)
         self._phase("eval", "end")
-        acc = sum(s.reward for s in scored) / max(1, len(scored))
-        return {"eval/accuracy": acc, "eval/response_len": sum(s.response_length for s in scored) / max(1, len(scored))}
+        return eval_metrics(scored, with_tools=self.agentic is not None)
 
     def checkpoint(self) -> str:
         """Atomic checkpoint of everything `_load_resume_state` restores; keeps the newest `keep_last`."""
@@ -349,7 +338,7 @@ class Driver:
         step_s = time.monotonic() - t0
         row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
                        self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}), self.layout_row,
-                       step_metrics(harvest.batch) if self.agentic else {}, self.colo.step_row())
+                       step_metrics(harvest.batch) if self.agentic is not None else {}, self.colo.step_row())
         return StepResult(self.step, row, harvest.batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:
@@ -362,9 +351,10 @@ class Driver:
                 self.restore_engines()
             else:
                 self.warm_start()
-                self.accuracy_before = self.evaluate()["eval/accuracy"]
+                ev = self.evaluate()
+                self.accuracy_before = ev["eval/accuracy"]
                 self.say(f"accuracy after warm-up (before RL): {self.accuracy_before:.3f}")
-                self.metrics.log(0, {"eval/accuracy": self.accuracy_before})
+                self.metrics.log(0, ev)
             exhausted = False
             while self.step < cfg.trainer.total_steps and not self.stop_signal:
                 self.step += 1
@@ -390,8 +380,9 @@ class Driver:
                          "run the same command again to resume")
                 summary = self._summary(t_start, start_step, None, interrupted=self.stop_signal)
             else:
-                after = self.evaluate()["eval/accuracy"]
-                self.metrics.log(self.step, {"eval/accuracy": after})
+                ev = self.evaluate()
+                after = ev["eval/accuracy"]
+                self.metrics.log(self.step, ev)
                 if self._saved_step != self.step:
                     self.checkpoint()
                 summary = self._summary(t_start, start_step, after, data_exhausted=exhausted)
@@ -423,7 +414,7 @@ class Driver:
         import ray
 
         closers = [self.rewards.close, self.pool.shutdown, self.trainer.shutdown, *self.records.closers()]
-        closers += [self.agentic.close] if getattr(self, "agentic", None) else []
+        closers += [self.agentic.close] if getattr(self, "agentic", None) is not None else []
         if self.nvml is not None:
             closers.insert(0, self.nvml.stop)
         for closer in closers:

@@ -13,6 +13,11 @@ than the training and held-out sets: a warm start on a few hundred RL prompts me
 instead of learning the procedure (measured on the long-tail preset: 0.64 reward on 32 memorized prompts,
 0.11 held out), and RL then starts from a policy that already knows its own prompts.
 
+A problem with a worked tool-using trajectory (`Prompt.meta["worked"]`, data.task=tool_multiplication) trains on
+the whole conversation as the rollout loop renders it: its assistant turns as targets, the chat template's
+rendering of the tool messages between them masked from the loss (`sft_pair`). A problem cut to its answer
+(`trainer.warmup_answer_only_share`) answers without a tool.
+
 Left out: a learning-rate schedule for the warm start (one constant rate, as the trainer's supervised step
 takes it) and curricula (the problems follow the task's own distribution).
 """
@@ -24,6 +29,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.sample import Prompt
 
 # The fresh warm-start problems use this seed offset; the held-out set uses data.seed + 1_000_003.
@@ -45,7 +51,9 @@ def sft_problems(cfg, train_prompts: list[Prompt]) -> list[Prompt]:
     share = cfg.trainer.warmup_answer_only_share
     if share > 0:  # a fixed draw per problem (the data seed), the same in every run of the same config
         rng = random.Random(cfg.data.seed + ANSWER_ONLY_SEED_OFFSET)
-        pool = [replace(p, solution=answer_only(p.solution, p.ground_truth)) if rng.random() < share else p
+        # an answer-only problem loses its worked trajectory too: it answers without calling a tool
+        pool = [replace(p, solution=answer_only(p.solution, p.ground_truth),
+                        meta={k: v for k, v in p.meta.items() if k != "worked"}) if rng.random() < share else p
                 for p in pool]
     return pool
 
@@ -56,6 +64,21 @@ def answer_only(solution: str, answer: str) -> str:
     (column_addition, whose reward reads only the column lines: a direct answer scores 0, show your work)."""
     last = solution.rstrip().splitlines()[-1]
     return last if last.startswith("####") else f"#### {answer}"
+
+
+def sft_pair(driver: Any, p: Prompt) -> tuple:
+    """(prompt ids, target ids) of a worked solution, or (prompt ids, target ids, loss mask) of a worked tool-
+    using trajectory (`p.meta["worked"]`): the whole conversation rendered as the rollout loop renders it, tool
+    messages masked (agentic/trajectory.py, `render_worked`)."""
+    prompt = driver.encoder.encode(p)
+    worked = p.meta.get("worked")
+    if not worked:
+        return prompt, driver.tok(p.solution)["input_ids"] + [driver.eos]
+    if driver.agentic is None:
+        raise ConfigError("tools.tools", [], "the tools the worked solutions of data.task call (e.g. [calculator])")
+    from megatron_sortedrl.agentic.trajectory import render_worked
+
+    return (prompt, *render_worked(driver.tok, driver.agentic.renderer, worked, driver.eos))
 
 
 def warm_start(driver: Any) -> dict[str, float]:
@@ -72,8 +95,7 @@ def warm_start(driver: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     t0 = time.monotonic()
     for i in range(steps):
-        pairs = [(driver.encoder.encode(p), driver.tok(p.solution)["input_ids"] + [driver.eos])
-                 for p in rng.sample(pool, min(batch, len(pool)))]
+        pairs = [sft_pair(driver, p) for p in rng.sample(pool, min(batch, len(pool)))]
         out = driver.trainer.sft_step(pairs)
         if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
             driver.say(f"warm-up {i + 1}/{steps}: loss {out.get('loss', float('nan')):.3f} "

@@ -261,6 +261,34 @@ class Trajectories:
         self.runner.close()
 
 
+def render_worked(tokenizer: Any, renderer: ToolRenderer, messages: list[dict], eos: int) -> tuple[list[int], list[int]]:
+    """(response tokens, loss mask) of a worked trajectory (`[{"role": "assistant" | "tool", "content"}, ...]`,
+    assistant first and last) exactly as the rollout loop builds it: each assistant turn tokenised as the engine
+    would have generated it (a calling turn ends on the parser's stop token), the tool messages between two turns
+    rendered by `renderer` and masked (0), the final turn followed by `eos`. The supervised warm start trains
+    on it (warmup.py), so it learns the format RL samples in."""
+    if not messages or messages[0]["role"] != "assistant" or messages[-1]["role"] != "assistant":
+        raise ValueError("a worked trajectory starts with an assistant turn and ends on one (the final answer)")
+    tokens: list[int] = []
+    mask: list[int] = []
+    tools: list[str] = []
+    for m in messages:
+        if m["role"] == "tool":
+            tools.append(m["content"])
+            continue
+        if m["role"] != "assistant":
+            raise ValueError(f"a worked trajectory has assistant and tool messages only, got {m['role']!r}")
+        if tools:
+            span = renderer.tokens(tools)
+            tokens += span
+            mask += [0] * len(span)
+            tools = []
+        turn = list(tokenizer.encode(m["content"], add_special_tokens=False))
+        tokens += turn
+        mask += [1] * len(turn)
+    return tokens + [eos], mask + [1]
+
+
 def initial_state(s: Sample) -> dict:
     """A trajectory's tool state before its first call: the data row's per-row tool arguments, if any
     (`meta["tools_kwargs"]`, verl's `extra_info.tools_kwargs`)."""

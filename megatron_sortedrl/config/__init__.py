@@ -19,14 +19,14 @@ cluster, plan), and `run.py` (`RunConfig`, loading, printing, `--explain`). The 
 """
 
 from megatron_sortedrl.config.cluster import ClusterConfig, LoggingConfig, PlanConfig
-from megatron_sortedrl.config.fields import ANSWER_LINE_TASKS, DEFAULT_CONFIG, help_field
+from megatron_sortedrl.config.fields import ANSWER_LINE_TASKS, DEFAULT_CONFIG, TASKS, help_field
 from megatron_sortedrl.config.model import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TinyModelConfig
 from megatron_sortedrl.config.run import RunConfig, field_help, load_config, to_dict, to_yaml
 from megatron_sortedrl.config.training import (AlgorithmConfig, CheckpointConfig, ParallelConfig, RecomputeConfig,
                                                TrainerConfig)
 from megatron_sortedrl.errors import ConfigError
 
-__all__ = ["ANSWER_LINE_TASKS", "DEFAULT_CONFIG", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError",
+__all__ = ["ANSWER_LINE_TASKS", "DEFAULT_CONFIG", "TASKS", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "ConfigError",
            "DataConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "PlanConfig", "RecomputeConfig",
            "RewardConfig", "RolloutConfig", "RunConfig", "TinyModelConfig", "TrainerConfig", "field_help",
            "help_field", "load_config", "to_dict", "to_yaml"]

@@ -25,5 +25,6 @@ def help_field(text: str, default: Any = None, factory: Any = None, **checks: An
     return field(default=default, metadata=meta)
 
 
+TASKS = ("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "tool_multiplication", "file")
 # Tasks whose warm-start solutions trainer.warmup_answer_only_share can cut to a `#### <answer>` line.
-ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition")
+ANSWER_LINE_TASKS = ("arithmetic", "long_addition", "column_addition", "tool_multiplication")

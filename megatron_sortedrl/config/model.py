@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_sortedrl.config.fields import help_field
+from megatron_sortedrl.config.fields import TASKS, help_field
 from megatron_sortedrl.errors import ConfigError
 
 
@@ -79,9 +79,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code (procedural) | "
-                           "file (train_files/eval_files).", "arithmetic",
-                           choices=("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"))
+    task: str = help_field("arithmetic | long_addition | column_addition | knights_knaves | code | "
+                           "tool_multiplication (procedural; the last needs tools.tools with calculator) | "
+                           "file (train_files/eval_files).", "arithmetic", choices=TASKS)
     train_files: list[str] = help_field("jsonl or parquet files (verl/DAPO layout) when task=file.", factory=list)
     eval_files: list[str] = help_field("Held-out jsonl or parquet files when task=file.", factory=list)
     prompt_key: str = help_field("Dotted key of the prompt in a row (a string or a list of chat messages).", "prompt")
@@ -96,6 +96,9 @@ class DataConfig:
     max_difficulty: int = help_field("Procedural tasks: largest difficulty.", 4, min=1)
     seed: int = help_field("Seed of the procedural generator (train and eval sets use different streams).", 1234, min=0)
     apply_chat_template: bool = help_field("Wrap prompts with the tokenizer's chat template (real chat models).", False)
+    tool_schemas_in_prompt: bool = help_field(
+        "With tools: give the template the tools' schemas (tools=). false leaves them out, for a model that learns "
+        "its tools in the warm start (the built-in tiny model reads them as ~800 characters, one token each).", True)
     max_prompt_length: int = help_field("Prompts longer than this many tokens are reported and skipped.", 256, min=1)
     reward_fn: str = help_field(
         "Dotted path of `def reward(sample, ground_truth) -> float`; empty picks the task's default.", ""
@@ -106,9 +109,8 @@ class DataConfig:
     num_epochs: int = help_field("Passes over the training prompts; the run ends when they are used up (0: no limit).", 0, min=0)
 
     def __post_init__(self) -> None:
-        if self.task not in ("arithmetic", "long_addition", "column_addition", "knights_knaves", "code", "file"):
-            raise ConfigError("data.task", self.task,
-                              "one of arithmetic, long_addition, column_addition, knights_knaves, code, file")
+        if self.task not in TASKS:
+            raise ConfigError("data.task", self.task, "one of " + ", ".join(TASKS))
         if self.on_bad_row not in ("error", "skip"):
             raise ConfigError("data.on_bad_row", self.on_bad_row, "one of error, skip")
         if self.task == "file" and not self.train_files:

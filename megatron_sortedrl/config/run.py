@@ -98,6 +98,9 @@ class RunConfig:
             raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
                               f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "
                               "an answer to cut them to)")
+        if self.data.task == "tool_multiplication" and "calculator" not in self.tools.tools:
+            raise ConfigError("tools.tools", list(self.tools.tools), "a list with calculator for "
+                              "data.task=tool_multiplication (its worked solutions call it; configs/tools_cpu.yaml)")
         if self.sampling.overlong_buffer >= r.max_response_length:
             raise ConfigError("sampling.overlong_buffer", self.sampling.overlong_buffer,
                               f"fewer tokens than rollout.max_response_length ({r.max_response_length})")

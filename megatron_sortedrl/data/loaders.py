@@ -52,11 +52,12 @@ def load_prompts(data_cfg, split: str = "train", report: LoadReport | None = Non
         files = data_cfg.train_files if split == "train" else data_cfg.eval_files
         prompts = load_files(files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.on_bad_row, report)
     else:
-        from megatron_sortedrl.data import arithmetic, code_task, column_addition, knights_knaves, long_addition
+        from megatron_sortedrl.data import (arithmetic, code_task, column_addition, knights_knaves, long_addition,
+                                            tool_multiplication)
 
         generator = {"arithmetic": arithmetic.generate, "knights_knaves": knights_knaves.generate,
                      "long_addition": long_addition.generate, "column_addition": column_addition.generate,
-                     "code": code_task.generate}[data_cfg.task]
+                     "code": code_task.generate, "tool_multiplication": tool_multiplication.generate}[data_cfg.task]
         # Train and eval use different seeds so the held-out set is disjoint in expectation.
         seed = data_cfg.seed if split == "train" else data_cfg.seed + 1_000_003
         num = data_cfg.num_train_prompts if split == "train" else data_cfg.num_eval_prompts

@@ -29,7 +29,9 @@ from megatron_sortedrl.sample import Prompt
 class PromptEncoder:
     def __init__(self, tokenizer: Any, data_cfg, tools: Callable[[list[str] | None], list[dict]] | None = None) -> None:
         self.tok = tokenizer
-        self.tools = tools  # tool schemas by the row's tool names (None: all): rendered by the template's `tools=`
+        # tool schemas by the row's tool names (None: all): rendered by the template's `tools=`; left out with
+        # data.tool_schemas_in_prompt=false (a model that learns its tools in the warm start, not from their text)
+        self.tools = tools if data_cfg.tool_schemas_in_prompt else None
         self.chat = bool(data_cfg.apply_chat_template)
         self.max_len = int(data_cfg.max_prompt_length)
         if self.chat:

@@ -24,6 +24,7 @@ DEFAULT_REWARD = {
     "column_addition": "megatron_sortedrl.rewards.column_addition.reward",
     "knights_knaves": "megatron_sortedrl.rewards.knights_knaves.reward",
     "code": "megatron_sortedrl.rewards.code.reward",
+    "tool_multiplication": "megatron_sortedrl.rewards.tool_answer.reward",
     "file": "megatron_sortedrl.rewards.math.reward",
 }
 

@@ -252,9 +252,10 @@ class TrainerGroup:
             metrics["reward_mean"] = float(sum(rewards) / len(rewards))
         return metrics
 
-    def sft_step(self, pairs: list[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
-        """Supervised step (lr = trainer.warmup_sft_lr): cross-entropy on target tokens given the prompt."""
-        items = [self._item(p, t) for p, t in pairs]
+    def sft_step(self, pairs: list[tuple]) -> dict[str, float]:
+        """Supervised step (lr = trainer.warmup_sft_lr): cross-entropy on target tokens given the prompt.
+        A pair may carry a third entry, a per-target-token loss mask (a worked trajectory's tool tokens: 0)."""
+        items = [self._item(p[0], p[1], None, list(p[2]) if len(p) > 2 else None) for p in pairs]
         return dict(self._report(self._all("train_step", items, "sft")))
 
     def loss_and_grads(self, samples: list[Sample], advantages: Sequence | None = None) -> dict:
