@@ -244,7 +244,8 @@ def test_prompt_encoder_renders_the_rows_tools(tok):
     from megatron_sortedrl.sample import Prompt
 
     runner = stub.ToolRunner({"calculator": stub.calculator, "python": stub.calculator})
-    enc = PromptEncoder(tok, SimpleNamespace(apply_chat_template=True, max_prompt_length=4096), runner.schemas)
+    data = SimpleNamespace(apply_chat_template=True, max_prompt_length=4096, tool_schemas_in_prompt=True)
+    enc = PromptEncoder(tok, data, runner.schemas)
     both = tok.decode(enc.encode(Prompt("a", "2+2?", "4")))
     one = tok.decode(enc.encode(Prompt("b", "2+2?", "4", meta={"tools": ["python"]})))
     assert '"name": "calculator"' in both and '"name": "python"' in both

@@ -45,7 +45,7 @@ def generate_eval(d: Any, prompts: list[Prompt]) -> list[Sample]:
 
     done: list[Sample] = []
     submit(list(live.values()))
-    while d.pool.in_flight or (traj is not None and len(traj)):
+    while d.pool.in_flight or (traj is not None and traj.num_waiting):
         for c in d.pool.poll(0.05 if d.pool.in_flight else 0.0):
             s = live[c.request_id]
             c.to_sample(s)

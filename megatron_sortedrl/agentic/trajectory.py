@@ -153,7 +153,10 @@ class Trajectories:
     def stop_token_ids(self) -> list[int]:
         return [self.stop_id]
 
-    def __len__(self) -> int:
+    @property
+    def num_waiting(self) -> int:
+        """Samples waiting for their tools. (Not `__len__`: the driver asks `is not None`, and a length made an
+        idle loop read as no tools at all.)"""
         return len(self.waiting)
 
     # ------------------------------------------------------------------------------------------ turns
