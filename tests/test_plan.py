@@ -31,6 +31,7 @@ RECIPES = {
     "elastic_cpu.yaml": None,
     "learning_cpu.yaml": None,
     "tiny_moe_cpu.yaml": None,
+    "tools_cpu.yaml": None,
     "qwen7b_16gpu.yaml": "qwen2.5-7b-instruct",
     "qwen32b_128gpu.yaml": "qwen2.5-32b-instruct",
     "llama8b_logic_8gpu.yaml": "llama-3.1-8b-instruct",
