@@ -41,10 +41,23 @@ import multiprocessing as mp
 import os
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from megatron_sortedrl.lifetime import die_with_parent
 from megatron_sortedrl.sample import Sample
+
+
+def worker_messages(conn: Any) -> Iterator[Any]:
+    """What a worker process's pipe brings, until the pool closes it (None) or goes away (EOF); the loop of
+    every worker of this pool's machinery (reward workers here, tool workers in agentic/runner.py)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        yield msg
 
 
 def _worker_main(fn_ref: Any, conn: Any, parent: int | None = None) -> None:
@@ -62,13 +75,7 @@ def _worker_main(fn_ref: Any, conn: Any, parent: int | None = None) -> None:
     if after is not None:
         after()
     conn.send("ready")  # the timeout clock starts only after the (slow, spawned) import
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
+    for msg in worker_messages(conn):
         for sample_id, sample in msg:  # a batch; each result goes back as soon as it is known
             t0 = time.monotonic()
             reward, err, reason = call_reward(fn, sample)

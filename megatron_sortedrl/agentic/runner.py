@@ -46,7 +46,7 @@ from megatron_sortedrl.agentic.parsers import Parsed
 from megatron_sortedrl.agentic.tools import ERROR_KINDS, ToolError, ToolSettings, create_kwargs, load_tools
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.lifetime import die_with_parent
-from megatron_sortedrl.reward_pool import _close_worker, _Worker
+from megatron_sortedrl.reward_pool import _close_worker, _Worker, worker_messages
 
 # The tool message of each failure; the model reads these, so they say what happened and what to do.
 MESSAGES = {
@@ -91,13 +91,7 @@ def _worker_main(spec: dict, conn: Any, parent: int | None = None) -> None:
     tools = load_tools(spec["tools"], spec["settings"])
     validators: dict[str, Any] = {}
     conn.send("ready")
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
+    for msg in worker_messages(conn):
         start, calls, state, allowed = msg
         for i in range(start, len(calls)):
             t0 = time.monotonic()
