@@ -5,7 +5,8 @@
 
 `trainer.warmup_sft_steps` steps of `trainer.warmup_sft_batch` (prompt, worked solution) pairs each, drawn
 with the run's seed, at `trainer.warmup_sft_lr`, through the same Megatron trainer that RL uses; then the
-weights go to the engines as policy version 0.
+optimizer forgets its moments (`trainer.warmup_reset_optimizer`) and the weights go to the engines as policy
+version 0.
 
 Where the solutions come from (`sft_problems`): by default the training prompts. With
 `trainer.warmup_sft_problems: N` and a procedural task, N fresh problems of the task drawn with another seed
@@ -100,5 +101,7 @@ def warm_start(driver: Any) -> dict[str, float]:
         if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
             driver.say(f"warm-up {i + 1}/{steps}: loss {out.get('loss', float('nan')):.3f} "
                        f"({time.monotonic() - t0:.0f}s, {len(pool)} problems)")
+    if cfg.trainer.warmup_reset_optimizer:  # RL starts from a fresh Adam (the option's help says why)
+        driver.trainer.reset_optimizer()
     driver.colo.hand_off(0)  # colocate/: the plain sync, after the engines' weights woke on a colocated layout
     return out

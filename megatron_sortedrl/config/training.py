@@ -148,6 +148,11 @@ class TrainerConfig:
         "a teacher that sometimes skips the worked steps. The model then answers some problems without working, "
         "and RL has to learn that the steps pay off, as reasoning RL learns to think longer (the learning-parity "
         "workload, configs/learning_cpu.yaml). 0 keeps every worked solution.", 0.0, min=0, max=1)
+    warmup_reset_optimizer: bool = help_field(
+        "Start RL with fresh Adam moments after the warm start, as after a separate supervised job. False keeps "
+        "the warm start's moments: their second moments, from supervised gradients far larger than RL's, then "
+        "shrink the RL updates for hundreds of steps (Adam's beta2 = 0.999), and the first moments keep pushing "
+        "the weights along the warm start's last direction while RL's gradients are zero.", True)
     eval_interval: int = help_field("Evaluate on the held-out set every this many steps (0 disables).", 10, min=0)
     stream: bool = help_field(
         "Stream training (trainer/stream.py): backward of each finished prompt group while the round still "

@@ -258,6 +258,11 @@ class TrainerGroup:
         items = [self._item(p[0], p[1], None, list(p[2]) if len(p) > 2 else None) for p in pairs]
         return dict(self._report(self._all("train_step", items, "sft")))
 
+    def reset_optimizer(self) -> int:
+        """Forgets the optimizer's moments (trainer/optimizer.py, `reset_state`): RL after the warm start
+        starts from a fresh Adam, as after a separate supervised job. Returns rank 0's dropped states."""
+        return self._all("reset_optimizer")[0]
+
     def loss_and_grads(self, samples: list[Sample], advantages: Sequence | None = None) -> dict:
         """RL loss metrics and full HF-layout gradients, without an update (tests, debugging)."""
         items = self._rl_items(samples, advantages, None)

@@ -70,6 +70,20 @@ def set_lr(opt, lr: float) -> None:
         group["lr"] = lr
 
 
+def reset_state(opt) -> int:
+    """Forgets the Adam moments and step counts of every parameter (chained, mixed-precision or distributed
+    Megatron optimizer); the next step initialises them afresh, as a new optimizer's first step does. The
+    parameters, fp32 master copies and the learning-rate schedule stay. Returns the per-parameter states
+    dropped. Used after the supervised warm start: its second moments, from gradients much larger than RL's,
+    would otherwise shrink the first few hundred RL updates (beta2 = 0.999)."""
+    dropped = 0
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        inner = o.optimizer
+        dropped += len(inner.state)
+        inner.state.clear()
+    return dropped
+
+
 def _local_grads(model_chunks: list) -> list[torch.Tensor]:
     grads = []
     for chunk in model_chunks:

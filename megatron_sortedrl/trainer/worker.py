@@ -31,7 +31,7 @@ from megatron_sortedrl.host_heap import fix_host_mmap_threshold, trim_host_heap 
 from megatron_sortedrl.trainer import cpu_compat
 from megatron_sortedrl.trainer.routing_replay import TrainerReplay, replaying
 from megatron_sortedrl.trainer.offload import OffloadMixin
-from megatron_sortedrl.trainer.optimizer import ddp_config  # noqa: F401 (tests patch it here)
+from megatron_sortedrl.trainer.optimizer import ddp_config, reset_state  # noqa: F401 (tests patch ddp_config)
 from megatron_sortedrl.trainer.stream import StreamTrainingMixin
 from megatron_sortedrl.trainer.logprobs import (
     Sampling,
@@ -483,6 +483,9 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
         state = {"step": self.step, "skipped_steps": self.skipped_steps, "extra": extra or {}}
         meta = {"step": self.step, "tp": self.tp, "pp": self.pp, "dp": self.dp, "model_type": self.arch.model_type}
         return str(save_checkpoint(path, self.module, self.opt, self.sched, state, meta))
+
+    def reset_optimizer(self) -> int:
+        return reset_state(self.opt)
 
     def load(self, path: str, load_optimizer: bool = True) -> dict:
         from megatron_sortedrl.trainer.checkpoint import load_checkpoint
