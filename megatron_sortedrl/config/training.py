@@ -143,11 +143,12 @@ class TrainerConfig:
         "the training prompts, so it learns the procedure rather than the RL prompts' answers (0: the training "
         "prompts).", 0, min=0)
     warmup_answer_only_share: float = help_field(
-        "Share of warm-start solutions cut to their answer line (`#### <answer>`; arithmetic, long_addition and "
-        "column_addition): "
+        "Share of warm-start solutions cut to their answer line (`#### <answer>`; arithmetic, long_addition, "
+        "column_addition, and tool_multiplication, whose cut solutions answer without calling the tool): "
         "a teacher that sometimes skips the worked steps. The model then answers some problems without working, "
-        "and RL has to learn that the steps pay off, as reasoning RL learns to think longer (the learning-parity "
-        "workload, configs/learning_cpu.yaml). 0 keeps every worked solution.", 0.0, min=0, max=1)
+        "and RL has to learn that the steps (or the tool) pay off, as reasoning RL learns to think longer (the "
+        "learning-parity workload, configs/learning_cpu.yaml; the tools run, configs/tools_cpu.yaml). 0 keeps "
+        "every worked solution.", 0.0, min=0, max=1)
     warmup_reset_optimizer: bool = help_field(
         "Start RL with fresh Adam moments after the warm start, as after a separate supervised job. False keeps "
         "the warm start's moments: their second moments, from supervised gradients far larger than RL's, then "
