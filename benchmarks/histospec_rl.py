@@ -6,13 +6,17 @@ and `suffix` vs HistoSpec, same workload and seed, interleaved repeats.
     python benchmarks/histospec_rl.py --repeats 1 --epochs 2 --model-dir /tmp/hsrl_warm   # a quick look
     python benchmarks/histospec_rl.py --from-runs /tmp/hsrl/work/runs.json   # outputs of an interrupted run
     python benchmarks/histospec_rl.py --preset longtail     # the long-tail preset under `tail`: long rounds too
+    python benchmarks/histospec_rl.py --preset tools --methods none,suffix,histospec   # the tools run
 
 Presets (`--preset`): `arithmetic` (configs/tiny_cpu.yaml, twotier, short responses; every round is short)
 and `longtail` (configs/longtail_cpu.yaml, the binary column task with responses up to 481 tokens, under
 RollPacker's `tail` policy, whose long rounds run the prompts aborted from short rounds at full length with
 few sequences per engine: the rounds where a verified draft token is nearly free). twotier has no long rounds
 (it carries the slow half of a window into the next round instead), so the long-round figures need `tail`.
-Outputs are `<stem>.{json,md,png}`: `histospec_rl` for arithmetic, `histospec_rl_longtail` for longtail.
+`tools` (configs/tools_cpu.yaml, the tools run: multi-turn trajectories with calculator calls, twotier; HistoSpec
+drafts each assistant turn from the same turn of the prompt's previous trajectories).
+Outputs are `<stem>.{json,md,png}`: `histospec_rl` for arithmetic, `histospec_rl_longtail` for longtail,
+`histospec_rl_tools` for tools.
 
 What it does: starts one Ray head for all runs (a loaded machine can miss Ray's start-up window when
 every run starts its own), one supervised warm-up with the driver's own `warm_start`, exported to a HF
@@ -62,6 +66,11 @@ PRESETS = {  # name -> workload defaults (flags given on the command line win)
     "longtail": {"config": "configs/longtail_cpu.yaml", "task": "column_addition", "policy": "tail",
                  "stem": "histospec_rl_longtail", "prompts": 48, "epochs": 3, "max_difficulty": 48,
                  "max_response_length": 512, "warmup_steps": 400},
+    # The tools run (multi-turn trajectories: call, calculator message, answer; HistoSpec drafts each assistant
+    # turn from the same turn of the prompt's earlier trajectories, speculative/history.py).
+    "tools": {"config": "configs/tools_cpu.yaml", "task": "tool_multiplication", "policy": "twotier",
+              "stem": "histospec_rl_tools", "prompts": 64, "epochs": 4, "max_difficulty": 2,
+              "max_response_length": 160, "warmup_steps": 1600},
 }
 METHODS = {  # name -> overrides
     "none": ["speculative.enabled=false"],

@@ -12,8 +12,8 @@ error rate (errors per call), the share of trajectories that called and turns pe
 Writes docs/benchmarks/tools_run.{json,md,png}; finished seeds are kept in the work directory (run_log.py), so a
 stopped benchmark goes on where it stopped.
 
-Left out: a comparison against a run without tools (the tiny model scores about 0 on this task without a
-calculator; the warm start's answer-only share shows it) and timing figures (docs/benchmarks has them).
+Left out: a separate run without tools (the held-out accuracy before RL is one: greedy decoding after the warm
+start answers without the calculator, and scores about 0) and timing figures (docs/benchmarks has them).
 """
 
 from __future__ import annotations
@@ -77,14 +77,16 @@ def write(runs: list[dict], setup: dict) -> None:
              f"Command: `{setup['command']}`; {setup.get('date', '')}; load average (1, 5, 15 min) before/after "
              "each run in the table: other work shared the 2 cores.", "",
              "| seed | accuracy before RL | after RL | held-out calling share before | after | RL steps | "
-             "tool calls/trajectory, first -> last step | tool errors/call, mean | wall s | load before -> after |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "tool calls/trajectory, first -> last step | train reward, first -> last step | tool errors/call, mean | "
+             "wall s | load before -> after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ps = r["per_step"]
         err = statistics.mean(p["tool_error_rate"] for p in ps) if ps else 0.0
         lines.append(f"| {r['seed']} | {r['accuracy_before']:.3f} | {r['accuracy_after']:.3f} | "
                      f"{r['eval_calling_share_before']:.2f} | {r['eval_calling_share_after']:.2f} | {r['steps']} | "
-                     f"{ps[0]['tool_call_rate']:.2f} -> {ps[-1]['tool_call_rate']:.2f} | {err:.3f} | "
+                     f"{ps[0]['tool_call_rate']:.2f} -> {ps[-1]['tool_call_rate']:.2f} | "
+                     f"{ps[0]['reward']:.2f} -> {ps[-1]['reward']:.2f} | {err:.3f} | "
                      f"{r['wall_s']:.0f} | {r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f} |")
     s = summary
     lines += ["", f"Median over {len(runs)} seeds (min, max): accuracy {s['accuracy_before']['median']:.3f} "
@@ -104,15 +106,17 @@ def plot(runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, ax = plt.subplots(1, 4, figsize=(18, 3.8))
     for r in runs:
         st = [p["step"] for p in r["per_step"]]
         ax[0].plot(st, [p["tool_call_rate"] for p in r["per_step"]], label=f"seed {r['seed']}")
-        ax[1].plot(st, [p["tool_error_rate"] for p in r["per_step"]], label=f"seed {r['seed']}")
-        ax[2].plot([0, 1], [r["accuracy_before"], r["accuracy_after"]], marker="o", label=f"seed {r['seed']}")
+        ax[1].plot(st, [p["reward"] for p in r["per_step"]], label=f"seed {r['seed']}")
+        ax[2].plot(st, [p["tool_error_rate"] for p in r["per_step"]], label=f"seed {r['seed']}")
+        ax[3].plot([0, 1], [r["accuracy_before"], r["accuracy_after"]], marker="o", label=f"seed {r['seed']}")
     ax[0].set(xlabel="RL step", ylabel="tool calls per trajectory", title="Tool-call rate")
-    ax[1].set(xlabel="RL step", ylabel="errors per call", title="Tool error rate")
-    ax[2].set(xticks=[0, 1], xticklabels=["before RL", "after RL"], ylabel="held-out accuracy (greedy, with tools)",
+    ax[1].set(xlabel="RL step", ylabel="reward (share right)", title="Train reward (sampled, T=1)")
+    ax[2].set(xlabel="RL step", ylabel="errors per call", title="Tool error rate")
+    ax[3].set(xticks=[0, 1], xticklabels=["before RL", "after RL"], ylabel="held-out accuracy (greedy, with tools)",
               title="Held-out accuracy")
     for a in ax:
         a.legend(fontsize=8)
