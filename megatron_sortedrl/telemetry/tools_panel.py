@@ -39,6 +39,18 @@ def tools_summary(steps: dict[int, dict[str, Any]]) -> dict[str, float] | None:
             "errors_per_call": errors / calls if calls else 0.0}
 
 
+def _second_axis(ax, xs: list[int], ys: list[float], label: str, ylabel: str, color: str, title: str) -> None:
+    """`ys` as a line on a right-hand axis of `ax`, one legend for both axes, and the panel's title."""
+    right = ax.twinx()
+    right.plot(xs, ys, color=color, linestyle="--", marker=".", label=label)
+    right.set_ylim(bottom=0)
+    right.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = right.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
+
+
 def plot_tools(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
     from megatron_sortedrl.telemetry.report import DPI, plt
 
@@ -53,15 +65,8 @@ def plot_tools(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
             label="share calling a tool")
     ax.set_ylim(bottom=0)
     ax.set(xlabel="training step", ylabel="per trajectory / share")
-    turns = ax.twinx()
-    turns.plot(xs, [steps[s].get("tools/turns_per_trajectory", 0.0) for s in xs], color="#8172B3", linestyle="--",
-               marker=".", label="turns per trajectory")
-    turns.set_ylim(bottom=0)
-    turns.set_ylabel("turns")
-    ax.set_title("Tool use per step", fontsize=10)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = turns.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
+    _second_axis(ax, xs, [steps[s].get("tools/turns_per_trajectory", 0.0) for s in xs], "turns per trajectory",
+                 "turns", "#8172B3", "Tool use per step")
     bottom = [0.0] * len(xs)
     for kind in ERROR_KINDS:
         ys = [steps[s].get(f"tools/errors_{kind}", 0.0) / max(1.0, steps[s]["tools/calls"]) for s in xs]
@@ -70,15 +75,8 @@ def plot_tools(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
             bottom = [b + y for b, y in zip(bottom, ys)]
     axe.set(xlabel="training step", ylabel="errors per call")
     axe.set_ylim(0, max(0.05, 1.2 * max(bottom)))
-    secs = axe.twinx()
-    secs.plot(xs, [steps[s].get("tools/seconds", 0.0) for s in xs], color="#C44E52", marker=".",
-              label="tool wait on the critical path (s)")
-    secs.set_ylim(bottom=0)
-    secs.set_ylabel("seconds")
-    axe.set_title("Tool errors and tool seconds per step", fontsize=10)
-    h1, l1 = axe.get_legend_handles_labels()
-    h2, l2 = secs.get_legend_handles_labels()
-    axe.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
+    _second_axis(axe, xs, [steps[s].get("tools/seconds", 0.0) for s in xs], "tool wait on the critical path (s)",
+                 "seconds", "#C44E52", "Tool errors and tool seconds per step")
     for a in (ax, axe):
         a.grid(alpha=0.3)
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
