@@ -52,7 +52,8 @@ def write_timeline(run: Path) -> None:
                 tl.record("phase", "end", s, t=z, phase=name)
 
 
-def write_metrics(run: Path, spec: bool = True, hist: bool = True, steps: int = STEPS, final: bool = True) -> None:
+def write_metrics(run: Path, spec: bool = True, hist: bool = True, steps: int = STEPS, final: bool = True,
+                  tools: bool = False) -> None:
     m = MetricsWriter(run, tensorboard=False)
     m.log(0, {"eval/accuracy": 0.20})
     for s in range(1, steps + 1):
@@ -69,6 +70,10 @@ def write_metrics(run: Path, spec: bool = True, hist: bool = True, steps: int = 
             row.update({"spec/round_long": float(long), "spec/step/tokens": 100.0,
                         "spec/step/target_forwards": 25.0 if long else 50.0,
                         "spec/step/tokens_per_forward": 4.0 if long else 2.0, "spec/step/accepted_tokens": 50.0})
+        if tools:  # 8 trajectories per step: s + 4 tool calls, s - 1 of them timed out
+            row.update({"tools/calls": float(s + 4), "tools/errors": float(s - 1), "tools/errors_timeout": float(s - 1),
+                        "tools/turns_per_trajectory": 1.5 + 0.1 * s, "tools/calling_share": 0.5,
+                        "tools/seconds": 0.2 * s})
         m.log(s, row)
         if s == 2:
             m.log(s, {"eval/accuracy": 0.30})
@@ -213,3 +218,20 @@ def test_cli_prints_the_path_and_rejects_a_bad_dir_in_one_line(full_run, tmp_pat
         assert main(["report", str(bad)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+def test_tools_section_totals_and_per_step_columns(tmp_path):
+    """A multi-turn run: the Tools section's totals are the sums of the steps' tools/* and the per-step table
+    carries them; a run without tools/* has no Tools section (the page above)."""
+    write_metrics(tmp_path, spec=False, steps=3, tools=True)
+    text = write_run_report(tmp_path).read_text()
+    assert "<h2>Tools</h2>" in text and (tmp_path / "report" / "tools.png").is_file()
+    # 5 + 6 + 7 = 18 calls over 24 trajectories; 0 + 1 + 2 = 3 errors
+    assert "18 tool calls, 0.75 per trajectory; 3 errors, 0.167 per call." in text
+    steps = Tables(text).tables["steps"]
+    assert column(steps, "tool calls") == {1: "5", 2: "6", 3: "7"}
+    assert column(steps, "tool s crit. path") == {1: "0.20", 2: "0.40", 3: "0.60"}
+
+
+def test_no_tools_section_without_tool_metrics(page):
+    assert "<h2>Tools</h2>" not in page and "tool calls" not in page

@@ -435,6 +435,8 @@ _STEP_COLUMNS = (
     ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
     ("reward/critical_path_s", "reward crit. path s", "{:.2f}"), ("reward/workers_active", "reward workers busy", "{:.2f}"),
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
+    ("tools/calls", "tool calls", "{:.0f}"), ("tools/errors", "tool errors", "{:.0f}"),
+    ("tools/turns_per_trajectory", "turns/trajectory", "{:.2f}"), ("tools/seconds", "tool s crit. path", "{:.2f}"),
     ("scheduler/carried", "carried in", "{:.0f}"), ("scheduler/trained", "prompts trained", "{:.0f}"),
     ("scheduler/carry_next", "carried out", "{:.0f}"),
     ("rollout/layout_engines", "engines", "{:.0f}"), ("rollout/layout_tp", "engine TP", "{:.0f}"),
@@ -567,6 +569,14 @@ def write_run_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | No
 
     if (reward_png := plot_reward_stage(run.steps, out / "reward_stage.png")) is not None:
         parts += ["<h2>Reward stage</h2>", f"<figure>{img_tag(reward_png)}<figcaption>{e(REWARD_CAPTION)}</figcaption></figure>"]
+
+    from megatron_sortedrl.telemetry.tools_panel import CAPTION as TOOLS_CAPTION, plot_tools, tools_summary
+
+    if (tools_png := plot_tools(run.steps, out / "tools.png")) is not None:
+        t = tools_summary(run.steps)
+        parts += ["<h2>Tools</h2>", f"<p>{t['calls']:.0f} tool calls, {t['calls_per_trajectory']:.2f} per trajectory; "
+                  f"{t['errors']:.0f} errors, {t['errors_per_call']:.3f} per call.</p>",
+                  f"<figure>{img_tag(tools_png)}<figcaption>{e(TOOLS_CAPTION)}</figcaption></figure>"]
 
     parts.append("<h2>Speculative decoding</h2>")
     acc = plot_acceptance(run, out / "draft_acceptance.png")
