@@ -118,10 +118,14 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
     ends = [e for e in events if e.kind == "phase" and e.event == "end" and e.phase in ("offload", "reload", "sleep",
                                                                                          "wake", "handoff")]
     assert ends and all(e.bytes and e.bytes > 0 for e in ends), [e for e in ends if not e.bytes]
-    offloads = {e.bytes for e in ends if e.phase in ("offload", "reload")}
-    assert len(offloads) == 1  # the same trainer state leaves and comes back every time
-    assert all(r.metrics["colocate/offload_bytes"] == r.metrics["colocate/offload_count"] * next(iter(offloads)) > 0
-               for r in steps)
+    # The same trainer state leaves and comes back every time. It gains Adam's moments at the first RL update (the
+    # warm start's were dropped: trainer.warmup_reset_optimizer) and keeps one size from then on.
+    moved = [(e.step, e.bytes) for e in ends if e.phase in ("offload", "reload")]
+    before, after = {b for s, b in moved if s <= 1}, {b for s, b in moved if s >= 2}
+    assert len(before) == 1 and len(after) == 1 and max(after) > max(before), moved
+    for r in steps:
+        size = max(before if r.metrics["policy/version"] <= 1 else after)
+        assert r.metrics["colocate/offload_bytes"] == r.metrics["colocate/offload_count"] * size > 0
 
     # Partials carried across a sleep resume with their tokens, log-probs and version spans, then go on under a
     # newer policy version.
