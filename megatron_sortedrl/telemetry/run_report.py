@@ -37,7 +37,9 @@ from matplotlib.ticker import MaxNLocator
 from megatron_sortedrl.errors import UserError
 from megatron_sortedrl.metrics import METRICS_FILE, read_jsonl
 from megatron_sortedrl.telemetry.report import (
-    DPI, img_tag, page_start, phase_color, phase_order, plot_breakdown, plot_bubbles, plt)
+    img_tag, page_start, phase_color, phase_order, plot_breakdown, plot_bubbles, plt)
+from megatron_sortedrl.telemetry.spec_panel import plot_acceptance, plot_tokens_per_forward, save as _save
+from megatron_sortedrl.telemetry.spec_panel import tokens_per_forward_by_kind
 from megatron_sortedrl.telemetry.timeline import (
     Event, driver_idle, phase_intervals, phase_window, read_run_timeline, request_intervals, rollout_bubble_by_step,
     step_breakdown, step_windows, worker_bubble_ratio)
@@ -186,12 +188,6 @@ def _integer_steps(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
 def plot_rewards(run: RunData, path: Path) -> Path:
     steps = sorted(run.steps)
     fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -295,71 +291,6 @@ def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEP
                  else f"Rollout requests per worker, step {shown[0]}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path), shown
-
-
-def plot_acceptance(run: RunData, path: Path) -> Path | None:
-    steps = [s for s in sorted(run.steps) if "spec/mean_accepted_length" in run.steps[s]
-             or "spec/acceptance_rate" in run.steps[s]]
-    if not steps:
-        return None
-    fig, ax = plt.subplots(figsize=(9, 3))
-    for key, label, color in (("spec/mean_accepted_length", "mean accepted length (tokens)", "#4C72B0"),
-                              ("spec/tokens_per_forward", "tokens per target forward", "#55A868")):
-        xs = [s for s in steps if key in run.steps[s]]
-        if xs:
-            ax.plot(xs, [run.steps[s][key] for s in xs], label=label, color=color, marker="." if len(xs) <= 60 else None)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("tokens")
-    ax.grid(alpha=0.3)
-    rate = [s for s in steps if "spec/acceptance_rate" in run.steps[s]]
-    handles, labels = ax.get_legend_handles_labels()
-    if rate:
-        ax2 = ax.twinx()
-        ax2.plot(rate, [run.steps[s]["spec/acceptance_rate"] for s in rate], color="#C44E52", linestyle="--",
-                 label="acceptance rate (right axis)")
-        ax2.set_ylim(0, 1)
-        ax2.set_ylabel("acceptance rate")
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.1 if rate else 1.0, 1.0))
-    _integer_steps(ax)
-    ax.set_title("Speculative decoding: draft acceptance per step", fontsize=10)
-    return _save(fig, path)
-
-
-def tokens_per_forward_by_kind(run: RunData) -> dict[str, float]:
-    """Tokens per target forward over all steps, short rounds and long rounds (`spec/step/*`, vLLM's counters)."""
-    sums: dict[str, list[float]] = {}
-    for r in run.steps.values():
-        if r.get("spec/step/target_forwards"):
-            for kind in ("all", "long" if r.get("spec/round_long") else "short"):
-                t = sums.setdefault(kind, [0.0, 0.0])
-                t[0] += r["spec/step/tokens"]
-                t[1] += r["spec/step/target_forwards"]
-    return {k: t[0] / t[1] for k, t in sums.items() if t[1]}
-
-
-def plot_tokens_per_forward(run: RunData, path: Path) -> Path | None:
-    """Per step tokens per target forward, short and long rounds apart, with each kind's run-wide figure."""
-    steps = [s for s in sorted(run.steps) if run.steps[s].get("spec/step/target_forwards")]
-    if not steps or all(run.steps[s].get("spec/step/accepted_tokens", 0) == 0 for s in steps):
-        return None
-    overall = tokens_per_forward_by_kind(run)
-    fig, ax = plt.subplots(figsize=(9, 3))
-    for kind, color in (("short", "#4C72B0"), ("long", "#DD8452")):
-        xs = [s for s in steps if bool(run.steps[s].get("spec/round_long")) == (kind == "long")]
-        if xs:
-            ax.plot(xs, [run.steps[s]["spec/step/tokens_per_forward"] for s in xs], "o", ms=3, color=color,
-                    label=f"{kind} rounds (all steps: {overall.get(kind, float('nan')):.2f})")
-            ax.axhline(overall[kind], color=color, lw=0.8, ls="--")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("tokens / target forward")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    _integer_steps(ax)
-    ax.set_title("Speculative decoding: tokens per target forward per round kind", fontsize=10)
-    return _save(fig, path)
 
 
 def plot_selective(run: RunData, path: Path) -> Path | None:
@@ -504,7 +435,7 @@ def summary_items(run: RunData, bubbles: dict[int, float]) -> list[tuple[str, st
             f"step {s}: {layouts.get(s, '?')}" for s in switches) + ")" if switches else "")))
     spec = [r["spec/mean_accepted_length"] for r in run.steps.values() if "spec/mean_accepted_length" in r]
     items.append(("speculative decoding", f"on, mean accepted length {sum(spec) / len(spec):.2f}" if spec else "off"))
-    tpf = tokens_per_forward_by_kind(run)
+    tpf = tokens_per_forward_by_kind(run.steps)
     if tpf and spec:
         items.append(("tokens per target forward (short / long rounds)", f"{tpf['all']:.2f} ("
                       + " / ".join(f"{tpf[k]:.2f}" if k in tpf else "-" for k in ("short", "long")) + ")"))
@@ -579,10 +510,10 @@ def write_run_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | No
                   f"<figure>{img_tag(tools_png)}<figcaption>{e(TOOLS_CAPTION)}</figcaption></figure>"]
 
     parts.append("<h2>Speculative decoding</h2>")
-    acc = plot_acceptance(run, out / "draft_acceptance.png")
+    acc = plot_acceptance(run.steps, out / "draft_acceptance.png")
     if acc is not None:
         figure("acceptance", acc)
-        figure("tokens_per_forward", plot_tokens_per_forward(run, out / "tokens_per_forward.png"))
+        figure("tokens_per_forward", plot_tokens_per_forward(run.steps, out / "tokens_per_forward.png"))
     else:
         parts.append("<p>Speculative decoding was off in this run (no spec/* metrics), so there is no draft acceptance.</p>")
 
