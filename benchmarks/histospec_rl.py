@@ -59,6 +59,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.ray_head import stop_ray_head  # noqa: E402
+
 BASE_CONFIG = "configs/tiny_cpu.yaml"
 PRESETS = {  # name -> workload defaults (flags given on the command line win)
     "arithmetic": {"config": BASE_CONFIG, "task": "arithmetic", "policy": "twotier", "stem": "histospec_rl",
@@ -413,9 +415,8 @@ def main() -> int:
     try:
         return _benchmark(args, methods, work)
     finally:
-        if head is not None:  # only the head this script started (never `ray stop`: other clusters share the machine)
-            head.terminate()
-            head.wait(120)
+        if head is not None:  # only the head this script started, and its bootstrap file (ray_head.py)
+            stop_ray_head(head, args.ray_address)
 
 
 def _benchmark(args, methods: list[str], work: Path) -> int:

@@ -45,6 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.ray_head import stop_ray_head  # noqa: E402
+
 BASE_CONFIG = "configs/tiny_cpu.yaml"
 VARIANTS = {
     "dynamic_sampling": ["sampling.dynamic=true"],
@@ -300,8 +302,7 @@ def main() -> int:
     try:
         return measure(args, model_dir, work, t_all)
     finally:
-        head.terminate()  # `ray start --block` stops the processes it started when it is terminated
-        head.wait(timeout=120)
+        stop_ray_head(head, args.ray)  # its processes and its bootstrap file (ray_head.py)
 
 
 def measure(args, model_dir: Path, work: Path, t_all: float) -> int:

@@ -196,6 +196,8 @@ class HistoryFeed:
 
         slots = [s for s in getattr(self.pool, "slots", []) if getattr(s, "state", "") == "ready"]
         out: dict[str, float] = {}
+        if not slots:  # no engine to ask: no `ray.get`, which would start (or join) a Ray of its own
+            return out
         for got in ray.get([s.actor.spec_counters.remote() for s in slots]):
             for k in ("tokens", "drafts", "verified_draft_tokens", "accepted_tokens", "engine_steps"):
                 out[k] = out.get(k, 0.0) + float(got.get(k, 0.0))
