@@ -164,8 +164,8 @@ class Session:
         if self.cfg.trainer.warmup_reset_optimizer:  # as the driver's warm start: RL starts from a fresh Adam
             d.trainer.reset_optimizer()
         self.driver.trainer.save_checkpoint(ckpt, extra={})
-        info = {"steps": steps, "reset_optimizer": self.cfg.trainer.warmup_reset_optimizer, "sft_problems": len(pool), "final_loss": out.get("loss"),
-                "seconds": round(time.monotonic() - t0, 1)}
+        info = {"steps": steps, "reset_optimizer": self.cfg.trainer.warmup_reset_optimizer, "sft_problems": len(pool),
+                "final_loss": out.get("loss"), "seconds": round(time.monotonic() - t0, 1)}
         (ckpt.parent / "warm_start.json").write_text(json.dumps(info, indent=1))
         return info
 

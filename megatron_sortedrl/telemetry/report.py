@@ -44,6 +44,13 @@ PHASE_COLORS = {"rollout": "#4C72B0", "reward": "#DD8452", "logprob": "#55A868",
 DPI = 110
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Writes `fig` to `path` at the reports' resolution, frees it, and returns `path` (every report figure)."""
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 @dataclass
 class Report:
     """What was rendered: file paths and the numbers behind the figures (the tests read these)."""
@@ -99,9 +106,7 @@ def plot_heatmap(samples: Samples, events: Sequence[Event], path: Path) -> Path:
     hi = max([t1] + [b for _, _, _, b in spans])
     ax_h.set_xlim(lo, hi)
     fig.colorbar(im, ax=[ax_p, ax_h], label="util %", fraction=0.03, pad=0.01)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_idle_by_phase(summary: Sequence[PhaseUtil], path: Path) -> Path:
@@ -124,9 +129,7 @@ def plot_idle_by_phase(summary: Sequence[PhaseUtil], path: Path) -> Path:
     ax.set_yticks(range(len(keys)), [gpu_label(k, single) for k in keys], fontsize=8)
     ax.set_title("Idle fraction per phase and GPU (1 - mean util)", fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def step_figure(n_steps: int, max_width: float | None = None):
@@ -161,9 +164,7 @@ def plot_bubbles(bubbles: dict[int, dict[str, float]], path: Path, max_width: fl
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_title("Rollout bubble ratio per step (lower is better)", fontsize=10)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 RATIOS = ("worker_bubble", "slot_bubble", "driver_idle")  # per-step ratios kept in the steps table beside phase seconds
@@ -191,9 +192,7 @@ def plot_breakdown(breakdown: dict[int, dict[str, float]], path: Path, max_width
     ax.set_ylabel("seconds")
     ax.set_title("Step time breakdown", fontsize=10)
     ax.legend(fontsize=7, ncol=min(4, len(phases)), loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def step_table(events: Sequence[Event], max_batch: int | None) -> dict[int, dict[str, float]]:

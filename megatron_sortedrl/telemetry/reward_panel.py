@@ -19,7 +19,7 @@ CAPTION = ("Left: seconds per step from the last trained sample finishing genera
 
 
 def plot_reward_stage(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
-    from megatron_sortedrl.telemetry.report import DPI, plt
+    from megatron_sortedrl.telemetry.report import plt, save_figure
 
     xs = [s for s in sorted(steps) if "reward/critical_path_s" in steps[s]]
     if not xs:
@@ -50,6 +50,4 @@ def plot_reward_stage(steps: dict[int, dict[str, Any]], path: Path) -> Path | No
     axw.legend(fontsize=8, loc="best")
     for a in (ax, axw):
         a.grid(alpha=0.3)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -37,9 +37,8 @@ from matplotlib.ticker import MaxNLocator
 from megatron_sortedrl.errors import UserError
 from megatron_sortedrl.metrics import METRICS_FILE, read_jsonl
 from megatron_sortedrl.telemetry.report import (
-    img_tag, page_start, phase_color, phase_order, plot_breakdown, plot_bubbles, plt)
-from megatron_sortedrl.telemetry.spec_panel import plot_acceptance, plot_tokens_per_forward, save as _save
-from megatron_sortedrl.telemetry.spec_panel import tokens_per_forward_by_kind
+    img_tag, page_start, phase_color, phase_order, plot_breakdown, plot_bubbles, plt, save_figure)
+from megatron_sortedrl.telemetry.spec_panel import plot_acceptance, plot_tokens_per_forward, tokens_per_forward_by_kind
 from megatron_sortedrl.telemetry.timeline import (
     Event, driver_idle, phase_intervals, phase_window, read_run_timeline, request_intervals, rollout_bubble_by_step,
     step_breakdown, step_windows, worker_bubble_ratio)
@@ -205,7 +204,7 @@ def plot_rewards(run: RunData, path: Path) -> Path:
     _integer_steps(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def relayout_steps(events: Sequence[Event]) -> list[int]:
@@ -290,7 +289,7 @@ def plot_gantt(events: Sequence[Event], path: Path, last_steps: int = GANTT_STEP
     ax.set_title(f"Rollout requests per worker, steps {shown[0]}-{shown[-1]}" if len(shown) > 1
                  else f"Rollout requests per worker, step {shown[0]}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, path), shown
+    return save_figure(fig, path), shown
 
 
 def plot_selective(run: RunData, path: Path) -> Path | None:
@@ -319,7 +318,7 @@ def plot_selective(run: RunData, path: Path) -> Path | None:
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1.0))
     _integer_steps(ax)
     ax.set_title("Dynamic sampling and history skip per step", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_staleness(totals: dict[int, int], path: Path) -> Path:
@@ -330,7 +329,7 @@ def plot_staleness(totals: dict[int, int], path: Path) -> Path:
     ax.set_xlabel("staleness (policy versions behind the trained policy)")
     ax.set_ylabel("samples")
     ax.set_title(f"Staleness of trained samples, all steps ({sum(totals.values())} samples)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------------

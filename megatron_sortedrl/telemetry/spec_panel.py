@@ -15,13 +15,7 @@ from typing import Any
 
 from matplotlib.ticker import MaxNLocator
 
-from megatron_sortedrl.telemetry.report import DPI, plt
-
-
-def save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+from megatron_sortedrl.telemetry.report import plt, save_figure
 
 
 def plot_acceptance(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
@@ -50,7 +44,7 @@ def plot_acceptance(steps: dict[int, dict[str, Any]], path: Path) -> Path | None
     ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.1 if rate else 1.0, 1.0))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("Speculative decoding: draft acceptance per step", fontsize=10)
-    return save(fig, path)
+    return save_figure(fig, path)
 
 
 def tokens_per_forward_by_kind(steps: dict[int, dict[str, Any]]) -> dict[str, float]:
@@ -85,4 +79,4 @@ def plot_tokens_per_forward(steps: dict[int, dict[str, Any]], path: Path) -> Pat
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("Speculative decoding: tokens per target forward per round kind", fontsize=10)
-    return save(fig, path)
+    return save_figure(fig, path)

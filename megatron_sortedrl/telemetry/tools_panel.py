@@ -52,7 +52,7 @@ def _second_axis(ax, xs: list[int], ys: list[float], label: str, ylabel: str, co
 
 
 def plot_tools(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
-    from megatron_sortedrl.telemetry.report import DPI, plt
+    from megatron_sortedrl.telemetry.report import plt, save_figure
 
     xs = _steps(steps)
     if not xs:
@@ -79,6 +79,4 @@ def plot_tools(steps: dict[int, dict[str, Any]], path: Path) -> Path | None:
                  "seconds", "#C44E52", "Tool errors and tool seconds per step")
     for a in (ax, axe):
         a.grid(alpha=0.3)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
