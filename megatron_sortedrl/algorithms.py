@@ -16,6 +16,10 @@ Conventions (each matches the reference formula in tests/test_algorithms.py):
 * Reinforce++-baseline: the group mean is subtracted first, then the same whitening.
 * PPO-clip with clip-higher: `ratio = exp(clamp(logp - logp_old, -k, k))` (`log_ratio_clamp` k, verl's 20;
   0: no clamp), `loss_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`.
+* Clip statistics per trained token: `clip_frac` (the clipped branch active), split into `clip_frac_high`
+  (ratio above 1 + clip_high, A > 0) and `clip_frac_low` (ratio below 1 - clip_low, A < 0); `ppo_kl` =
+  `logp_old - logp` (verl's k1 estimate of KL(old || current)). All are 0 on the first optimizer step of a
+  harvest (the proximal policy is the current one) and grow over its mini-batches (megatron_sortedrl/minibatch.py).
 * Dual-clip (Ye et al. 2020, verl's `clip_ratio_c`): for A < 0 the loss is also capped at `-c * A`, so a token
   whose ratio has grown far past the clip range (a stale or mismatched sample) cannot push the loss without
   bound; A >= 0 is unchanged (there PPO-clip already bounds it). `c` > 1; 0 turns it off.
@@ -276,7 +280,12 @@ def policy_loss_per_token(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollo
     `mask` (trained tokens) only matters to the sequence mask."""
     pg, clipped, lower, ratio = _ppo_clip(logp, logp_old, advantages, clip_low, clip_high, clip_ratio_c,
                                           log_ratio_clamp)
-    terms = {"pg_loss": pg, "clip_frac": clipped, "ratio": ratio.detach()}
+    r = ratio.detach()
+    terms = {"pg_loss": pg, "clip_frac": clipped, "ratio": r,
+             # which side of the band held a token (clip_frac is their sum), and the k1 estimate of
+             # KL(old || current) over the trained tokens (verl's ppo_kl): all 0 at the first step on a harvest
+             "clip_frac_high": clipped * (r > 1.0).to(logp.dtype), "clip_frac_low": clipped * (r < 1.0).to(logp.dtype),
+             "ppo_kl": (logp_old - logp).detach()}
     if clip_ratio_c > 0:
         terms["clip_frac_lower"] = lower  # verl's pg_clipfrac_lower: tokens held at the dual-clip bound
     if logp_rollout is not None:

@@ -9,7 +9,8 @@ One step of `run()` reads like the algorithm::
     round   = compose_round()          # the scheduling policy picks prompts, layout and placement
     harvest = generate(round)          # stream completions; score each as it lands (reward pool);
                                        # the policy decides when to harvest and what to abort
-    train(harvest.batch)               # advantages from rewards, one optimizer update
+    train(harvest.batch)               # advantages from rewards; one optimizer step per mini-batch
+                                       # (algorithm.ppo_mini_batch_size, minibatch.py)
     sync_weights()                     # trainer -> rollout engines, policy version + 1
     update_history(harvest.batch)      # HistoSpec drafts come from the previous responses of a prompt
     log(); checkpoint(); evaluate()
@@ -49,6 +50,7 @@ from typing import Any, Callable
 from megatron_sortedrl import lifetime
 from megatron_sortedrl.agentic.trajectory import sample_meta, step_metrics, trajectories_for
 from megatron_sortedrl.errors import CheckpointError
+from megatron_sortedrl.minibatch import MiniBatcher, train_update
 from megatron_sortedrl.placement import local_ray_env, socket_env
 from megatron_sortedrl.preflight import preflight
 from megatron_sortedrl.relayout import apply_layout, layout_name
@@ -160,6 +162,8 @@ class Driver:
         marker = self.agentic.renderer.turn_marker() if self.agentic is not None else []
         self.feed = HistoryFeed(cfg.speculative, self.pool, turn_marker=marker)
         self.history = self.feed.store
+        # mini-batches of every harvest; the remainder waits for the next one (minibatch.py)
+        self.minibatch = MiniBatcher(cfg.algorithm.ppo_mini_batch_size, cfg.algorithm.ppo_epochs)
 
     def _end_failed_setup(self) -> None:
         """A set-up that failed part way ends what it started; the error is the caller's to report."""
@@ -180,6 +184,7 @@ class Driver:
         self._saved_step = self.step
         self.policy.load_state_dict(extra["scheduler"])
         self.history.load_state_dict(extra["histospec"])
+        self.minibatch.load_state_dict(extra.get("minibatch", {}))
         random.setstate(extra["rng"])
         self.rewards.stats.update(extra.get("reward_stats", {}))
         self.rewards.load_state_dict(extra.get("reward_stage", {}))  # per-prompt timeout history
@@ -261,11 +266,11 @@ class Driver:
         s.response_text = self.tok.decode(s.response_tokens, skip_special_tokens=True)
         self.rewards.submit(s)
 
-    def train(self, batch: list[Sample]) -> dict[str, float]:
+    def train(self, batch: list[Sample], flush: bool = False) -> dict[str, float]:
+        """The harvest in mini-batches, one optimizer step each (minibatch.py); `flush`: the waiting remainder too."""
         self._phase("train", "start")
         batch, shaping = shape_batch(batch, self.cfg.sampling, self.cfg.rollout.max_response_length)  # overlong
-        adv = self.trainer.advantages(batch)
-        out = self.stream.train(batch, adv) if self.stream else self.trainer.train_step(batch, advantages=adv)
+        out = train_update(self.trainer, self.minibatch, batch, flush, self.stream)
         self._phase("train", "end")
         return {**out, **shaping}
 
@@ -273,6 +278,7 @@ class Driver:
         self._phase("sync", "start")
         self.version += 1
         report = self.colo.hand_off(self.version)  # colocated: the engines' weights wake first
+        self.minibatch.synced(self.version)
         self.policy.on_update(self.version, self.clock)
         self._phase("sync", "end")
         return {"sync/seconds": report.seconds, "sync/bytes": report.bytes}
@@ -307,7 +313,8 @@ class Driver:
         hand_over_rewards(self, wait=True)  # samples still being scored belong to the policy's saved state
         path = self.trainer.save_checkpoint(self.ckpt_root / f"iter_{self.step:07d}", extra={
             "step": self.step, "version": self.version, "scheduler": self.policy.state_dict(),
-            "histospec": self.history.state_dict(), "rng": random.getstate(), "clock_epoch": self.clock.epoch,
+            "histospec": self.history.state_dict(), "minibatch": self.minibatch.state_dict(),
+            "rng": random.getstate(), "clock_epoch": self.clock.epoch,
             "reward_stats": dict(self.rewards.stats), "reward_stage": self.rewards.state_dict(),
             "accuracy_before_rl": self.accuracy_before})
         self._saved_step = self.step
@@ -330,16 +337,18 @@ class Driver:
         harvest = self.generate(rnd) if rnd is not None else None
         while harvest is not None and harvest.stats.get("more"):  # dynamic sampling: another round before training
             harvest = self.generate(self.compose_round())
-        if harvest is None or not harvest.batch:  # data used up (the filter may have dropped all that was left)
+        batch, stats = (harvest.batch, harvest.stats) if harvest is not None else ([], {})
+        if not batch and not self.minibatch.pending:  # data used up (the filter may have dropped all that was left)
             return None
-        train = self.train(harvest.batch)
-        sync = self.sync_weights()
-        spec = self.update_history(harvest.batch, rnd.kind)
+        # the last step, or data used up with a remainder waiting: the remainder trains now
+        train = self.train(batch, flush=not batch or self.step >= self.cfg.trainer.total_steps)
+        sync = self.sync_weights() if train["optimizer_steps"] else {}  # no step: the engines' weights are current
+        spec = self.update_history(batch, rnd.kind) if batch else {}
         step_s = time.monotonic() - t0
-        row = self.log(step_s, harvest.batch, harvest.stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
-                       self.rewards.step_metrics(harvest.batch, step_s), harvest.stats.get("sampling", {}), self.layout_row,
-                       step_metrics(harvest.batch) if self.agentic is not None else {}, self.colo.step_row())
-        return StepResult(self.step, row, harvest.batch)
+        row = self.log(step_s, batch, stats, {f"train/{k}": v for k, v in train.items()}, sync, spec,
+                       self.rewards.step_metrics(batch, step_s), stats.get("sampling", {}), self.layout_row,
+                       step_metrics(batch) if self.agentic is not None else {}, self.colo.step_row())
+        return StepResult(self.step, row, batch)
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> dict[str, Any]:
         cfg = self.cfg

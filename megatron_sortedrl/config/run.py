@@ -74,7 +74,17 @@ class RunConfig:
                 s.update_batch_size,
                 f"a multiple of rollout.n_samples_per_prompt ({r.n_samples_per_prompt}) so groups are never split",
             )
-        adv = self.algorithm.advantage
+        a = self.algorithm
+        if a.ppo_mini_batch_size % r.n_samples_per_prompt:
+            raise ConfigError("algorithm.ppo_mini_batch_size", a.ppo_mini_batch_size,
+                              f"a multiple of rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): mini-batches "
+                              "hold whole prompt groups")
+        if self.trainer.stream and (a.ppo_mini_batch_size or a.ppo_epochs > 1):
+            raise ConfigError("trainer.stream", True,
+                              "false with algorithm.ppo_mini_batch_size > 0 or ppo_epochs > 1 (stream training "
+                              "accumulates one optimizer step per harvest; mini-batch steps need the harvest's old "
+                              "log-probs before the first one)")
+        adv = a.advantage
         # Group-baseline estimators (algorithms.GROUP_BASELINE) subtract a per-prompt statistic: one sample per
         # prompt would train all-zero (or undefined) advantages.
         if adv in ("grpo", "reinforce_pp_baseline", "rloo") and r.n_samples_per_prompt < 2:

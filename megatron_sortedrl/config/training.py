@@ -76,6 +76,17 @@ class AlgorithmConfig:
     log_ratio_clamp: float = help_field(
         "Clamp of log(pi / pi_old) to [-x, x] before exp (verl: 20), so a stale token cannot overflow the ratio; "
         "0 turns it off.", 20.0, min=0)
+    ppo_mini_batch_size: int = help_field(
+        "Samples per optimizer step (verl's ppo_mini_batch_size x rollout.n; slime's global batch): each harvest is "
+        "trained in mini-batches of whole prompt groups, so the update size is this setting whatever the scheduling "
+        "policy harvests; old log-probs are taken once per harvest, before its first step (the PPO clip then binds). "
+        "A remainder smaller than one mini-batch waits for the next harvest (trained last when the data or the run "
+        "ends), so every policy makes the same optimizer steps on the same data. A multiple of "
+        "rollout.n_samples_per_prompt; 0: the whole harvest in one step (the update size follows the policy).",
+        0, min=0)
+    ppo_epochs: int = help_field(
+        "Passes over each harvest's mini-batches (verl's ppo_epochs); the old log-probs stay those of the harvest's "
+        "start.", 1, min=1)
     routing_replay: bool = help_field(
         "MoE models: the trainer replays the experts the engines routed each token to (R3) in the log-prob and "
         "training passes (rollout.return_routed_experts); dense models ignore it.", False)
@@ -114,15 +125,22 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.clip_low", self.clip_low, "a float in [0, 1)")
         if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
             raise ConfigError("algorithm.clip_ratio_c", self.clip_ratio_c, "a float > 1 (dual-clip), or 0 to turn it off")
+        if self.ppo_mini_batch_size < 0:
+            raise ConfigError("algorithm.ppo_mini_batch_size", self.ppo_mini_batch_size, "an integer >= 0 (0: the whole harvest)")
+        if self.ppo_epochs < 1:
+            raise ConfigError("algorithm.ppo_epochs", self.ppo_epochs, "an integer >= 1")
         if not self.log_ratio_clamp >= 0:
             raise ConfigError("algorithm.log_ratio_clamp", self.log_ratio_clamp, "a float >= 0 (0: no clamp)")
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = help_field("Optimizer updates of the RL phase.", 40, min=1)
+    total_steps: int = help_field(
+        "RL steps (harvests) of the RL phase; each makes algorithm.ppo_epochs x its mini-batches optimizer steps "
+        "(one with algorithm.ppo_mini_batch_size 0). The learning-rate schedule advances once per RL step, as "
+        "verl's does.", 40, min=1)
     lr: float = help_field("Adam learning rate.", 1e-4, gt=0)
-    lr_warmup_steps: int = help_field("RL steps of linear learning-rate warm-up from 0.", 0, min=0)
+    lr_warmup_steps: int = help_field("RL steps (harvests) of linear learning-rate warm-up from 0.", 0, min=0)
     lr_decay_style: str = help_field("Learning rate after warm-up over total_steps: constant | linear | cosine.", "constant",
                                      choices=("constant", "linear", "cosine"))
     weight_decay: float = help_field("AdamW weight decay.", 0.0, min=0)

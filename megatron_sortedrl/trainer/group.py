@@ -68,6 +68,39 @@ def _summed(outs: list[dict]) -> dict:
             **({"device_allocated": max(o["device_allocated"] for o in outs)} if "device_allocated" in outs[0] else {})}
 
 
+_SUMMED = ("n_tokens", "skipped")  # over a harvest's optimizer steps; `ratio_max`, `grad_norm_max`: the largest
+_LAST = ("step", "skipped_total")  # counters: the value after the last step
+
+
+def merge_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one harvest's optimizer steps as one row: token-weighted means of the per-token terms
+    (each step's are means over its own tokens), sums of counts, the largest ratio and gradient norm, the
+    learning rate of the first step, and `optimizer_steps`. One step: its own metrics, plus the count."""
+    if len(steps) == 1:
+        return {**steps[0], "optimizer_steps": 1.0, "grad_norm_max": steps[0].get("grad_norm", float("nan"))}
+    out: dict[str, float] = {"optimizer_steps": float(len(steps))}
+    weights = [max(st.get("n_tokens", 1.0), 1.0) for st in steps]
+    for key in steps[0]:
+        vals = [st[key] for st in steps if key in st]
+        if key in _SUMMED:
+            out[key] = float(sum(vals))
+        elif key in _LAST:
+            out[key] = vals[-1]
+        elif key == "ratio_max":
+            out[key] = max(vals)
+        elif key == "lr":
+            out[key] = vals[0]
+        elif key in ("grad_norm", "loss"):
+            out[key] = sum(vals) / len(vals)  # per step: the mean step's
+        else:
+            w = [wt for st, wt in zip(steps, weights) if key in st]
+            out[key] = sum(v * x for v, x in zip(vals, w)) / sum(w)
+    norms = [st["grad_norm"] for st in steps if "grad_norm" in st]
+    if norms:
+        out["grad_norm_max"] = max(norms)
+    return out
+
+
 class TrainerActor:
     """Ray actor body: holds one `TrainerWorker` and forwards calls to it."""
 
@@ -238,6 +271,33 @@ class TrainerGroup:
 
     def _report(self, outs: list) -> dict:
         return outs[self.first_reporter]
+
+    def train_minibatches(self, minibatches: list[list[Sample]], advantages: Sequence,
+                          epochs: int = 1) -> dict[str, float]:
+        """One optimizer step per mini-batch (`megatron_sortedrl/minibatch.py`), `epochs` passes, on a harvest's
+        samples. `advantages`: per sample of the flattened mini-batches, computed once for the harvest. The old
+        (proximal) log-probs are taken once, under the weights before the first step, and held fixed; with a
+        single mini-batch and one epoch they are left to the step itself, which is exactly `train_step` (the
+        proximal policy is then the current one). The learning-rate schedule advances on the first step only.
+        Returns the steps' metrics merged (`merge_step_metrics`) and `optimizer_steps`."""
+        flat = [s for mb in minibatches for s in mb]
+        if len(advantages) != len(flat):
+            raise ValueError(f"{len(advantages)} advantages for {len(flat)} samples")
+        old = self.compute_logprobs(flat) if len(minibatches) > 1 or epochs > 1 else None
+        bounds, start = [], 0
+        for mb in minibatches:
+            bounds.append((start, start + len(mb)))
+            start += len(mb)
+        steps = []
+        for _ in range(epochs):
+            for mb, (a, b) in zip(minibatches, bounds):
+                items = self._rl_items(mb, list(advantages[a:b]), old[a:b] if old is not None else None)
+                steps.append(dict(self._report(self._all("train_step", items, "rl", not steps))))
+        metrics = merge_step_metrics(steps)
+        rewards = [s.reward for s in flat if s.reward is not None]
+        if rewards:
+            metrics["reward_mean"] = float(sum(rewards) / len(rewards))
+        return metrics
 
     def train_step(self, samples: list[Sample], advantages: Sequence | None = None,
                    old_logprobs: list[list[float]] | None = None) -> dict[str, float]:

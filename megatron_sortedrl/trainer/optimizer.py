@@ -118,14 +118,15 @@ def zero_grads(opt, model_chunks: list) -> None:
 
 
 def optimizer_step(opt, sched, model_chunks: list, loss: float, *, grad_clip: float, on_gpu: bool,
-                   lr_override: float | None = None) -> dict[str, float]:
-    """One update after backward + gradient reduction; returns metrics (skipped, grad_norm, lr)."""
+                   lr_override: float | None = None, advance_schedule: bool = True) -> dict[str, float]:
+    """One update after backward + gradient reduction; returns metrics (skipped, grad_norm, lr).
+    `advance_schedule=False` keeps the schedule where it is (a later mini-batch of the same RL step)."""
     if not all_finite(loss, model_chunks):
         zero_grads(opt, model_chunks)
         return {"skipped": 1.0, "grad_norm": float("nan"), "lr": opt.param_groups[0]["lr"]}
     if lr_override is not None:
         set_lr(opt, lr_override)
-    else:
+    elif advance_schedule:
         # Advance first, so RL step k (1-based) runs at the schedule's value for k: warm-up never starts
         # with a zero learning rate, and a supervised step's lr never leaks into an RL step.
         sched.step(increment=1)

@@ -14,8 +14,12 @@ weights `w` use the *global* token / sequence counts. Megatron's schedule divide
 micro-batches and its DDP averages over DP, so the gradient is exactly that of the global aggregated loss
 at any layout.
 
-Deliberately left out: virtual pipeline stages, context parallelism, several optimizer steps per batch
-(one update per `train_step`; the proximal policy is then the current one, see `algorithms.py`).
+Mini-batches: `train_step(items, old_logprobs in the items, advance_schedule=...)` is one optimizer step; the
+group (`group.py`, `train_minibatches`) runs one per mini-batch of a harvest with the harvest's old log-probs
+held fixed, advancing the learning-rate schedule on the harvest's first step only (as verl steps it once per
+rollout step). Without old log-probs the proximal policy is the current one (exact for one step per harvest).
+
+Deliberately left out: virtual pipeline stages, context parallelism.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from megatron_sortedrl.trainer.logprobs import (
     token_logprobs_and_entropy,
 )
 
-METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "clip_frac_lower", "ratio", "tis_weight", "rollout_kl", "kl",
-               "entropy",
+METRIC_KEYS = ("loss", "n_tokens", "pg_loss", "clip_frac", "clip_frac_lower", "clip_frac_high", "clip_frac_low", "ratio",
+               "ppo_kl", "tis_weight", "rollout_kl", "kl", "entropy",
                # trainer-rollout mismatch on the trained tokens and the share each correction masked (algorithms.py)
                "mismatch/logp_abs_diff", "mismatch/k3_kl", "mismatch/ratio_out_of_band", "correction/mis_masked",
                "correction/icepop_masked", "correction/seq_masked")
+MAX_KEYS = ("ratio_max",)  # reduced by max over micro-batches and DP replicas, not summed
 
 
 def on_gpu(cfg) -> bool:
@@ -260,7 +265,7 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
         w = A.token_weights(mb.loss_mask, a.loss_aggregation, n_tok, n_seq)
         loss = (per_tok * w).sum()
         sums = {k: (v.detach() * mb.loss_mask).sum() for k, v in terms.items()}
-        sums.update(loss=loss.detach(), n_tokens=mb.loss_mask.sum())
+        sums.update(loss=loss.detach(), n_tokens=mb.loss_mask.sum(), ratio_max=(terms["ratio"] * mb.loss_mask).max())
         return loss * scale, sums
 
     def _sft_loss(self, n_tok, n_seq, scale, mb, logits):
@@ -291,10 +296,15 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
             return {}
         keys = [k for k in METRIC_KEYS if out and k in out[0]]
         vec = torch.stack([sum(rec[k] for rec in out).float() for k in keys]).cpu()
+        top_keys = [k for k in MAX_KEYS if out and k in out[0]]
+        top = torch.stack([torch.stack([rec[k].float() for rec in out]).max() for k in top_keys]).cpu() \
+            if top_keys else torch.zeros(0)
         if self.dp > 1:
             dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
+            if top_keys:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
         sums = dict(zip(keys, vec.tolist()))
-        metrics = {"loss": sums["loss"], "n_tokens": sums["n_tokens"]}
+        metrics = {"loss": sums["loss"], "n_tokens": sums["n_tokens"], **dict(zip(top_keys, top.tolist()))}
         for k in keys:
             if k not in ("loss", "n_tokens"):
                 metrics[k] = sums[k] / max(sums["n_tokens"], 1.0)
@@ -313,13 +323,14 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
             dist.broadcast(t, src=ranks[-1], group=ps.get_pipeline_model_parallel_group())
         return float(t.item())
 
-    def train_step(self, items: list[dict], kind: str = "rl") -> dict[str, float]:
-        """Forward/backward over all items, then one optimizer update (skipped if anything is non-finite)."""
+    def train_step(self, items: list[dict], kind: str = "rl", advance_schedule: bool = True) -> dict[str, float]:
+        """Forward/backward over all items, then one optimizer update (skipped if anything is non-finite).
+        `advance_schedule=False`: a later mini-batch of the same harvest keeps the harvest's learning rate."""
         self.model.train()
         metrics = self._forward_backward(items, kind)
-        return self._update(metrics, kind)
+        return self._update(metrics, kind, advance_schedule)
 
-    def _update(self, metrics: dict[str, float], kind: str) -> dict[str, float]:
+    def _update(self, metrics: dict[str, float], kind: str, advance_schedule: bool = True) -> dict[str, float]:
         """One optimizer update from the accumulated gradients (skipped if anything is non-finite); shared by
         `train_step` and the stream trainer's `stream_step`."""
         from megatron_sortedrl.trainer.optimizer import optimizer_step
@@ -327,7 +338,7 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
         loss = self._broadcast_loss(metrics)
         lr = self.cfg.trainer.warmup_sft_lr if kind == "sft" else None
         stepped = optimizer_step(self.opt, self.sched, [self.model], loss, grad_clip=self.cfg.trainer.grad_clip,
-                                 on_gpu=self.gpu, lr_override=lr)
+                                 on_gpu=self.gpu, lr_override=lr, advance_schedule=advance_schedule)
         if stepped["skipped"]:
             self.skipped_steps += 1
         elif kind == "rl":
