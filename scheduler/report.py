@@ -9,7 +9,10 @@ Bubble ratios are pooled over all rollout phases, each phase weighted by its wor
 bubble) or slot-seconds (slot bubble), exactly as `worker_bubble_ratio(events)` with `step=None` does;
 they are computed per step on that step's events only, which is the same number but linear in time.
 Throughput is samples trained per second of wall time over the whole run (every policy trains the same
-samples: all prompts x n x epochs). "vs sync" columns are ratios to the `sync` row of the same run.
+samples: all prompts x n x epochs). "vs sync" columns are ratios to the `sync` row of the same run; `x_best_sync`
+(scheduler/equal_footing.py) is the ratio to the better of sync at its recipe batch and sync at the default's mean
+harvest, at the same samples per optimizer step. `updates` are optimizer steps (mini-batches x epochs), and
+`max_staleness_steps` the largest number of optimizer steps between a trained sample's weights and its step.
 
 Left out: accuracy (the simulator has no model), and NVML utilisation.
 """
@@ -68,8 +71,12 @@ def summarize(result: Any) -> dict[str, Any]:
         "relayout_s": phases.get("relayout", 0.0),
         "step_s": result.total_s / max(1, len(rounds)),
         "samples_per_s": samples / result.total_s if result.total_s else 0.0,
-        "samples_per_update": samples / max(1, len(rounds)),
+        "updates": result.optimizer_steps,
+        "harvests": sum(1 for r in rounds if r.get("optimizer_steps")),
+        "samples_per_update": samples / max(1, result.optimizer_steps),
+        "samples_per_harvest": samples / max(1, sum(1 for r in rounds if r.get("optimizer_steps"))),
         "max_staleness": max(stale) if stale else 0,
+        "max_staleness_steps": max((a for r in rounds for a in r.get("staleness_steps", [])), default=0),
         "staleness": {str(k): v for k, v in sorted(stale.items())},
         "preemptions": sum(r["preemptions"] for r in rounds),
         "wasted_tokens": result.policy_stats.get("wasted_tokens", 0),
@@ -88,8 +95,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 COLUMNS = [("policy", "policy", "{}"), ("worker_bubble", "worker bubble", "{:.1%}"), ("slot_bubble", "slot bubble", "{:.1%}"),
            ("rollout_s", "rollout s", "{:.0f}"), ("step_s", "step s", "{:.1f}"), ("samples_per_s", "samples/s", "{:.2f}"),
-           ("throughput_vs_sync", "x sync", "{:.2f}"), ("ratio_to_limit", "x limit", "{:.2f}"),
-           ("samples_per_update", "samples/upd", "{:.0f}"),
+           ("throughput_vs_sync", "x sync", "{:.2f}"), ("x_best_sync", "x best sync", "{:.2f}"),
+           ("ratio_to_limit", "x limit", "{:.2f}"), ("updates", "updates", "{}"),
+           ("samples_per_update", "samples/upd", "{:.0f}"), ("max_staleness_steps", "stale steps", "{}"),
            ("rounds", "rounds", "{}"), ("long_rounds", "long", "{}"), ("max_staleness", "max stale", "{}"),
            ("preemptions", "preempt", "{}")]
 

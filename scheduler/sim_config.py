@@ -35,7 +35,11 @@ class ClusterCosts:
     gpus: int = help_field("Rollout GPUs (colocated: the trainer uses the same GPUs between rounds).", 2)
     gpus_per_node: int = help_field("GPUs per node; a rollout TP group never spans nodes.", 2)
     train_tokens_per_s: float = help_field("Trainer throughput over prompt+response tokens (log-probs + update), whole cluster.", 2000.0)
-    train_fixed_s: float = help_field("Fixed seconds per training step (optimizer, offload/onload).", 1.0)
+    train_fixed_s: float = help_field("Fixed seconds per harvest's train phase (log-prob passes, offload/onload; with "
+                                      "optimizer_step_s 0 also the optimizer step).", 1.0)
+    optimizer_step_s: float = help_field(
+        "Fixed seconds of each optimizer step: a harvest trained in k mini-batches (run.algorithm.ppo_mini_batch_size) "
+        "for e epochs pays it k x e times, besides train_fixed_s once (0: the step is in train_fixed_s).", 0.0)
     weight_sync_s: float = help_field("Seconds to push new weights to the rollout engines after a step.", 0.5)
     relayout_s: float = help_field("Seconds to rebuild the engines when the rollout TP changes.", 5.0)
     reward_latency_s: float = help_field("Seconds from a sample's last token to its reward (scored asynchronously).", 0.05)
@@ -64,7 +68,7 @@ class ClusterCosts:
             raise ConfigError("cluster.gpus", (self.gpus, self.gpus_per_node), "gpus and gpus_per_node >= 1")
         if self.train_tokens_per_s <= 0:
             raise ConfigError("cluster.train_tokens_per_s", self.train_tokens_per_s, "a positive number")
-        for key in ("train_fixed_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
+        for key in ("train_fixed_s", "optimizer_step_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
         # A one-node scenario may give the trainer up to half of its GPUs (scheduler/layout_sim.py).

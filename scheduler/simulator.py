@@ -18,9 +18,12 @@ every engine as a continuous batcher:
 - a finished sample reaches the policy `reward_latency_s` later (rewards are scored asynchronously), plus
   its heavy-tailed scoring time on `reward.workers` reward workers when that section is on
   (`scheduler/reward_cost.py`; each round reports `reward_critical_s`);
-- at harvest the remaining requests are aborted and handed back with their tokens; training takes
-  `train_fixed_s + tokens / train_tokens_per_s`, then `weight_sync_s` (or the layout's own step: a colocated
-  switch around training, a disaggregated network sync; `scheduler/layout_sim.py`); then the next round.
+- at harvest the remaining requests are aborted and handed back with their tokens; the harvest is cut into
+  mini-batches of `run.algorithm.ppo_mini_batch_size` samples as the driver cuts it (`megatron_sortedrl/minibatch.py`:
+  whole groups, the remainder waits for the next harvest, flushed after the last round), and training takes
+  `train_fixed_s + steps x optimizer_step_s + tokens x ppo_epochs / train_tokens_per_s`, then one `weight_sync_s`
+  (or the layout's own step: a colocated switch around training, a disaggregated network sync;
+  `scheduler/layout_sim.py`); a harvest smaller than one mini-batch makes no step and no sync; then the next round.
 
 Every request, phase and worker transition is written as a `megatron_sortedrl.telemetry.timeline` event,
 so the bubble ratios come from the same functions as for a real run (see `scheduler/report.py`).
@@ -58,6 +61,7 @@ from typing import Any
 
 from megatron_sortedrl.config import RunConfig
 from megatron_sortedrl.errors import UserError
+from megatron_sortedrl.minibatch import MiniBatcher
 from megatron_sortedrl.sample import Sample
 from megatron_sortedrl.telemetry.timeline import Event
 from scheduler.base import PolicyBase
@@ -91,6 +95,7 @@ class SimResult:
     total_s: float = 0.0
     max_num_seqs: int = 0
     trajectories: dict[str, Any] = field(default_factory=dict)  # multi-turn: per sample id (TrajectorySim.report)
+    optimizer_steps: int = 0  # every optimizer step of the run, the final remainder's included
 
 
 class Simulator:
@@ -111,6 +116,7 @@ class Simulator:
         self.attempts: dict[str, int] = {}
         self.where: dict[str, SimEngine] = {}
         self.step = 0
+        self.optimizer_steps = 0
         self.preemptions = 0
         self.migrations = 0  # running requests moved to an engine that ran dry (cluster.tail_migration)
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
@@ -118,6 +124,7 @@ class Simulator:
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
         self.traj: TrajectorySim | None = None  # multi-turn trajectories (set by `simulate`; None: single-turn)
+        self.minibatch = MiniBatcher(run.algorithm.ppo_mini_batch_size, run.algorithm.ppo_epochs)  # as the driver
 
     # plumbing ---------------------------------------------------------------------------------------------
     def emit(self, kind: str, event: str, t: float, **kw: Any) -> None:
@@ -301,12 +308,12 @@ class Simulator:
         self.emit("phase", "end", t_end, phase="rollout")
         tokens = sum(len(s.prompt_tokens) + s.response_length for s in h.batch)
         update = bool(h.batch) or not h.stats.get("sampling")  # dynamic sampling: no update on an empty batch
-        streamed = 0.0
+        streamed, steps, ages = 0.0, 0, []
         if update and not h.stats.get("more"):  # dynamic sampling may ask for another round before the update
-            # Stream training and the trainer's placement (scheduler/stream_sim.py): what is left after the harvest.
-            train_s, streamed = train_phase_s(self, h.batch, t0, t_end, tokens)
-            step_phases(self, train_s)  # train and sync, or a colocated switch around train (layout_sim.py)
-            self.policy.on_update(self.policy.version + 1, self.clock, preemptions=self.preemptions)
+            steps, ages, streamed = self.train_update(h.batch, t0, t_end)
+            self.policy.on_update(self.policy.version + (1 if steps else 0), self.clock, preemptions=self.preemptions)
+            if steps:
+                self.minibatch.synced(self.policy.version)
         groups: dict[str, set] = {}
         for s in h.batch:
             groups.setdefault(f"{s.prompt_id}/e{s.epoch}", set()).add(s.reward)
@@ -319,9 +326,29 @@ class Simulator:
                 "reward_critical_s": self.rewards.critical_path(h.batch, t0, t_end), "reward_timeouts": self.rewards.timeouts,
                 "reward_workers": self.rewards.size, "reward_workers_max": self.rewards.size_max,
                 "reward_worker_s": self.rewards.worker_seconds(t_end),
-                "sample_ids": [s.sample_id for s in h.batch],
+                "sample_ids": [s.sample_id for s in h.batch], "optimizer_steps": steps, "staleness_steps": ages,
                 "update": update and not h.stats.get("more"), "informative_groups": sum(len(r) > 1 for r in groups.values()),
                 "sampling": dict(h.stats.get("sampling", {}))}
+
+    def train_update(self, batch: list[Sample], t0: float, t_end: float, flush: bool = False
+                     ) -> tuple[int, list[int], float]:
+        """The train phase of a harvest (`batch`, round from `t0` to `t_end`) in mini-batches, and its weight sync:
+        (optimizer steps, each trained sample's staleness in steps, tokens streamed before the harvest). Without
+        mini-batches (`ppo_mini_batch_size` 0) every harvest is one step, an empty one included, as before."""
+        mb = self.minibatch
+        batches = mb.plan(batch, flush) or ([batch] if mb.size <= 0 and not flush else [])
+        steps = mb.optimizer_steps(batches)
+        if not steps:
+            return 0, [], 0.0
+        ages = mb.staleness(batches)
+        trained = sum(len(s.prompt_tokens) + s.response_length for b in batches for s in b)
+        cap = None if steps == 1 else sum(len(s.prompt_tokens) + s.response_length for s in batches[0])
+        # Stream training and the trainer's placement (scheduler/stream_sim.py): what is left after the harvest.
+        train_s, streamed = train_phase_s(self, batch, t0, t_end, trained, steps, mb.epochs, cap)
+        step_phases(self, train_s)  # train and sync, or a colocated switch around train (layout_sim.py)
+        mb.stepped(steps)
+        self.optimizer_steps += steps
+        return steps, ages, streamed
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
         engine = self.where.pop(sample_id, None)
@@ -358,6 +385,10 @@ class Simulator:
             for key in row["trained"]:
                 result.trained[key] = result.trained.get(key, 0) + 1
             result.rounds.append(row)
+        if self.minibatch.pending:  # the data's last samples that did not fill a mini-batch train now
+            self.step += 1
+            self.train_update([], self.clock.t, self.clock.t, flush=True)
+        result.optimizer_steps = self.optimizer_steps
         result.total_s = self.clock.t
         result.policy_stats = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.policy.stats.items()}
         result.staleness = dict(self.policy.stats["staleness"])

@@ -74,10 +74,16 @@ def stream_round(sim: Any, batch: list, t0: float, t_end: float) -> float:
     return streamed_tokens(idle, finished, t_end, c.gpus, c.train_tokens_per_s)
 
 
-def train_phase_s(sim: Any, batch: list, t0: float, t_end: float, tokens: float) -> tuple[float, float]:
+def train_phase_s(sim: Any, batch: list, t0: float, t_end: float, tokens: float, steps: int = 1, epochs: int = 1,
+                  stream_cap: float | None = None) -> tuple[float, float]:
     """(seconds of the train phase after the harvest at `t_end`, tokens streamed before it) for an update of `batch`
-    (`tokens` prompt + response tokens) whose round started at `t0`."""
+    (`tokens` prompt + response tokens trained) whose round started at `t0`, in `steps` optimizer steps over
+    `epochs` passes (`megatron_sortedrl/minibatch.py`): the fixed cost once, each step's own, every token once per
+    epoch. With several mini-batches only the first one's tokens can be streamed (`stream_cap`): the later ones
+    need the weights after the steps before them."""
     c = sim.sim.cluster
     streamed = stream_round(sim, batch, t0, t_end) if c.stream_training else 0.0
+    if stream_cap is not None:
+        streamed = min(streamed, stream_cap)
     rate = c.train_tokens_per_s * (c.trainer_gpus / c.gpus if c.trainer_gpus else 1.0)
-    return c.train_fixed_s + max(0.0, tokens - streamed) / rate, streamed
+    return c.train_fixed_s + steps * c.optimizer_step_s + max(0.0, tokens * epochs - streamed) / rate, streamed

@@ -1,8 +1,12 @@
 """`python -m megatron_sortedrl simulate <sim.yaml> [key=value ...] --policies sync,sorted,tail,twotier`
 
 Runs the real scheduling policies on the discrete-event cluster simulator (`scheduler/simulator.py`),
-prints a table (bubble ratios, rollout and step time, throughput and its ratio to sync and to the
-scenario's physical limit, samples per update, staleness) and writes a plot and a JSON of the figures. Overrides starting with `run.` change
+prints a table (bubble ratios, rollout and step time, throughput and its ratio to sync, to the best sync at equal
+optimizer steps and to the scenario's physical limit, optimizer steps and samples per step, staleness) and writes a
+plot and a JSON of the figures. With `sync` and another policy among `--policies`, `sync` runs again at a rollout
+batch equal to the default policy's mean harvest (`sync@<B>`), and `x best sync` is each row's throughput over the
+better plain sync (`scheduler/equal_footing.py`); every policy trains `run.algorithm.ppo_mini_batch_size` samples
+per optimizer step. Overrides starting with `run.` change
 the run config the scenario points to (e.g. `run.scheduler.max_staleness=2`), others the scenario
 (e.g. `workload.persistence=0.5`). Timelines per policy are written with `--timelines DIR`.
 
@@ -45,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scheduler.policies import POLICIES
-    from scheduler.report import add_ratios, format_table, plot, summarize
+    from scheduler.report import add_ratios, format_table, plot
     from scheduler.sim_config import load_sim_config
     from scheduler.simulator import simulate
 
@@ -69,14 +73,16 @@ def run(args: argparse.Namespace) -> int:
         (out / "calibration.json").write_text(json.dumps(
             {"run_dir": str(run_dir), "engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}, indent=1))
         print(describe(cal, run_dir))
-    rows, results = [], []
-    for name in names:
+    from scheduler.equal_footing import compare
+
+    def timed(sim_, cfg, name):
         t0 = time.time()
-        result = simulate(sim, run_cfg, name)
-        row = summarize(result)
-        row["sim_wall_s"] = time.time() - t0
-        rows.append(row)
-        results.append(result)
+        result = simulate(sim_, cfg, name)
+        result.policy_stats["sim_wall_s"] = time.time() - t0
+        return result
+
+    def written(name, result, row):
+        row["sim_wall_s"] = result.policy_stats.get("sim_wall_s", 0.0)
         if args.timelines:
             from megatron_sortedrl.telemetry.timeline import TimelineWriter
 
@@ -84,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             with TimelineWriter(Path(args.timelines) / f"timeline.{name}.jsonl") as w:
                 for e in result.events:
                     w.write(e)
+
+    rows, results = compare(sim, run_cfg, names, timed, written)  # + sync@<default's harvest>, x_best_sync
     add_ratios(rows)
     from scheduler.limit import add_limit, physical_limit
 
