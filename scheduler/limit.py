@@ -16,9 +16,10 @@ rollout share the GPUs, so their times add):
     verification step, context only the prompts (the least KV any step reads);
   - *latency*: the longest response decoded alone (batch 1) at the fastest TP and draft length, its context
     growing from its prompt: no round that holds it can be shorter.
-- **Training**: every trained token at `train_tokens_per_s`, plus `train_fixed_s` and `weight_sync_s` for the
-  fewest updates any policy can make (all prompt instances / the largest update, max(rollout_batch_size,
-  group_size) prompts).
+- **Training**: every trained token at `train_tokens_per_s` (once per `ppo_epochs`), plus `train_fixed_s` and
+  `weight_sync_s` for the fewest harvests any policy can make (all prompt instances / the largest harvest,
+  max(rollout_batch_size, group_size) prompts), plus `optimizer_step_s` for every optimizer step, which with
+  mini-batches (`algorithm.ppo_mini_batch_size`) every policy makes alike: ceil(samples / mini-batch) x epochs.
 
 The **any-placement** bound (`any_placement_total_s`) is the one for the disaggregated placement (trainer GPUs of
 their own, training streamed while the engines generate, `scheduler/stream_sim.py`): generation and token
@@ -132,19 +133,22 @@ def physical_limit(sim: SimConfig, run: RunConfig, speculation: bool = True, wor
         lat["seconds"] += lat["tool_s"]
     per_update = max(run.scheduler.rollout_batch_size, run.scheduler.group_size)
     updates = math.ceil(len(prompts) * epochs / per_update)
-    train_s = updates * c.train_fixed_s + train_tokens / c.train_tokens_per_s
+    a = run.algorithm
+    steps = (math.ceil(samples / a.ppo_mini_batch_size) if a.ppo_mini_batch_size else updates) * a.ppo_epochs
+    train_s = updates * c.train_fixed_s + steps * c.optimizer_step_s + train_tokens * a.ppo_epochs / c.train_tokens_per_s
     sync_s = updates * c.weight_sync_s
     rollout_s = max(throughput_s, lat["seconds"])
     total = rollout_s + train_s + sync_s
     # Any placement (disaggregated stream training overlaps generation and training): GPU time of both on all GPUs,
     # and no less than the longest response, plus each update's step and sync, which nothing overlaps.
-    token_train_s = train_tokens / c.train_tokens_per_s
-    any_total = max(throughput_s + token_train_s, lat["seconds"]) + updates * c.train_fixed_s + sync_s
+    token_train_s = train_tokens * a.ppo_epochs / c.train_tokens_per_s
+    fixed_s = updates * c.train_fixed_s + steps * c.optimizer_step_s
+    any_total = max(throughput_s + token_train_s, lat["seconds"]) + fixed_s + sync_s
     return {"total_s": total, "s_per_sample": total / samples, "samples": samples, "rollout_s": rollout_s,
             "any_placement_total_s": any_total, "any_placement_s_per_sample": any_total / samples,
             "rollout_bound": "latency" if lat["seconds"] >= throughput_s else "throughput",
             "throughput_s": throughput_s, "latency_s": lat["seconds"], "train_s": train_s, "sync_s": sync_s,
-            "updates": updates, "response_tokens": resp_tokens, "train_tokens": train_tokens,
+            "updates": updates, "optimizer_steps": steps, "response_tokens": resp_tokens, "train_tokens": train_tokens,
             "longest_response": longest[0], "best_engine": thr, "latency_engine": lat,
             "speculation": speculation}
 
