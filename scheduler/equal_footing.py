@@ -12,8 +12,8 @@ gets by raising its own batch. Here:
   harvest as the driver does, `megatron_sortedrl/minibatch.py`), so on the same data every policy makes the same
   optimizer steps (the `updates` column; the property test in tests/test_equal_footing.py checks it);
 - `sync` runs twice: at its recipe's rollout batch (`scheduler.rollout_batch_size`) and at a rollout batch equal
-  to the default policy's mean harvest (in prompts, rounded; the row `sync@<B>`), the way a `sync` user would
-  amortise the long tail by raising the batch;
+  to the default policy's mean harvest (in prompts, rounded; the row `sync@b<B>`, `sync+histospec@b<B>`), the
+  way a `sync` user would amortise the long tail by raising the batch;
 - `x_best_sync` is each row's throughput over the better of those two plain `sync` rows; a `+histospec` row also
   gets `x_best_sync_histospec`, the ratio to the better `sync+histospec` when those rows ran. Each row carries
   `max_staleness_steps` (optimizer steps between a trained sample's weights and its step).
@@ -47,14 +47,21 @@ def sync_at(run: Any, prompts: int) -> Any:
 
 
 def policy_of(label: str) -> tuple[str, bool]:
-    """(tier-1 policy, speculative) of a row label such as `sync@384+histospec`."""
-    return split_policy(re.sub(r"@\d+", "", label))
+    """(tier-1 policy, speculative) of a row label such as `sync+histospec@b384` (`@<variant>`: a row's variant)."""
+    return split_policy(label.partition("@")[0])
+
+
+def sync_batch_label(label: str) -> bool:
+    """A plain `sync` row at some rollout batch: `sync`, `sync@b<B>` (and their `+histospec` forms)."""
+    variant = label.partition("@")[2]
+    return policy_of(label)[0] == "sync" and (not variant or re.fullmatch(r"b\d+", variant) is not None)
 
 
 def add_best_sync(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`x_best_sync` (and `best_sync`) on every row; `x_best_sync_histospec` on `+histospec` rows."""
+    """`x_best_sync` (and `best_sync`) on every row: the ratio to the faster plain `sync` batch row (other `sync@`
+    variants, with mechanisms of their own, are rows like any other); `x_best_sync_histospec` on `+histospec` rows."""
     def best(spec: bool) -> dict[str, Any] | None:
-        cands = [r for r in rows if policy_of(r["policy"]) == ("sync", spec)]
+        cands = [r for r in rows if sync_batch_label(r["policy"]) and policy_of(r["policy"])[1] == spec]
         return max(cands, key=lambda r: r["samples_per_s"], default=None)
 
     plain, spec = best(False), best(True)
@@ -70,7 +77,7 @@ def add_best_sync(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def compare(sim: Any, run: Any, policies: list[str], simulate: Callable | None = None,
             on_result: Callable[[str, Any, dict], None] | None = None) -> tuple[list[dict], list[Any]]:
     """Simulates `policies`, then each `sync` variant among them again at the default policy's mean harvest
-    (`sync@<B>`, the default is `run.scheduler.policy`, or the first non-sync policy when it did not run);
+    (`sync@b<B>`, the default is `run.scheduler.policy`, or the first non-sync policy when it did not run);
     returns (rows with `x_best_sync`, results) in that order."""
     if simulate is None:
         from scheduler.simulator import simulate
@@ -94,6 +101,6 @@ def compare(sim: Any, run: Any, policies: list[str], simulate: Callable | None =
         b = mean_harvest_prompts(by_name[default], run.rollout.n_samples_per_prompt)
         if b != run.scheduler.rollout_batch_size:
             for p in syncs:
-                label = p.replace("sync", f"sync@{b}", 1)
+                label = f"{p}@b{b}"
                 one(label, sync_at(run, b), p)
     return add_best_sync(rows), results

@@ -25,7 +25,10 @@ def simulated_run(tmp_path, policy, prompts=32, epochs=2):
     second engine 1.5x slower than the first (the costs to recover)."""
     sim, run = load_sim_config("configs/sim_tiny_cpu.yaml", [f"workload.num_prompts={prompts}", f"workload.num_epochs={epochs}",
                                                                       "engine.max_num_seqs=32", "cluster.round_start_s=0.05",
-                                                                      "cluster.engine_slowdown=[1.0,1.5]"])
+                                                                      "cluster.engine_slowdown=[1.0,1.5]",
+                                                                      # one step per harvest, as the runs it fits
+                                                                      "run.algorithm.ppo_mini_batch_size=0",
+                                                                      "cluster.optimizer_step_s=0"])
     result = simulate(sim, run, policy)
     run_dir = write_sim_run(result, tmp_path / f"run_{policy}")
     workload = make_workload(sim.workload, run.rollout.max_response_length)

@@ -43,13 +43,14 @@ def test_every_policy_makes_the_same_optimizer_steps_on_the_same_data(size, seed
 
 
 def test_without_minibatches_the_steps_follow_the_harvests():
-    sim, run = _tiny()
+    sim, run = _tiny("run.algorithm.ppo_mini_batch_size=0")
     steps = {p: simulate(sim, run, p, record=False).optimizer_steps for p in ("sync", "sorted")}
     assert steps["sync"] != steps["sorted"]  # the old footing: one step per harvest
 
 
 def test_each_optimizer_step_costs_its_fixed_seconds_and_the_sync_is_paid_once_per_harvest():
     sim, run = _tiny("run.algorithm.ppo_mini_batch_size=16", "cluster.optimizer_step_s=0.25")
+    assert sim.cluster.optimizer_step_s == 0.25
     base = simulate(replace(sim, cluster=replace(sim.cluster, optimizer_step_s=0.0)), run, "sync")
     paid = simulate(sim, run, "sync")
     assert paid.optimizer_steps == base.optimizer_steps == 8  # 128 samples / 16
@@ -72,7 +73,7 @@ def test_compare_adds_sync_at_the_default_harvest_and_the_ratio_to_the_better_sy
     rows, results = compare(sim, run, ["sync", "twotier"])
     names = [r["policy"] for r in rows]
     b = mean_harvest_prompts(results[1], run.rollout.n_samples_per_prompt)
-    assert names == ["sync", "twotier", f"sync@{b}"] and b != run.scheduler.rollout_batch_size
+    assert names == ["sync", "twotier", f"sync@b{b}"] and b != run.scheduler.rollout_batch_size
     best = max((r for r in rows if r["policy"].startswith("sync")), key=lambda r: r["samples_per_s"])
     assert best["x_best_sync"] == pytest.approx(1.0)
     for r in rows:
@@ -81,11 +82,12 @@ def test_compare_adds_sync_at_the_default_harvest_and_the_ratio_to_the_better_sy
 
 
 def test_histospec_rows_get_both_ratios():
-    rows = add_best_sync([{"policy": "sync", "samples_per_s": 2.0}, {"policy": "sync@8", "samples_per_s": 4.0},
-                          {"policy": "sync@8+histospec", "samples_per_s": 5.0},
-                          {"policy": "twotier+histospec", "samples_per_s": 10.0}])
+    rows = add_best_sync([{"policy": "sync", "samples_per_s": 2.0}, {"policy": "sync@b8", "samples_per_s": 4.0},
+                          {"policy": "sync+histospec@b8", "samples_per_s": 5.0},
+                          {"policy": "twotier+histospec", "samples_per_s": 10.0},
+                          {"policy": "sync@system", "samples_per_s": 8.0}])  # a mechanism variant, not a batch
     assert rows[3]["x_best_sync"] == 2.5 and rows[3]["x_best_sync_histospec"] == 2.0
-    assert rows[3]["best_sync"] == "sync@8" and "x_best_sync_histospec" not in rows[1]
+    assert rows[3]["best_sync"] == "sync@b8" and "x_best_sync_histospec" not in rows[1]
 
 
 def test_the_limit_stays_below_every_policy_with_minibatches():

@@ -16,7 +16,7 @@ from scheduler.sim_config import load_sim_config
 from scheduler.simulator import simulate
 
 SMALL = ["workload.num_prompts=24", "workload.num_epochs=2", "workload.sigma=1.4", "run.scheduler.rollout_batch_size=4",
-         "run.scheduler.update_batch_size=8", "run.scheduler.group_size=8"]
+         "run.scheduler.update_batch_size=8", "run.scheduler.group_size=8", "run.algorithm.ppo_mini_batch_size=8"]
 
 
 def _run(lookahead: bool):

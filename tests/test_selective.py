@@ -311,10 +311,12 @@ def test_driver_generates_more_rounds_before_training_and_ends_on_an_empty_harve
 
     def stub(harvests):
         calls = []
-        d = SimpleNamespace(events=[], step=1, calls=calls, agentic=None, colo=SimpleNamespace(step_row=lambda: {}))
+        d = SimpleNamespace(events=[], step=1, calls=calls, agentic=None, colo=SimpleNamespace(step_row=lambda: {}),
+                            cfg=SimpleNamespace(trainer=SimpleNamespace(total_steps=10)),
+                            minibatch=SimpleNamespace(pending=[]))
         d.compose_round = lambda: calls.append("compose") or SimpleNamespace(kind="short")
         d.generate = lambda rnd: calls.append("generate") or harvests.pop(0)
-        d.train = lambda batch: calls.append(("train", len(batch))) or {}
+        d.train = lambda batch, flush=False: calls.append(("train", len(batch))) or {"optimizer_steps": 1.0}
         d.sync_weights = d.update_history = lambda *a: {}
         d.log = lambda *a: {}
         d.rewards = SimpleNamespace(step_metrics=lambda *a: {})
