@@ -16,14 +16,17 @@ same way: add it with `--replay NAME=PATH`). The committed 32B, 128-GPU scenario
 `agent_*` regimes, last, are multi-turn trajectories with tool calls between turns (scheduler/trajectory_sim.py,
 `AGENT_REGIMES`): the same base, sessions of 1-8 assistant turns, tool latencies log-normal per kind.
 
-Writes docs/benchmarks/regime_grid.json (one row per regime and policy: `throughput_vs_sync`,
-`throughput_vs_best` against the best of sync, sorted and tail in that regime, `worker_bubble`,
-`slot_bubble`, `waste_ratio` = wasted / trained response tokens, `max_staleness`, the staleness
-histogram, `rounds` = optimizer updates, and twotier's logged round decisions summarised). One more row
-per regime, `sync_same_updates`, is a reference and not a baseline: sync with `rollout_batch_size` set to
-twotier's mean update (prompts trained per update), so it makes as many optimizer updates as twotier; it
-shows how much of twotier's gain its larger updates alone would buy), regime_grid.md (the table and whether the
-targets hold) and regime_grid.png.
+Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer step each), so
+all make the same optimizer steps on the same data (`updates`). One more row per regime, `sync_at_harvest`, is
+sync with `rollout_batch_size` set to twotier's mean harvest (in prompts; `rollout_batch_size` says which): the
+way a sync user amortises the tail, and a baseline like the others (scheduler/equal_footing.py).
+
+Writes docs/benchmarks/regime_grid.json (one row per regime and policy: `x_best_sync` against the better of
+sync and sync_at_harvest, `throughput_vs_sync`, `throughput_vs_best` against the best of sync, sync_at_harvest,
+sorted and tail in that regime, `worker_bubble`, `slot_bubble`, `waste_ratio` = wasted / trained response tokens,
+`max_staleness` (policy versions) and `max_staleness_steps` (optimizer steps), the staleness histogram, `updates`
+= optimizer steps, `rounds` = harvests, and twotier's logged round decisions summarised), regime_grid.md (the
+table and whether the targets hold) and regime_grid.png.
 
 `held_out` marks the regimes that were not looked at while the default's rules were designed (the
 design used `light`, `medium`, `heavy` and the 32B scenario only).
@@ -45,12 +48,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.report import summarize  # noqa: E402
+from scheduler.equal_footing import compare  # noqa: E402
+from scheduler.speculation_model import split_policy  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
 
 POLICIES = ("sync", "sorted", "tail", "twotier")
-BASELINES = ("sync", "sorted", "tail")
+BASELINES = ("sync", "sorted", "tail", "sync_at_harvest")
 BASE = "configs/sim_regime_base.yaml"
 TARGETS = {"throughput_vs_best": 0.95, "throughput_vs_sync": 0.95, "waste_ratio": 0.10}
 DESIGNED_ON = {"light", "medium", "heavy", "qwen32b_128gpu"}
@@ -145,30 +149,31 @@ REPLAYS = {
 
 
 def run_regime(name: str, path: str, overrides: list[str]) -> list[dict]:
+    """Every policy at the scenario's mini-batch (equal optimizer steps), then sync at twotier's mean harvest
+    (`sync_at_harvest`, a baseline since every policy trains the same mini-batches; scheduler/equal_footing.py)."""
     sim, run = load_sim_config(ROOT / path, overrides)
-    rows = []
-    for policy in POLICIES:
-        t0 = time.time()
-        result = simulate(sim, run, policy)
-        row = summarize(result)
+    t_start: dict[str, float] = {}
+
+    def timed(sim_, run_, policy):
+        t_start[policy] = time.time()
+        return simulate(sim_, run_, policy)
+
+    def measured(label, result, row):
         row["waste_ratio"] = row["wasted_tokens"] / max(1, sum(sum(r["response_lengths"]) for r in result.rounds))
-        row["sim_wall_s"] = round(time.time() - t0, 1)
+        row["sim_wall_s"] = round(time.time() - t_start[split_policy(label.partition("@")[0])[0]], 1)
         decisions = [d for d in result.policy_stats.get("decisions", [])]
         if decisions:
             row["decisions"] = {"rounds": len(decisions), "first": decisions[0], "last": decisions[-1],
                                 "max_carried": max(d.get("carried", 0) for d in decisions),
                                 "mean_trained_prompts": sum(d.get("trained", 0) for d in decisions) / len(decisions)}
-        rows.append(row)
-    # Reference, not a baseline: sync with twotier's window as its batch. twotier trains fewer, larger updates
-    # than sync at rollout_batch_size; this row shows how much of its gain that alone would buy.
-    tw = next(r for r in rows if r["policy"] == "twotier")
-    batch = max(1, round(tw["samples"] / run.rollout.n_samples_per_prompt / tw["rounds"]))
-    sim_w, run_w = load_sim_config(ROOT / path, overrides + [f"run.scheduler.rollout_batch_size={batch}"])
-    ref = summarize(simulate(sim_w, run_w, "sync"))
-    ref.update(policy="sync_same_updates", waste_ratio=0.0, sim_wall_s=0.0, rollout_batch_size=batch)
-    rows.append(ref)
+
+    rows, _ = compare(sim, run, list(POLICIES), timed, measured)
+    for r in rows:
+        if r["policy"].startswith("sync@b"):  # one stable name across regimes; the batch is kept beside it
+            r["rollout_batch_size"] = int(r["policy"].removeprefix("sync@b"))
+            r["policy"] = "sync_at_harvest"
     by = {r["policy"]: r for r in rows}
-    best = max(by[p]["samples_per_s"] for p in BASELINES)
+    best = max(by[p]["samples_per_s"] for p in BASELINES if p in by)
     for r in rows:
         r["throughput_vs_sync"] = r["samples_per_s"] / by["sync"]["samples_per_s"]
         r["throughput_vs_best"] = r["samples_per_s"] / best
@@ -192,17 +197,19 @@ def write_md(rows: list[dict], path: Path, wall_s: float) -> None:
              f"Targets for `twotier` in every regime: throughput vs best of sync/sorted/tail >= "
              f"{TARGETS['throughput_vs_best']}, vs sync >= {TARGETS['throughput_vs_sync']}, wasted / trained tokens "
              f"<= {TARGETS['waste_ratio']}. Whole grid: {wall_s:.0f} s of simulation on a shared 2-core machine.", "",
-             "`sync_same_updates` is a reference, not a baseline: sync with its rollout batch set to twotier's mean "
-             "update, so it makes as many updates as twotier. `stale share`: trained samples holding tokens of an "
-             "older policy version. `updates`: optimizer updates (all policies train the same samples).", "",
-             "| regime | policy | x sync | x best | worker bubble | slot bubble | waste | max stale | stale share | updates | held out |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Every policy trains the same mini-batches, so all make the same optimizer steps (`updates`). "
+             "`sync_at_harvest` is sync with its rollout batch set to twotier's mean harvest, a baseline; `x best "
+             "sync` is the ratio to the better of the two sync rows. `stale share`: trained samples holding tokens "
+             "of an older policy version; `stale steps`: the most optimizer steps between a sample's weights and "
+             "its step.", "",
+             "| regime | policy | x best sync | x sync | x best | worker bubble | slot bubble | waste | max stale | stale steps | stale share | updates | held out |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = (" ok" if check(r) else " MISSED") if r["policy"] == "twotier" else ""
-        lines.append(f"| {r['regime']} | {r['policy']}{mark} | {r['throughput_vs_sync']:.2f} | {r['throughput_vs_best']:.2f} | "
-                     f"{r['worker_bubble']:.1%} | {r['slot_bubble']:.1%} | {r['waste_ratio']:.2f} | {r['max_staleness']} | "
-                     f"{_stale_share(r):.0%} | "
-                     f"{r['rounds']} | {'yes' if r['held_out'] else 'no'} |")
+        lines.append(f"| {r['regime']} | {r['policy']}{mark} | {r['x_best_sync']:.2f} | {r['throughput_vs_sync']:.2f} | "
+                     f"{r['throughput_vs_best']:.2f} | {r['worker_bubble']:.1%} | {r['slot_bubble']:.1%} | "
+                     f"{r['waste_ratio']:.2f} | {r['max_staleness']} | {r['max_staleness_steps']} | {_stale_share(r):.0%} | "
+                     f"{r['updates']} | {'yes' if r['held_out'] else 'no'} |")
     lines += ["", "Regimes:", ""]
     seen = set()
     for r in rows:
@@ -226,7 +233,7 @@ def plot(rows: list[dict], path: Path) -> None:
     by = {(r["regime"], r["policy"]): r for r in rows}
     fig, ax = plt.subplots(3, 1, figsize=(13, 11))
     width = 0.8 / len(POLICIES)
-    for i, p in enumerate(POLICIES):  # sync_same_updates is in the table and JSON, not the bars
+    for i, p in enumerate(POLICIES):  # sync_at_harvest is in the table and JSON, not the bars
         xs = [j + i * width for j in range(len(regimes))]
         ax[0].bar(xs, [by[(g, p)]["throughput_vs_sync"] for g in regimes], width, label=p)
         ax[1].bar(xs, [min(3.0, by[(g, p)]["waste_ratio"]) for g in regimes], width, label=p)
@@ -238,16 +245,15 @@ def plot(rows: list[dict], path: Path) -> None:
         a.set_xticks([j + 0.4 - width / 2 for j in range(len(regimes))], regimes, rotation=30, ha="right", fontsize=8)
         a.legend(ncol=4, fontsize=8)
     vb = [by[(g, "twotier")]["throughput_vs_best"] for g in regimes]
-    same = [by[(g, "twotier")]["samples_per_s"] / by[(g, "sync_same_updates")]["samples_per_s"]
-            if (g, "sync_same_updates") in by else 0.0 for g in regimes]
+    same = [by[(g, "twotier")]["x_best_sync"] for g in regimes]
     xs = list(range(len(regimes)))
     ax[2].bar([x - 0.2 for x in xs], vb, 0.4, color=["tab:green" if v >= 0.95 else "tab:red" for v in vb],
-              label="twotier / best of sync, sorted, tail (target >= 0.95)")
+              label="twotier / best of sync, sync at twotier's harvest, sorted, tail (target >= 0.95)")
     ax[2].bar([x + 0.2 for x in xs], same, 0.4, color="tab:gray",
-              label="twotier / sync with as many updates as twotier (reference)")
+              label="twotier / the better sync (x_best_sync), same optimizer steps")
     ax[2].axhline(0.95, color="red", lw=0.8, ls="--")
     ax[2].set_xticks(xs, regimes, rotation=30, ha="right", fontsize=8)
-    ax[2].set(ylabel="throughput ratio", title="twotier against the best baseline and against equal-update sync")
+    ax[2].set(ylabel="throughput ratio", title="twotier against the best baseline and the best sync, equal optimizer steps")
     ax[2].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -292,14 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         for r in run_regime(name, path, over):
             rows.append({"regime": name, "description": desc, "reconstructed": reconstructed,
                          "held_out": name not in DESIGNED_ON, **r})
-            print(f"{name:22s} {r['policy']:8s} x sync {r['throughput_vs_sync']:.2f}  x best {r['throughput_vs_best']:.2f}  "
+            print(f"{name:22s} {r['policy']:16s} x best sync {r['x_best_sync']:.2f}  x sync {r['throughput_vs_sync']:.2f}  "
+                  f"x best {r['throughput_vs_best']:.2f}  "
                   f"waste {r['waste_ratio']:.2f}  stale {r['max_staleness']}  wb {r['worker_bubble']:.2f}  "
                   f"({r['sim_wall_s']} s)", flush=True)
     wall = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    keep = ("regime", "description", "reconstructed", "held_out", "policy", "throughput_vs_sync", "throughput_vs_best",
-            "worker_bubble", "slot_bubble", "waste_ratio", "max_staleness", "staleness", "samples_per_s", "total_s",
+    keep = ("regime", "description", "reconstructed", "held_out", "policy", "x_best_sync", "best_sync",
+            "throughput_vs_sync", "throughput_vs_best", "worker_bubble", "slot_bubble", "waste_ratio", "max_staleness",
+            "max_staleness_steps", "staleness", "samples_per_s", "total_s", "updates", "samples_per_update",
             "rounds", "rollout_batch_size", "long_rounds", "wasted_tokens", "tokens_trained", "preemptions", "decisions", "sim_wall_s")
     slim = [{k: r[k] for k in keep if k in r} for r in rows]
     (out / "regime_grid.json").write_text(json.dumps({"base_config": BASE, "targets": TARGETS, "baselines": list(BASELINES),

@@ -9,7 +9,11 @@ Scales: the 2-core CPU default (configs/sim_tiny_cpu.yaml), Qwen2.5-32B on 128 G
 tails (configs/sim_qwen32b_128gpu.yaml) and, only when named, RollPacker's 14B/16k setting on 64 GPUs with
 lookahead on (configs/sim_paper_rollpacker_14b_16k.yaml; nothing was tuned on it). Writes docs/benchmarks/simulation_<scale>.json and .png:
 
-- `rows`: one per variant, with `throughput_vs_sync` (samples/s over sync's, same run) and
+- `rows`: one per variant, every one at the scenario's mini-batch (`algorithm.ppo_mini_batch_size`: the same
+  optimizer steps for all, `updates`), with `x_best_sync` (samples/s over the better of sync at its recipe batch
+  and `sync@b<B>`, sync at twotier's mean harvest of B prompts; `x_best_sync_histospec` the same against the
+  HistoSpec sync rows; scheduler/equal_footing.py), `max_staleness_steps`, `throughput_vs_sync` (samples/s over
+  sync's at its recipe batch, same run) and
   `ratio_to_limit` (time per trained sample over the physical limit's, `scheduler/limit.py`, with the
   scenario's speculation at its best acceptance, so a lower bound for every row; its any-placement form
   for the disaggregated row). The plain policies run the scenario as is; `<policy>@<variant>` rows add the
@@ -43,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scheduler.equal_footing import add_best_sync, mean_harvest_prompts, sync_at, sync_batch_label  # noqa: E402
 from scheduler.limit import add_limit, physical_limit  # noqa: E402
 from scheduler.report import add_ratios, format_table, plot, summarize  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
@@ -186,11 +191,20 @@ def main(argv: list[str]) -> int:
         base_over = SCALE_OVERRIDES.get(scale, [])
         sim, run = load_sim_config(ROOT / path, base_over)
         rows, results = [], []
-        for name in POLICIES:
-            over = variant_overrides(name, sim)
-            if over is None:
-                continue
-            vsim, vrun = load_sim_config(ROOT / path, base_over + over) if over else (sim, run)
+        # equal footing (scheduler/equal_footing.py): sync again at twotier's mean harvest, sync+histospec too
+        harvest = []
+        for name in list(POLICIES) + ["sync@harvest", "sync+histospec@harvest"]:
+            if name.endswith("@harvest"):
+                if not harvest or harvest[0] == run.scheduler.rollout_batch_size:
+                    continue
+                name = name.replace("@harvest", f"@b{harvest[0]}")
+                vsim, vrun = sim, sync_at(run, harvest[0])
+                over = [f"run.scheduler.rollout_batch_size={harvest[0]}"]
+            else:
+                over = variant_overrides(name, sim)
+                if over is None:
+                    continue
+                vsim, vrun = load_sim_config(ROOT / path, base_over + over) if over else (sim, run)
             t0 = time.time()
             result = simulate(vsim, vrun, name.partition("@")[0])
             result.policy = name
@@ -203,15 +217,19 @@ def main(argv: list[str]) -> int:
                 row["speculation"] = result.policy_stats["speculation"]
             rows.append(row)
             results.append(result)
+            if name == "twotier":
+                harvest.append(mean_harvest_prompts(result, run.rollout.n_samples_per_prompt))
             print(f"  {name}: {row['total_s']:.0f} s (simulated in {row['sim_wall_s']} s)", flush=True)
         add_ratios(rows)
+        add_best_sync(rows)
         limit = physical_limit(sim, run, speculation=True)
         limit_plain = physical_limit(sim, run, speculation=False)
         add_limit(rows, limit)
         for r in rows:
             key = "any_placement_s_per_sample" if r["placement"] == "disaggregated" else "s_per_sample"
             r["ratio_to_limit_without_speculation"] = r["total_s"] / r["samples"] / limit_plain[key]
-            same = [q["total_s"] for q in rows if q["policy"] == "sync@" + r["policy"].partition("@")[2]]
+            variant = r["policy"].partition("@")[2]
+            same = [q["total_s"] for q in rows if q["policy"] == "sync@" + variant and not sync_batch_label(q["policy"])]
             r["throughput_vs_sync_same_mechanisms"] = same[0] / r["total_s"] if same and r["total_s"] else None
         print(f"== {sim.name}  (limit {limit['s_per_sample'] * 1000:.1f} ms/sample with speculation, "
               f"{limit_plain['s_per_sample'] * 1000:.1f} without)")

@@ -43,11 +43,16 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-@pytest.mark.parametrize("layout", ["disaggregated", pytest.param("colocated", marks=pytest.mark.slow)])
+MINI_BATCH = 12  # three prompt groups: harvests of two leave remainders that wait (and cross the stops)
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "minibatches", pytest.param("colocated", marks=pytest.mark.slow)])
 def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir, tmp_path, layout):
     run_dir = tmp_path / "run"
-    # colocated: the same invariants with engines that sleep and a trainer whose state leaves for every round
-    args = _overrides(tiny_model_dir, run_dir) + (["cluster.colocate=true"] if layout == "colocated" else [])
+    # colocated: the same invariants with engines that sleep and a trainer whose state leaves for every round;
+    # minibatches: optimizer steps of 12 samples, so the remainder waiting for the next harvest is checkpointed
+    extra = {"colocated": ["cluster.colocate=true"], "minibatches": [f"algorithm.ppo_mini_batch_size={MINI_BATCH}"]}
+    args = _overrides(tiny_model_dir, run_dir) + extra.get(layout, [])
     train_ids = {p.prompt_id for p in load_prompts(load_config("configs/tiny_cpu.yaml", args).data, "train")}
     assert len(train_ids) == N_PROMPTS
 
@@ -87,7 +92,14 @@ def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_di
     rows = step_rows(run_dir)
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, len(steps) + 1)), f"steps missing or repeated: {steps}"
-    assert [r["policy/version"] for r in rows] == steps
+    if layout == "minibatches":  # a version per step that made optimizer steps; every sample trained once
+        made = [r["train/optimizer_steps"] for r in rows]
+        assert [r["policy/version"] for r in rows] == [sum(1 for m in made[:i + 1] if m) for i in range(len(rows))]
+        assert sum(made) == -(-N_PROMPTS * N_SAMPLES // MINI_BATCH) and 0.0 in made
+        assert sum(r["train/samples_trained"] for r in rows) == N_PROMPTS * N_SAMPLES
+        assert rows[-1]["train/samples_waiting"] == 0
+    else:
+        assert [r["policy/version"] for r in rows] == steps
     assert len(steps) > killed_after >= stopped_at + 1
     sample_ids = [sid for r in rows for sid in r["reward/per_sample"]]
     assert len(sample_ids) == len(set(sample_ids)), "a sample was trained twice"

@@ -34,6 +34,7 @@ RECIPES = {
     "tools_cpu.yaml": None,
     "qwen7b_16gpu.yaml": "qwen2.5-7b-instruct",
     "qwen32b_128gpu.yaml": "qwen2.5-32b-instruct",
+    "dapo_qwen32b_128gpu.yaml": "qwen2.5-32b-instruct",
     "llama8b_logic_8gpu.yaml": "llama-3.1-8b-instruct",
     "qwen3_8b_8gpu.yaml": "qwen3-8b",
     "qwen3_30b_a3b_32gpu.yaml": "qwen3-30b-a3b",

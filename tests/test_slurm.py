@@ -194,3 +194,17 @@ def test_missing_node_is_named(tmp_path):
 
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the Slurm emulation needs bash and Linux")
+
+
+def test_dapo_script_launches_its_recipe_on_16_nodes(tmp_path):
+    """slurm/dapo_qwen32b_128gpu.sh, dry run on 16 emulated nodes: its own recipe (not another), the 32B layout."""
+    env = _env(tmp_path, 4343, MSRL_DRY_RUN="1", MSRL_MODEL_DIR=str(REPO / "configs" / "model_shapes" / "qwen2.5-32b-instruct"),
+               MSRL_RUN_DIR=str(tmp_path), MSRL_DATA_DIR=str(tmp_path),
+               SLURM_JOB_NODELIST=",".join(f"node{i}" for i in range(16)))
+    env.pop("MSRL_CONFIG", None)
+    out = subprocess.run(["bash", str(REPO / "slurm" / "dapo_qwen32b_128gpu.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "16 nodes x 8 GPUs = 128 GPUs" in out.stdout and "trainer: 64 ranks, 64 GPUs on nodes 0-7" in out.stdout
+    assert "rollout, short rounds: 32 engines, 64 GPUs on nodes 8-15" in out.stdout
+    assert not (tmp_path / "slurm.log").exists()

@@ -33,7 +33,7 @@ it for its last micro-batch) and `stream_step` reduces the sum of all parts once
 `DriverStream` is the driver's hook (`trainer.stream: true`): it streams a prompt group from the rollout
 loop once the group is complete and certain to be trained (sync: all; twotier: carried prompts).
 
-Left out: several optimizer steps per batch (mini-batches), dropping a part already added (a policy
+Left out: several optimizer steps per batch (mini-batches; the config refuses `trainer.stream` with them), dropping a part already added (a policy
 that may not train a finished group must not stream it), and overlapping the one reduction with the last
 part's backward.
 """
