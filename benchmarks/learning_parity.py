@@ -61,6 +61,11 @@ VARIANTS = {
     "tail": ("tail", False, False, ()),
     "twotier": ("twotier", False, False, ()),
     "twotier+histospec+ds+skip": ("twotier", True, False, ("sampling.dynamic=true", "sampling.history_skip=true")),
+    # Equal footing (docs/trainer.md, mini-batches): run every variant with `--set algorithm.ppo_mini_batch_size=M`
+    # so all make the same optimizer steps; `twotier@onestep` is the default with one step per harvest (the clip
+    # never binds), and `--sync-harvest-prompts B` adds `sync@harvest`, sync at a rollout batch of B prompts (the
+    # default's mean harvest, from `simulate` or a twotier run's `rollout/samples`).
+    "twotier@onestep": ("twotier", False, False, ("algorithm.ppo_mini_batch_size=0",)),
 }
 BASELINE, DEFAULT = "sync", "twotier"
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t(0.975, df)
@@ -98,7 +103,7 @@ class Curve:
         else:  # dynamic sampling: dropped groups and skipped prompts were drawn from the data too
             self.drawn += self.n * (groups + row.get("sampling/filtered_groups", 0) + row.get("sampling/skipped_prompts", 0))
         self.wall += row["time/step_s"]
-        self.updates += 1
+        self.updates += int(row.get("train/optimizer_steps", 1))  # optimizer steps (mini-batches x epochs)
         if self.drawn >= self.next_at:
             while self.next_at <= self.drawn:
                 self.next_at += self.every
@@ -330,7 +335,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/learning_cpu.yaml")
     ap.add_argument("--stem", default="learning_parity", help="output files docs/benchmarks/<stem>.{json,md,png}")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "twotier@onestep"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=None, help="training prompts (default: the config's)")
@@ -341,6 +346,8 @@ def main() -> int:
     ap.add_argument("--sft-prompts", type=int, default=0, help="fresh warm-up problems (default: the config's)")
     ap.add_argument("--kl-probe-samples", type=int, default=2, help="warm-start responses per held-out prompt for KL")
     ap.add_argument("--set", action="append", help="extra config key=value for every run (repeatable)")
+    ap.add_argument("--sync-harvest-prompts", type=int, default=0,
+                    help="add the variant sync@harvest: sync at this rollout batch (prompts), the default's mean harvest")
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--machine-note", default="")
     ap.add_argument("--reading", type=Path, default=None, help="a markdown file with the reading, put into the .md")
@@ -352,6 +359,8 @@ def main() -> int:
     from megatron_sortedrl.config import load_config
     from megatron_sortedrl.errors import UserError
 
+    if args.sync_harvest_prompts:
+        VARIANTS["sync@harvest"] = ("sync", False, False, (f"scheduler.rollout_batch_size={args.sync_harvest_prompts}",))
     names = args.variants.split(",")
     if BASELINE not in names or any(n not in VARIANTS for n in names) or args.repeats < 1:
         print(f"error: --variants must name {BASELINE} and only {', '.join(VARIANTS)} (got {args.variants}); "
