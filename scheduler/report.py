@@ -119,7 +119,7 @@ def plot(rows: list[dict[str, Any]], results: list[Any], path: str, title: str =
     import matplotlib.pyplot as plt
 
     names = [r["policy"] for r in rows]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
     x = range(len(rows))
     ax[0][0].bar([i - 0.2 for i in x], [r["worker_bubble"] * 100 for r in rows], 0.4, label="worker bubble")
     ax[0][0].bar([i + 0.2 for i in x], [r["slot_bubble"] * 100 for r in rows], 0.4, label="slot bubble")
@@ -133,15 +133,22 @@ def plot(rows: list[dict[str, Any]], results: list[Any], path: str, title: str =
     ax[0][1].bar(list(x), [r["total_s"] - b for r, b in zip(rows, bottom)], bottom=bottom, label="sync/other")
     ax[0][1].set(xticks=list(x), xticklabels=names, ylabel="seconds (same samples trained)", title="Wall time")
     ax[0][1].legend()
-    ax[1][0].bar(list(x), [r.get("throughput_vs_sync", 0) for r in rows], color="tab:green")
+    best = all("x_best_sync" in r for r in rows)  # equal footing (scheduler/equal_footing.py)
+    ax[1][0].bar(list(x), [r.get("x_best_sync" if best else "throughput_vs_sync", 0) for r in rows], color="tab:green")
     ax[1][0].axhline(1.0, color="gray", lw=0.8)
-    ax[1][0].set(xticks=list(x), xticklabels=names, ylabel="samples/s relative to sync", title="Throughput vs sync")
+    ax[1][0].set(xticks=list(x), xticklabels=names,
+                 ylabel="samples/s relative to the best sync" if best else "samples/s relative to sync",
+                 title="Throughput vs the best sync, same optimizer steps" if best else "Throughput vs sync")
     width = 0.8 / max(1, len(rows))
     for i, r in enumerate(rows):
         hist = {int(k): v for k, v in r["staleness"].items()}
         ax[1][1].bar([k + i * width for k in hist], list(hist.values()), width, label=r["policy"])
     ax[1][1].set(xlabel="staleness (policy versions)", ylabel="trained samples", title="Staleness histogram")
-    ax[1][1].legend()
+    ax[1][1].legend(fontsize=7, ncol=2)
+    for a in (ax[0][0], ax[0][1], ax[1][0]):
+        a.tick_params(axis="x", labelrotation=35, labelsize=7)
+        for label in a.get_xticklabels():
+            label.set_horizontalalignment("right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
