@@ -306,3 +306,24 @@ def test_loss_option_ranges(override, key):
     assert cfg.algorithm.clip_ratio_c == 0 and cfg.algorithm.log_ratio_clamp == 0
     defaults = load_config(None, ["model.path=/nonexistent/tiny"]).algorithm
     assert (defaults.clip_ratio_c, defaults.log_ratio_clamp) == (3.0, 20.0)  # verl's defaults
+
+
+def test_clip_statistics_by_side_and_kl_to_the_old_policy():
+    """Hand-computed: ratios 1.5 (A > 0: held at 1 + 0.28), 0.5 (A < 0: held at 1 - 0.2), 1.1 (A > 0, inside),
+    0.5 (A > 0: the unclipped branch is smaller, not clipped); ppo_kl is the mean of logp_old - logp."""
+    import math
+
+    import torch
+
+    from megatron_sortedrl import algorithms as A
+
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.5]])
+    old = torch.zeros(1, 4)
+    logp = ratio.log()
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]])
+    _, terms = A.policy_loss_per_token(logp, old, None, adv, clip_low=0.2, clip_high=0.28)
+    assert terms["clip_frac_high"].tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    assert terms["clip_frac_low"].tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert (terms["clip_frac"] == terms["clip_frac_high"] + terms["clip_frac_low"]).all()
+    expected = [-math.log(1.5), -math.log(0.5), -math.log(1.1), -math.log(0.5)]
+    assert terms["ppo_kl"][0].tolist() == pytest.approx(expected, rel=1e-6)
