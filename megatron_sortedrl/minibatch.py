@@ -115,11 +115,16 @@ class MiniBatcher:
         self.step_at_version = {int(k): int(v) for k, v in state.get("step_at_version", {"0": 0}).items()}
 
 
-def staleness_metrics(ages: Sequence[int]) -> dict[str, float]:
-    """Per-update staleness in optimizer steps: mean and max over the trained samples."""
+def staleness_metrics(ages: Sequence[int]) -> dict[str, Any]:
+    """Per-update staleness in optimizer steps over the trained samples: mean, max and the histogram (steps ->
+    samples; every trained sample counted once, at its first step)."""
     if not ages:
         return {}
-    return {"staleness_steps_mean": sum(ages) / len(ages), "staleness_steps_max": float(max(ages))}
+    hist: dict[str, int] = {}
+    for a in sorted(ages):
+        hist[str(a)] = hist.get(str(a), 0) + 1
+    return {"staleness_steps_mean": sum(ages) / len(ages), "staleness_steps_max": float(max(ages)),
+            "staleness_steps_hist": hist}
 
 
 def train_update(trainer: Any, batcher: MiniBatcher, batch: Sequence[Sample], flush: bool = False,

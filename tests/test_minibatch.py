@@ -20,7 +20,7 @@ from stream_support import model_dir  # noqa: F401 - the stream tests' tiny mode
 
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.errors import ConfigError
-from megatron_sortedrl.minibatch import MiniBatcher, group_key, split_minibatches
+from megatron_sortedrl.minibatch import MiniBatcher, group_key, split_minibatches, staleness_metrics
 from megatron_sortedrl.sample import Sample
 
 
@@ -89,7 +89,10 @@ def test_staleness_in_steps_equals_versions_at_one_step_per_harvest_and_counts_s
     assert four.staleness(batches) == [0, 1, 2, 3]
     four.stepped(4)
     four.synced(1)
-    assert four.staleness(four.plan([sample("d", 1), sample("e", 0)])) == [0, 5]
+    ages = four.staleness(four.plan([sample("d", 1), sample("e", 0)]))
+    assert ages == [0, 5]
+    assert staleness_metrics(ages) == {"staleness_steps_mean": 2.5, "staleness_steps_max": 5.0,
+                                       "staleness_steps_hist": {"0": 1, "5": 1}}
 
 
 def test_pending_remainder_survives_a_checkpoint():
@@ -201,3 +204,42 @@ def test_clip_binds_only_after_the_first_step_on_a_harvest(trained):
     assert ep["optimizer_steps"] == 6.0
     assert ep["clip_frac"] > 0.0 and ep["ratio_max"] > 1.0 + 0.28
     assert ep["clip_frac"] == pytest.approx(ep["clip_frac_high"] + ep["clip_frac_low"], abs=1e-6)
+
+
+@pytest.mark.slow  # two DP=2 trainer groups: about 2 minutes on 2 cores
+def test_minibatch_steps_at_dp2_equal_sequential_steps(tiny_model_dir, local_ray):
+    """Data parallelism (two gloo ranks through Ray, as the driver runs them): the group's old log-probs, gathered
+    from both replicas, and its steps give the same parameters as sequential steps with those log-probs."""
+    from helpers import random_rl_samples
+
+    from megatron_sortedrl.config import RunConfig
+    from megatron_sortedrl.trainer.group import TrainerGroup
+
+    cfg = RunConfig()
+    cfg.model.path = str(tiny_model_dir)
+    cfg.cluster.device = "cpu"
+    cfg.parallel.data_parallel_size = 2
+    cfg.trainer.micro_batch_tokens = 48
+    cfg.trainer.lr = 3e-2
+    samples = random_rl_samples(12, seed=4)
+    batches, _ = split_minibatches(samples, 4)
+
+    def trained(minibatches: bool):
+        group = TrainerGroup(cfg)
+        try:
+            adv = group.advantages(samples)
+            if minibatches:
+                metrics = group.train_minibatches(batches, adv)
+            else:
+                old = group.compute_logprobs(samples)
+                metrics = [group.train_step(mb, advantages=adv[4 * k:4 * k + 4], old_logprobs=old[4 * k:4 * k + 4])
+                           for k, mb in enumerate(batches)]
+            return metrics, group.export_hf_weights()
+        finally:
+            group.shutdown()
+
+    merged, a = trained(True)
+    steps, b = trained(False)
+    assert merged["optimizer_steps"] == 3.0 and merged["ratio_max"] == max(s["ratio_max"] for s in steps)
+    assert all(bool((a[k] == b[k]).all()) for k in a)
+    assert any(s["ppo_kl"] != 0.0 for s in steps[1:])
