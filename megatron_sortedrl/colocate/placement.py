@@ -48,8 +48,8 @@ def check_colocated(cfg: Any) -> None:
     for key in ("tensor_parallel_size", "long_round_tensor_parallel_size"):
         tp = getattr(r, key)
         if world % tp:  # an engine's TP group must be whole trainer ranks of one block (also: TP > the world)
-            raise ConfigError(f"rollout.{key}", tp, f"a divisor of the trainer's {world} devices with "
-                              f"cluster.colocate=true ({fits}; the engines run on the trainer's devices), or "
+            raise ConfigError(f"rollout.{key}", tp, f"one of {fits} with cluster.colocate=true (a divisor of the "
+                              f"trainer's devices, TP x PP x DP = {world}: the engines run on them), or "
                               "cluster.colocate=false")
     rollout = r.num_workers * r.tensor_parallel_size
     if rollout > world:
