@@ -91,4 +91,6 @@ def check_signature(fn: Any, key: str, shown: object, params: str, role: str = "
     try:
         sig.bind(*[None] * len(names))
     except TypeError:
-        raise ConfigError(key, shown, f"{role} ({', '.join(names)}); it takes {sig}") from None
+        bare = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                           return_annotation=sig.empty)  # the names and defaults are what matter here
+        raise ConfigError(key, shown, f"{role} ({', '.join(names)}); it takes {bare}") from None
