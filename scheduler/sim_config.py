@@ -7,7 +7,11 @@ A sim YAML names a run config (`run_config`, default configs/tiny_cpu.yaml) plus
 (key=value, as on the command line) for the run-side settings the scheduler reads (rollout.* and
 scheduler.*), and holds the simulator's own sections: `cluster` (GPUs and the costs outside rollout),
 `engine` (`EngineCostModel`) and `workload`. Command-line overrides starting with `run.` go to the run
-config, the others to this file's sections. Errors are `ConfigError`s naming the dotted key.
+config, the others to this file's sections. The file and overrides load through the run config's schema
+(`megatron_sortedrl/schema.py`: every key known, every value of its type and declared range), then each section's
+`__post_init__`, the layout (`check_layout`, `check_engines`) and a replay file's structure; every error is one
+line naming the dotted key and ending with the scenario file. A run config given in a scenario's place is named
+as such. Tests: `python -m pytest tests/test_scenario_schema.py -q`.
 
 Left out: network topology (weight-sync time is one number) and failures.
 """

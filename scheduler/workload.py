@@ -17,7 +17,8 @@ coordinates, so all policies see the same lengths. The median-to-max ratio of re
 1:25 to 1:32 at 16k-32k) corresponds to median ~ max/32 with sigma around 1.2.
 
 Replay: a run timeline (`finish` events, sample ids "<prompt>/e<epoch>/<index>") or a JSON file
-{prompt_id: {epoch: [lengths]}}; a regenerated sample takes the next recorded length of that prompt.
+{prompt_id: {epoch: [lengths]}} (checked against `LENGTHS_SCHEMA` when the scenario loads: a wrong structure is
+one line with the file and the JSON path); a regenerated sample takes the next recorded length of that prompt.
 
 Rewards (`reward`, every workload): a per-prompt pass-rate process that persists across epochs and drifts as
 the policy learns, DAPO-like. Each prompt has a fixed skill rank u ~ U(0, 1), moved per epoch by

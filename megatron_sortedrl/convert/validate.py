@@ -11,7 +11,9 @@ windows, latent attention, a sigmoid or grouped router, shared experts; `MODELLE
 
 Safetensors files are checked from their headers only (8-byte length, JSON header, data offsets), so a
 truncated or missing shard and every missing or mis-shaped tensor is found without reading the weights.
-The expected tensor names and shapes come from the shared weight table (`trainer/weights.py`).
+The expected tensor names and shapes come from the shared weight table (`trainer/weights.py`). A Megatron
+checkpoint read with a Hugging Face config is compared with it from its `.metadata` (`check_config_matches`:
+layers, hidden size, heads, experts, vocabulary, FFN sizes), so a config of another model is named by key.
 
 Deliberately left out: checksums of tensor data (a file of the right length with corrupt bytes passes).
 """
