@@ -41,11 +41,11 @@ class ClusterError(UserError):
     step past `cluster.startup_timeout_s`); the message names what is missing and which nodes are visible."""
 
 
-def import_dotted(key: str, ref: str, allowed: str) -> Any:
+def import_dotted(key: str, ref: str, allowed: str, missing: str = "") -> Any:
     """The object a dotted path `package.module.attr` names (a user's tool, parser, reward, ...); a path without a
     module, a module that does not import (for any reason: a missing dependency, a syntax error, an exception
     its top level raises), or an attribute it lacks is a `ConfigError` naming `key`, with `allowed` saying what
-    fits and the reason in brackets."""
+    fits and the reason in brackets (`missing`, if given, is what to say instead for a missing attribute)."""
     module_name, _, attr = ref.rpartition(".")
     if not module_name:
         raise ConfigError(key, ref, allowed)
@@ -58,7 +58,7 @@ def import_dotted(key: str, ref: str, allowed: str) -> Any:
                                     f"{exception_line(exc)})") from None
     obj = getattr(module, attr, None)
     if obj is None:
-        raise ConfigError(key, ref, f"{allowed} (module '{module_name}' has no '{attr}')")
+        raise ConfigError(key, ref, missing or f"{allowed} (module '{module_name}' has no '{attr}')")
     return obj
 
 

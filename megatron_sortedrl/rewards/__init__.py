@@ -38,10 +38,10 @@ def load_reward_fn(dotted: str) -> RewardFn:
     """Imports `package.module.function`; a bad path (one that does not import, names nothing callable, or a
     function with another signature) is a config error naming data.reward_fn."""
     module_name, _, attr = dotted.rpartition(".")
-    allowed = f"a function named '{attr}' in module '{module_name}'"
-    fn = import_dotted("data.reward_fn", dotted, allowed)
+    named = f"a function named '{attr}' in module '{module_name}'"
+    fn = import_dotted("data.reward_fn", dotted, "an importable module path", missing=named)
     if not callable(fn):
-        raise ConfigError("data.reward_fn", dotted, allowed)
+        raise ConfigError("data.reward_fn", dotted, named)
     check_signature(fn, "data.reward_fn", dotted)
     return fn
 
