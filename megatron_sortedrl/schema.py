@@ -77,8 +77,9 @@ def check_value(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any
         if not isinstance(value, (list, tuple)):
             raise ConfigError(dotted, value, f"a list{_item_hint(meta)}, e.g. {dotted}=[a,b]")
         (item_t,) = typing.get_args(typ) or (Any,)
-        if is_dataclass(item_t):  # a list of sections (a scenario's tool kinds): each item over its defaults
-            return [validate(item_t, merge(defaults(item_t), v) if isinstance(v, dict) else v, f"{dotted}[{i}]")
+        if is_dataclass(item_t):  # a list of sections (a scenario's tool kinds): each item over its defaults,
+            # named like a section (workload.tool_kinds.0.median_s), as the section's own checks name it
+            return [validate(item_t, merge(defaults(item_t), v) if isinstance(v, dict) else v, f"{dotted}.{i}")
                     for i, v in enumerate(value)]
         return [check_value(item_t, v, f"{dotted}[{i}]", meta) for i, v in enumerate(value)]
     if origin is dict:
