@@ -193,7 +193,7 @@ def override_data(item: str, root: type = RunConfig) -> dict[str, Any]:
     """One `key=value` override as nested plain data. The key must name a field of the schema `root` (or a key
     inside a mapping field, model.rope_scaling.factor); the value is read as YAML, except that a string field
     keeps the text as typed: `rollout.return_routed_experts=on` is the string "on", not YAML's boolean, and
-    `name=1e3` stays "1e3"."""
+    `name=1e3` stays "1e3" (and a number field refuses `on` as that text, not as `True`)."""
     key, _, text = item.partition("=")
     typ = _override_type(key, root)
     try:
@@ -206,8 +206,10 @@ def override_data(item: str, root: type = RunConfig) -> dict[str, Any]:
     *parents, leaf = key.split(".")
     for part in parents:
         node = node[part]
-    if typ in (str, str | None) and isinstance(node[leaf], (bool, int, float)):
-        node[leaf] = text.strip()
+    value = node[leaf]
+    if ((typ in (str, str | None) and isinstance(value, (bool, int, float)))
+            or (typ in (int, float, int | None, float | None) and isinstance(value, bool))):
+        node[leaf] = text.strip()  # a number field given `on` is then refused as the text 'on' the user typed
     return data  # type: ignore[return-value]
 
 
