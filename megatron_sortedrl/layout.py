@@ -131,10 +131,14 @@ def check_layout(cfg) -> None:
     """Raises ConfigError when the trainer and rollout layouts do not fit the declared cluster."""
     c, p, r = cfg.cluster, cfg.parallel, cfg.rollout
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-    if (p.tensor_model_parallel_size * p.data_parallel_size) % (ep * etp):
+    ranks = p.tensor_model_parallel_size * p.data_parallel_size
+    if ranks % (ep * etp):
+        fits = [e for e in range(1, ranks + 1) if ranks % (e * etp) == 0]
         raise ConfigError("parallel.expert_model_parallel_size", ep,
                           f"such that EP x expert TP ({ep} x {etp}) divides TP x DP ({p.tensor_model_parallel_size} x "
-                          f"{p.data_parallel_size}): Megatron carves the expert groups out of each stage's TP x DP ranks")
+                          f"{p.data_parallel_size}): Megatron carves the expert groups out of each stage's TP x DP ranks"
+                          + (f" (with this expert TP: {', '.join(map(str, fits))})" if fits else
+                             f"; no EP does with expert TP {etp}: lower parallel.expert_tensor_parallel_size"))
     if c.gpus_per_node == 0:
         return
     for key, tp in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
@@ -153,7 +157,7 @@ def check_layout(cfg) -> None:
     if needed > total:
         raise ConfigError(
             "cluster.num_nodes", c.num_nodes,
-            f"enough nodes for trainer (TPxPPxDP = {p.world_size} GPUs) plus rollout "
-            f"({r.num_workers} engines x TP {r.tensor_parallel_size} = {rollout_gpus} GPUs): {needed} GPUs, "
+            f"at least {-(-needed // c.gpus_per_node)}: enough nodes for trainer (TPxPPxDP = {p.world_size} GPUs) plus "
+            f"rollout ({r.num_workers} engines x TP {r.tensor_parallel_size} = {rollout_gpus} GPUs): {needed} GPUs, "
             f"have {c.num_nodes} x {c.gpus_per_node} = {total}",
         )

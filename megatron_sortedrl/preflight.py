@@ -4,8 +4,10 @@ the config and the files it names is checked here, so a mistake costs a second, 
     from megatron_sortedrl.preflight import preflight
     preflight(cfg, resume_from=None)          # raises a UserError with one line; the CLI exits 2
 
-Checked: settings a real run cannot honour yet (`scheduler.layout_planner=preemption`, cost_model without its engine model); the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
-there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the tools and the tool-call parser (`tools.*`); every directory the run writes (run
+Checked: settings a real run cannot honour yet (`scheduler.layout_planner=preemption`, cost_model without a valid
+scenario YAML for its engine model); the model directory (exists, has config.json and a tokenizer) unless the tiny model will be built
+there, and its chat template when `data.apply_chat_template` is on; the reward function (imports, takes `(sample, ground_truth)`); the tools and the tool-call parser (`tools.*`: each
+imports, has a valid schema and the signature the runner calls; the parser returns a `Parsed`); every directory the run writes (run
 directory, checkpoint directory, TensorBoard directory: created and a file written and removed); the
 checkpoint to resume from (its state file reads as plain data and was written by the same scheduling
 policy). The config's own values and the parallel layout are checked when the config loads (`config/`),

@@ -12,6 +12,8 @@ range its metadata declares (`min`, `max` inclusive; `gt`, `lt` exclusive), a st
 the value and what is allowed. Coercion follows OmegaConf where it is unambiguous (an environment
 variable's "4" for an int, 2 for a float, 7 for a str); anything else is refused rather than guessed.
 
+A list of sections (`list[ToolKind]`) is checked item by item, each over its section's defaults.
+
 Left out: checks that relate several fields (max_difficulty >= min_difficulty, TP divides the heads):
 those stay in each section's `__post_init__`, which runs after this pass.
 """
@@ -75,6 +77,10 @@ def check_value(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any
         if not isinstance(value, (list, tuple)):
             raise ConfigError(dotted, value, f"a list{_item_hint(meta)}, e.g. {dotted}=[a,b]")
         (item_t,) = typing.get_args(typ) or (Any,)
+        if is_dataclass(item_t):  # a list of sections (a scenario's tool kinds): each item over its defaults,
+            # named like a section (workload.tool_kinds.0.median_s), as the section's own checks name it
+            return [validate(item_t, merge(defaults(item_t), v) if isinstance(v, dict) else v, f"{dotted}.{i}")
+                    for i, v in enumerate(value)]
         return [check_value(item_t, v, f"{dotted}[{i}]", meta) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -143,7 +149,9 @@ def build(cls: type, data: dict[str, Any]) -> Any:
     for f in fields(cls):
         if f.name in data:
             typ = hints(cls)[f.name]
-            kwargs[f.name] = build(typ, data[f.name]) if is_dataclass(typ) else data[f.name]
+            item_t = (typing.get_args(typ) or (None,))[0] if typing.get_origin(typ) is list else None
+            kwargs[f.name] = (build(typ, data[f.name]) if is_dataclass(typ) else
+                              [build(item_t, d) for d in data[f.name]] if is_dataclass(item_t) else data[f.name])
     return cls(**kwargs)
 
 
@@ -214,6 +222,10 @@ def _coerce(typ: Any, value: Any, dotted: str, meta: typing.Mapping[str, Any]) -
     if typ is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # YAML reads an unquoted on/off/yes/no as a boolean: the choice so spelled
+            spelled = [c for c in meta.get("choices") or () if str(c).lower() in (_TRUE if value else _FALSE)]
+            if len(spelled) == 1:
+                return spelled[0]
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # `name=2024`: YAML read a number where a name was meant
         raise ConfigError(dotted, value, want)

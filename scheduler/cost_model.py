@@ -47,20 +47,20 @@ GIB = 1024**3
 
 @dataclass
 class EngineCostModel:
-    hbm_gbs: float = help_field("Memory bandwidth of one GPU (or CPU socket share) in GB/s.", 3350.0)
-    gpu_mem_gib: float = help_field("Memory of one GPU in GiB.", 80.0)
-    mem_utilization: float = help_field("Fraction of memory the engine may use (vLLM gpu_memory_utilization).", 0.9)
-    weight_gib: float = help_field("Model weights in GiB (whole model, all TP shards together).", 61.0)
-    kv_bytes_per_token: float = help_field("KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype bytes).", 262144.0)
-    step_overhead_s: float = help_field("Fixed cost of one decode step (scheduling, sampling, launches) in seconds.", 0.006)
-    tp_comm_s: float = help_field("All-reduce cost per decode step per doubling of TP, in seconds.", 0.002)
-    per_seq_s: float = help_field("Compute per running sequence per decode step at TP=1, in seconds.", 0.00004)
-    prefill_tokens_per_s: float = help_field("Prefill throughput of one GPU in tokens/s.", 12000.0)
-    max_num_seqs: int = help_field("Running sequences per engine (vLLM max_num_seqs).", 256)  # type: ignore[assignment]
+    hbm_gbs: float = help_field("Memory bandwidth of one GPU (or CPU socket share) in GB/s.", 3350.0, gt=0)
+    gpu_mem_gib: float = help_field("Memory of one GPU in GiB.", 80.0, gt=0)
+    mem_utilization: float = help_field("Fraction of memory the engine may use (vLLM gpu_memory_utilization).", 0.9, gt=0, max=1)
+    weight_gib: float = help_field("Model weights in GiB (whole model, all TP shards together).", 61.0, min=0)
+    kv_bytes_per_token: float = help_field("KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype bytes).", 262144.0, gt=0)
+    step_overhead_s: float = help_field("Fixed cost of one decode step (scheduling, sampling, launches) in seconds.", 0.006, min=0)
+    tp_comm_s: float = help_field("All-reduce cost per decode step per doubling of TP, in seconds.", 0.002, min=0)
+    per_seq_s: float = help_field("Compute per running sequence per decode step at TP=1, in seconds.", 0.00004, min=0)
+    prefill_tokens_per_s: float = help_field("Prefill throughput of one GPU in tokens/s.", 12000.0, gt=0)
+    max_num_seqs: int = help_field("Running sequences per engine (vLLM max_num_seqs).", 256, min=1)  # type: ignore[assignment]
     expert_weight_gib: float = help_field("MoE: the routed experts' share of weight_gib in GiB (0: a dense model). Decode "
-                                          "reads only the experts a step's tokens are routed to.", 0.0)
-    num_experts: int = help_field("MoE: routed experts per layer (0: dense).", 0)  # type: ignore[assignment]
-    experts_per_token: int = help_field("MoE: experts each token is routed to (top-k).", 0)  # type: ignore[assignment]
+                                          "reads only the experts a step's tokens are routed to.", 0.0, min=0)
+    num_experts: int = help_field("MoE: routed experts per layer (0: dense).", 0, min=0)  # type: ignore[assignment]
+    experts_per_token: int = help_field("MoE: experts each token is routed to (top-k).", 0, min=0)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for key in ("hbm_gbs", "gpu_mem_gib", "kv_bytes_per_token", "prefill_tokens_per_s"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.errors import ConfigError, UserError
 from scheduler.layout import FixedPlanner, make_planner
 
 
@@ -35,9 +35,20 @@ def check_planner(cfg: Any) -> None:
     if s.layout_planner == "preemption":
         raise ConfigError("scheduler.layout_planner", s.layout_planner,
                           "fixed or cost_model in `train` (the engines do not report KV preemptions to the driver yet)")
-    if s.layout_planner == "cost_model" and not (s.layout_cost_model and Path(s.layout_cost_model).is_file()):
+    if s.layout_planner != "cost_model":
+        return
+    allowed = "a simulator YAML whose engine: section models these engines (e.g. configs/sim_tiny_cpu.yaml)"
+    if not (s.layout_cost_model and Path(s.layout_cost_model).is_file()):
+        raise ConfigError("scheduler.layout_cost_model", s.layout_cost_model, allowed)
+    from scheduler.sim_config import read_scenario
+
+    try:
+        read_scenario(Path(s.layout_cost_model))
+    except UserError as err:  # a run config, a typo'd key: named here, before Ray, not when the driver plans
+        if isinstance(err, ConfigError) and err.key == "<sim config file>":
+            raise ConfigError("scheduler.layout_cost_model", s.layout_cost_model, err.allowed) from None
         raise ConfigError("scheduler.layout_cost_model", s.layout_cost_model,
-                          "a simulator YAML whose engine: section models these engines (e.g. configs/sim_tiny_cpu.yaml)")
+                          f"{allowed}; in that file: {str(err).removeprefix('config error: ')}") from None
 
 
 def driver_planner(cfg: Any) -> FixedPlanner:

@@ -41,14 +41,14 @@ COLOCATED_PHASES = ("sleep", "reload", "train", "offload", "wake", "handoff")
 
 @dataclass
 class LayoutCosts:
-    kind: str = help_field("'' (train + sync as before), colocated or disaggregated (cluster.trainer_gpus > 0).", "")
-    trainer_model_parallel: int = help_field("Colocated: the trainer's TP x PP (its weights and gradients per GPU).", 8)  # type: ignore[assignment]
-    sleep_level: int = help_field("Colocated: 1 keeps engine weights in host memory while asleep, 2 frees them.", 2)  # type: ignore[assignment]
+    kind: str = help_field("'' (train + sync as before), colocated or disaggregated (cluster.trainer_gpus > 0).", "", choices=KINDS)
+    trainer_model_parallel: int = help_field("Colocated: the trainer's TP x PP (its weights and gradients per GPU).", 8, min=1)  # type: ignore[assignment]
+    sleep_level: int = help_field("Colocated: 1 keeps engine weights in host memory while asleep, 2 frees them.", 2, choices=(1, 2))  # type: ignore[assignment]
     offload_trainer: bool = help_field("Colocated: the trainer's state leaves the GPU during rollout.", True)
-    offload_gbs: float = help_field("Colocated: host-device GB/s per GPU (plan.offload_gbs; 25 on GPU).", 25.0)
-    handoff_gbs: float = help_field("Colocated: GB/s an engine GPU receives the model over CUDA IPC (plan.handoff_gbs).", 100.0)
-    wake_s: float = help_field("Colocated: seconds to wake an engine beyond copying weights (plan/colocated.py).", 1.0)
-    network_gbs: float = help_field("Disaggregated: GB/s every engine GPU receives the model at (plan.sync_bandwidth_gbs).", 20.0)
+    offload_gbs: float = help_field("Colocated: host-device GB/s per GPU (plan.offload_gbs; 25 on GPU).", 25.0, gt=0)
+    handoff_gbs: float = help_field("Colocated: GB/s an engine GPU receives the model over CUDA IPC (plan.handoff_gbs).", 100.0, gt=0)
+    wake_s: float = help_field("Colocated: seconds to wake an engine beyond copying weights (plan/colocated.py).", 1.0, min=0)
+    network_gbs: float = help_field("Disaggregated: GB/s every engine GPU receives the model at (plan.sync_bandwidth_gbs).", 20.0, gt=0)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -82,12 +82,17 @@ def step_costs(sim: Any, run: Any) -> dict[str, float]:
 
 
 def check_layout(sim: Any) -> None:
-    """A layout kind that contradicts `cluster.trainer_gpus` is refused (ConfigError, the key named)."""
+    """A layout kind that contradicts `cluster.trainer_gpus`, or a trainer TP x PP larger than the trainer's GPUs,
+    is refused (ConfigError, the key named)."""
     kind, trainer = sim.layout.kind, sim.cluster.trainer_gpus
     if kind == "colocated" and trainer:
         raise ConfigError("cluster.trainer_gpus", trainer, "0 with layout.kind=colocated (the trainer uses every GPU)")
     if kind == "disaggregated" and not trainer:
         raise ConfigError("cluster.trainer_gpus", trainer, "> 0 with layout.kind=disaggregated (GPUs of the trainer's own)")
+    if kind == "colocated" and sim.layout.trainer_model_parallel > sim.cluster.gpus:
+        raise ConfigError("layout.trainer_model_parallel", sim.layout.trainer_model_parallel,
+                          f"at most cluster.gpus ({sim.cluster.gpus}) with layout.kind=colocated (the trainer's TP x PP "
+                          "group lies on the scenario's GPUs)")
 
 
 def step_phases(simulator: Any, train_s: float) -> None:

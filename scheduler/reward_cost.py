@@ -36,15 +36,15 @@ from megatron_sortedrl.errors import ConfigError
 
 @dataclass
 class RewardCostConfig:
-    workers: int = help_field("Reward workers scoring in parallel (0: off, use cluster.reward_latency_s).", 0)
-    median_s: float = help_field("Median scoring seconds per sample (log-normal).", 0.5)
-    sigma: float = help_field("Log-normal sigma of scoring time (heavier tail when larger).", 1.5)
-    timeout_s: float = help_field("Scoring time is cut here (a timeout).", 10.0)
-    seed: int = help_field("Seed of the scoring-time draws.", 0)
-    max_workers: int = help_field("Autoscaling: most workers (0 or <= workers: a fixed pool of `workers`).", 0)
-    target_drain_s: float = help_field("Autoscaling: start a worker when a sample would wait longer than this.", 1.0)
-    start_s: float = help_field("Autoscaling: seconds from starting a worker to its first sample.", 2.0)
-    idle_s: float = help_field("Autoscaling: give a worker back after this long idle.", 10.0)
+    workers: int = help_field("Reward workers scoring in parallel (0: off, use cluster.reward_latency_s).", 0, min=0)
+    median_s: float = help_field("Median scoring seconds per sample (log-normal).", 0.5, gt=0)
+    sigma: float = help_field("Log-normal sigma of scoring time (heavier tail when larger).", 1.5, min=0)
+    timeout_s: float = help_field("Scoring time is cut here (a timeout).", 10.0, gt=0)
+    seed: int = help_field("Seed of the scoring-time draws.", 0, min=0)
+    max_workers: int = help_field("Autoscaling: most workers (0 or <= workers: a fixed pool of `workers`).", 0, min=0)
+    target_drain_s: float = help_field("Autoscaling: start a worker when a sample would wait longer than this.", 1.0, min=0)
+    start_s: float = help_field("Autoscaling: seconds from starting a worker to its first sample.", 2.0, min=0)
+    idle_s: float = help_field("Autoscaling: give a worker back after this long idle.", 10.0, min=0)
 
     def __post_init__(self) -> None:
         if self.workers < 0:

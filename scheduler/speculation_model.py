@@ -63,15 +63,15 @@ SPEC_SUFFIX = "+histospec"
 class SpeculationConfig:
     """Defaults: the fit in docs/benchmarks/histospec_sim_calibration.json (tiny model on CPU, `calibrate`)."""
 
-    alpha_0: float = help_field("Per-draft-token acceptance with history from the current policy (age 0).", 0.8978)
-    alpha_inf: float = help_field("Per-draft-token acceptance once the policy has moved far from the history.", 0.3107)
-    tau_versions: float = help_field("Policy versions over which acceptance decays from alpha_0 towards alpha_inf.", 17.0)
-    shape: float = help_field("Exponent p of the decay exp(-(age / tau)^p): 1 exponential, 2 Gaussian (slow, then fast).", 1.5)
-    jitter: float = help_field("Per-request relative spread of acceptance (uniform +-jitter).", 0.1)
-    alpha_cap: float = help_field("Highest per-request acceptance (also what the physical limit assumes).", 0.97)
-    min_draft_tokens: int = help_field("Adaptive draft length: start and floor (speculative.min_draft_tokens).", 2)  # type: ignore[assignment]
-    max_draft_tokens: int = help_field("Adaptive draft length cap (speculative.max_draft_tokens).", 16)  # type: ignore[assignment]
-    drafter_s_per_step: float = help_field("Drafter time per engine step with drafts, in seconds.", 0.0003)
+    alpha_0: float = help_field("Per-draft-token acceptance with history from the current policy (age 0).", 0.8978, min=0, lt=1)
+    alpha_inf: float = help_field("Per-draft-token acceptance once the policy has moved far from the history.", 0.3107, min=0, lt=1)
+    tau_versions: float = help_field("Policy versions over which acceptance decays from alpha_0 towards alpha_inf.", 17.0, gt=0)
+    shape: float = help_field("Exponent p of the decay exp(-(age / tau)^p): 1 exponential, 2 Gaussian (slow, then fast).", 1.5, gt=0)
+    jitter: float = help_field("Per-request relative spread of acceptance (uniform +-jitter).", 0.1, min=0, max=1)
+    alpha_cap: float = help_field("Highest per-request acceptance (also what the physical limit assumes).", 0.97, min=0, lt=1)
+    min_draft_tokens: int = help_field("Adaptive draft length: start and floor (speculative.min_draft_tokens).", 2, min=1)  # type: ignore[assignment]
+    max_draft_tokens: int = help_field("Adaptive draft length cap (speculative.max_draft_tokens).", 16, min=1)  # type: ignore[assignment]
+    drafter_s_per_step: float = help_field("Drafter time per engine step with drafts, in seconds.", 0.0003, min=0)
     sibling_drafts: bool = help_field("As the engines' `speculative.sibling_drafts`: a finished response reaches the "
                                       "drafters at once, and its siblings still running re-resolve their rate from it.", True)
 

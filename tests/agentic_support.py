@@ -83,3 +83,36 @@ def parse_shout(text: str):
     from megatron_sortedrl.agentic.parsers import Parsed, ToolCall
 
     return Parsed([ToolCall(text.split()[1], {})]) if text.startswith("CALL ") else Parsed([])
+
+
+# Extension points with the wrong signature or return (preflight refuses each in one line).
+@_tool("no_state")
+def no_state(arguments: dict) -> str:
+    return ""
+
+
+class CreateWithoutState:
+    name = "create_without_state"
+    schema = {"name": "create_without_state", "parameters": {"type": "object", "properties": {}}}
+
+    def create(self) -> None:
+        pass
+
+    def __call__(self, arguments: dict, state: dict) -> str:
+        return ""
+
+
+class BadSchema:
+    name = "bad_schema"
+    schema = {"name": "bad_schema", "parameters": {"type": "object", "properties": {"x": {"type": "strng"}}}}
+
+    def __call__(self, arguments: dict, state: dict) -> str:
+        return ""
+
+
+def parse_with_tools(text: str, tools: list):
+    return parse_shout(text)
+
+
+def parse_to_list(text: str):
+    return []

@@ -125,6 +125,14 @@ def test_tools_load_by_builtin_name_function_and_class():
     (["calculator", "calculator"], "hermes", "tools.tools", "appears twice"),
     (["calculator"], "hermes2", "tools.parser", "one of hermes"),
     (["calculator"], "no_such_pkg_xyz.parse", "tools.parser", "import failed"),
+    # Signatures as the runner calls them, and a parser's return, checked before the run, not at its first tool turn.
+    (["agentic_support.no_state"], "hermes", "tools.tools",
+     "a tool function (or __call__) taking (arguments, state); it takes (arguments)"),
+    (["agentic_support.CreateWithoutState"], "hermes", "tools.tools", "a tool whose create takes (state); it takes ()"),
+    (["agentic_support.BadSchema"], "hermes", "tools.tools", "\"parameters\" of bad_schema is not a JSON schema ("),
+    (["calculator"], "agentic_support.parse_with_tools", "tools.parser",
+     "a function taking (text); it takes (text, tools)"),
+    (["calculator"], "agentic_support.parse_to_list", "tools.parser", "on an empty turn it returned list, not a Parsed"),
 ])
 def test_preflight_names_the_bad_key_in_one_line(tools, parser, key, says):
     cfg = SimpleNamespace(tools=SimpleNamespace(tools=tools, parser=parser, timeout_s=5.0),

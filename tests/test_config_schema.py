@@ -21,8 +21,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,61 +28,22 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schema_cases import bad_field, by_key, cases, names_key, nested, unbounded
 
 from megatron_sortedrl.cli import main
 from megatron_sortedrl.config import RunConfig, help_field, load_config
 from megatron_sortedrl.errors import ConfigError
-from megatron_sortedrl.schema import RANGE_KEYS, describe, leaf_fields, section_paths
+from megatron_sortedrl.schema import describe, leaf_fields, section_paths
 
 REPO = Path(__file__).resolve().parent.parent
 LEAVES = leaf_fields(RunConfig)
 SECTIONS = section_paths(RunConfig)
-
-
-def _kind(typ) -> str:
-    """int, float, bool, str, list or dict (`X | None` counts as X); "other" for anything else."""
-    args = [a for a in typing.get_args(typ) if a is not type(None)]
-    if typing.get_origin(typ) in (typing.Union, types.UnionType) and len(args) == 1:
-        return _kind(args[0])
-    kind = {list: "list", dict: "dict"}.get(typing.get_origin(typ)) or getattr(typ, "__name__", str(typ))
-    return kind if kind in WRONG_TYPE else "other"
-
-
-WRONG_TYPE = {"int": ["abc", 1.5, [1], True], "float": ["abc", [0.5], False, "nan"], "bool": ["maybe", 3, [True]],
-              "str": [[1], True], "list": ["x", 3], "dict": ["x", 3, [1]]}
-
-
-def out_of_range(typ, meta) -> list:
-    """Values just outside the declared range: the boundary of an open bound, one past a closed one."""
-    values: list = []
-    choices = meta.get("choices")
-    if choices:
-        values.append(["not_a_choice"] if _kind(typ) == "list" else "not_a_choice")
-    step = 1 if typ is int else 0.5
-    if meta.get("min") is not None:
-        values.append(meta["min"] - step)
-    if meta.get("max") is not None:
-        values.append(meta["max"] + step)
-    if meta.get("gt") is not None:
-        values.append(meta["gt"])
-    if meta.get("lt") is not None:
-        values.append(meta["lt"])
-    return values
-
-
-def cases() -> list[tuple[str, str, object]]:
-    rows = []
-    for key, typ, f in LEAVES:
-        rows += [(key, "wrong type", v) for v in WRONG_TYPE.get(_kind(typ), [])]
-        rows += [(key, "out of range", v) for v in out_of_range(typ, f.metadata)]
-        if _kind(typ) != "dict":
-            rows.append((key, "section for a scalar", {"zz": 1}))
-    for key, _ in SECTIONS:
-        rows += [(key, "scalar for a section", v) for v in ("none", 3)]
-    return rows
-
-
-CASES = cases()
+CASES = cases(LEAVES, SECTIONS)
+# The fields of the features added last: tool use, the cluster (colocation) and Mixture-of-Experts.
+FEATURE_KEYS = ("tools.", "cluster.", "parallel.expert_", "model.tiny.num_experts", "model.tiny.moe_",
+                "model.tiny.architecture", "rollout.return_routed_experts", "algorithm.routing_replay",
+                "trainer.moe_")
+FEATURE_LEAVES = [leaf for leaf in LEAVES if leaf[0].startswith(FEATURE_KEYS)]
 
 
 def run_cli(argv: list[str]) -> tuple[int, list[str]]:
@@ -101,16 +60,17 @@ def run_cli(argv: list[str]) -> tuple[int, list[str]]:
 def test_the_schema_is_covered():
     """Every leaf and section yields cases, and every numeric field declares its range: a new field without
     one fails here (add min/max/gt/lt to its help_field, or field metadata in scheduler/ and speculative/)."""
-    assert len(LEAVES) > 150 and {k for k, _ in SECTIONS} >= {"model.tiny", "parallel.recompute", "sampling"}
-    unbounded = [k for k, typ, f in LEAVES if typ in (int, float) and not any(f.metadata.get(r) is not None
-                                                                               for r in RANGE_KEYS)]
-    assert not unbounded, f"numeric fields without a declared range: {unbounded}"
+    assert len(LEAVES) > 150 and {k for k, _ in SECTIONS} >= {"model.tiny", "parallel.recompute", "sampling", "tools"}
+    assert not unbounded(LEAVES), f"numeric fields without a declared range: {unbounded(LEAVES)}"
     assert {k for k, _, _ in CASES} >= {k for k, _, _ in LEAVES} | {k for k, _ in SECTIONS}
+    keys = {k for k, _, _ in FEATURE_LEAVES}
+    assert keys >= {"tools.tools", "tools.parser", "tools.max_turns", "tools.timeout_s", "cluster.colocate",
+                    "cluster.engine_sleep_level", "cluster.offload_trainer", "parallel.expert_model_parallel_size",
+                    "parallel.expert_tensor_parallel_size", "model.tiny.num_experts", "rollout.return_routed_experts",
+                    "algorithm.routing_replay"}, keys
 
 
-BY_KEY: dict[str, list[tuple[str, object]]] = {}
-for _key, _what, _value in CASES:
-    BY_KEY.setdefault(_key, []).append((_what, _value))
+BY_KEY = by_key(CASES)
 
 
 @pytest.mark.parametrize("key", sorted(BY_KEY))
@@ -142,63 +102,81 @@ def test_valid_values_at_the_bounds_pass():
                     assert describe(typ, meta) not in str(err), f"{key}={value} is its {bound} but was refused: {err}"
 
 
-_NUMERIC_LEAVES = [(k, t, f) for k, t, f in LEAVES if t in (int, float)]
-_junk_text = st.text(alphabet=st.characters(codec="ascii", categories=["L"]), min_size=1, max_size=8).filter(
-    lambda s: s.lower() not in ("true", "false", "yes", "no", "on", "off", "null", "inf", "infinity"))
-
-
-@st.composite
-def bad_field(draw):
-    """A numeric field with a value outside its range, or any field with a value of the wrong type."""
-    if draw(st.booleans()):
-        key, typ, f = draw(st.sampled_from(_NUMERIC_LEAVES))
-        m = f.metadata
-        below = m.get("min") if m.get("min") is not None else m.get("gt")
-        above = m.get("max") if m.get("max") is not None else m.get("lt")
-        options = []
-        if below is not None:
-            lo = below - 1 if m.get("min") is not None else below
-            options.append(st.integers(max_value=int(lo)) if typ is int else
-                           st.floats(max_value=lo, allow_nan=False, allow_infinity=False,
-                                     exclude_max=m.get("min") is not None))
-        if above is not None:
-            hi = above + 1 if m.get("max") is not None else above
-            options.append(st.integers(min_value=int(hi)) if typ is int else
-                           st.floats(min_value=hi, allow_nan=False, allow_infinity=False,
-                                     exclude_min=m.get("max") is not None))
-        return key, draw(st.one_of(options))
-    key, typ, f = draw(st.sampled_from([leaf for leaf in LEAVES if _kind(leaf[1]) != "other"]))
-    kind = _kind(typ)
-    wrong = {"int": st.one_of(_junk_text, st.floats(allow_nan=False, allow_infinity=False).filter(
-                 lambda x: not float(x).is_integer())),
-             "float": _junk_text, "bool": st.one_of(_junk_text, st.integers()),
-             "str": st.one_of(st.booleans(), st.lists(st.integers(), min_size=1)),
-             "list": st.one_of(_junk_text, st.integers()), "dict": st.one_of(_junk_text, st.integers())}[kind]
-    return key, draw(wrong)
-
-
-def _nested(key: str, value) -> dict:
-    node: dict = {}
-    root = node
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node[part] = {}
-        node = node[part]
-    node[parts[-1]] = value
-    return root
+def _refused_in_a_yaml_file(key: str, value) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "run.yaml"
+        path.write_text(yaml.safe_dump(nested(key, value)))
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+    assert names_key(str(info.value), key), (key, value, str(info.value))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(bad_field())
+@given(bad_field(LEAVES))
 def test_property_bad_values_in_a_yaml_file(case):
-    key, value = case
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "run.yaml"
-        path.write_text(yaml.safe_dump(_nested(key, value)))
-        with pytest.raises(ConfigError) as info:
-            load_config(path)
-    message = str(info.value)
-    assert "\n" not in message and (f"{key}=" in message or f"{key}[" in message), (key, value, message)
+    _refused_in_a_yaml_file(*case)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bad_field(FEATURE_LEAVES))
+def test_property_tools_cluster_and_moe_fields(case):
+    """The same, drawn from the tools, cluster (colocation) and MoE fields only, so each gets many draws."""
+    _refused_in_a_yaml_file(*case)
+
+
+LAYOUT_KEYS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+               "rollout.tensor_parallel_size", "rollout.long_round_tensor_parallel_size", "rollout.num_workers")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 4, 8]),
+                 st.sampled_from([1, 2, 4, 8]), st.integers(1, 8)))
+def test_property_colocated_layouts_name_the_key_and_a_value_that_works(layout):
+    """A colocated layout either loads, or its one line names the key that is wrong (one of the layout keys),
+    never advises `at most 0`, and names an engine TP that does not divide the trainer's devices itself."""
+    overrides = ["cluster.colocate=true"] + [f"{k}={v}" for k, v in zip(LAYOUT_KEYS, layout)]
+    try:
+        cfg = load_config(None, overrides)
+    except ConfigError as err:
+        message = str(err)
+        assert err.key in LAYOUT_KEYS, message
+        assert "at most 0" not in message and "\n" not in message, message
+        tp, pp = layout[0], layout[1]
+        if err.key.startswith("rollout.") and "tensor_parallel_size" in err.key and "heads" not in message:
+            assert (tp * pp) % getattr(err, "value") != 0, message  # the TP named is the one that does not fit
+        return
+    world = cfg.parallel.world_size
+    assert world % cfg.rollout.tensor_parallel_size == 0 and world % cfg.rollout.long_round_tensor_parallel_size == 0
+    assert cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size <= world
+
+
+CHOICE_STRINGS = [(k, c) for k, typ, f in LEAVES if typ is str for c in f.metadata.get("choices") or () if c]
+
+
+@pytest.mark.parametrize("key, choice", CHOICE_STRINGS)
+def test_a_string_choice_typed_on_the_command_line_keeps_its_text(key, choice):
+    """`key=choice` on the command line is that string, whatever YAML would read it as (`on` is not a
+    boolean for rollout.return_routed_experts); a check across fields may still refuse it, naming it as text."""
+    try:
+        cfg = load_config(None, [f"{key}={choice}"])
+    except ConfigError as err:
+        assert err.key != key, str(err)
+        return
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    assert node == choice
+
+
+def test_return_routed_experts_on_as_documented(tmp_path):
+    """The documented value, on the command line and unquoted in a YAML file."""
+    rc, lines = run_cli(["config", "rollout.return_routed_experts=on", "name=1e3"])
+    assert rc == 0 and not lines
+    assert load_config(None, ["rollout.return_routed_experts=on"]).rollout.return_routed_experts == "on"
+    assert load_config(None, ["name=1e3"]).name == "1e3"
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  return_routed_experts: off\n")
+    assert load_config(path).rollout.return_routed_experts == "off"
 
 
 def test_cli_subprocess_one_line_exit_2(tmp_path):

@@ -10,6 +10,7 @@ read back at TP1 x PP1 x EP1, so torch_dist's resharding of the experts is part 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,19 @@ def test_impossible_expert_layout_is_one_line(models, tmp_path, capsys, family, 
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and text in lines[-1]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_config_that_disagrees_with_the_checkpoint_is_one_line(models, tmp_path, capsys):
+    """mcore-to-hf with a config.json whose expert count is not the checkpoint's: refused before any rank starts,
+    naming the key and both values (the ranks said only that the checkpoint could not be read)."""
+    ckpt = hf_to_mcore(models["qwen3_moe"], tmp_path / "mc", tp=1, pp=1)
+    other = tmp_path / "other"
+    shutil.copytree(ckpt / "hf_config", other)
+    cfg = json.loads((other / "config.json").read_text())
+    key = next(k for k in ("num_experts", "num_local_experts") if cfg.get(k))
+    (other / "config.json").write_text(json.dumps({**cfg, key: 8}))
+    capsys.readouterr()
+    rc = main(["convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--hf-config", str(other)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"config.json gives {key} = 8, the checkpoint holds 4" in err[0], err
+    assert not (tmp_path / "hf").exists()

@@ -54,6 +54,17 @@ BAD_ROWS = [
     ({"prompt": [{"role": "system", "content": "s"}, "user: x"], "answer": "1"},
      "'prompt' message 2 is a str, expected a chat message"),
     ({"prompt": [], "answer": "1"}, "'prompt' is an empty list of chat messages"),
+    # A row's tool schemas and tool state are checked at load too (they passed before and failed at a tool turn).
+    ({"prompt": "x", "answer": "1", "tools": [{"type": "function", "function": "calculator"}]},
+     "'tools' entry 1 is not a valid tool schema: \"function\" is a str, expected an object"),
+    ({"prompt": "x", "answer": "1", "tools": ["calculator", {"function": {"name": "f", "parameters": "x"}}]},
+     "'tools' entry 2 is not a valid tool schema: \"parameters\" of f is 'x', expected a JSON schema of type object"),
+    ({"prompt": "x", "answer": "1", "tools": [{"type": "tool", "function": {"name": "f"}}]},
+     "'tools' entry 1 is not a valid tool schema: \"type\" is 'tool', expected \"function\""),
+    ({"prompt": "x", "answer": "1", "tools": [{"name": "f", "parameters": {"type": "object", "required": "a"}}]},
+     "'tools' entry 1 is not a valid tool schema: \"parameters\" of f is not a JSON schema ("),
+    ({"prompt": "x", "answer": "1", "extra_info": {"tools_kwargs": {"kv_store": {"create_kwargs": [1]}}}},
+     "'extra_info.tools_kwargs.kv_store' is [1], expected an object"),
 ]
 
 

@@ -19,6 +19,7 @@ import re
 import shlex
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,56 @@ def _checkpoint(run: Path, state: object | None, complete: bool = True, raw: byt
     return run
 
 
+# A user's tool module with the mistakes the table names: a tool function and a tool class whose calls miss the
+# `state` argument, a parser that takes two arguments, one that returns a list instead of a Parsed.
+BAD_TOOLS = """
+def one_arg(arguments):
+    return "x"
+
+
+one_arg.schema = {"type": "function", "function": {"name": "one_arg", "parameters": {"type": "object"}}}
+
+
+class NoState:
+    name = "no_state"
+    schema = {"name": "no_state", "parameters": {"type": "object", "properties": {}}}
+
+    def __call__(self, arguments):
+        return "x"
+
+
+def parse_two(text, tools):
+    return None
+
+
+def parse_list(text):
+    return []
+"""
+
+
+def _moe_checkpoint(d: Path, experts: int, config_experts: int) -> Path:
+    """A torch_dist checkpoint of one Qwen3-MoE layer with `experts` routed experts (only the tensors whose shapes
+    `convert` compares), whose saved hf_config says `config_experts`."""
+    import torch.distributed.checkpoint as dcp
+
+    shapes = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.0.self_attention.linear_qkv.weight": (256, 64),
+              "decoder.layers.0.self_attention.linear_proj.weight": (64, 128),
+              "decoder.layers.0.mlp.router.weight": (experts, 64)}
+    d.mkdir()
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore")
+        dcp.save({k: torch.zeros(v) for k, v in shapes.items()}, checkpoint_id=str(d), no_dist=True)
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (d / "COMPLETE.json").write_text('{"step": 0, "tp": 1, "pp": 1, "model_type": "qwen3_moe"}')
+    (d / "hf_config").mkdir()
+    (d / "hf_config" / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_experts": config_experts, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu"}))
+    return d
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_model_dir):
     """The prepared inputs the table's placeholders name (see the list above the table)."""
@@ -109,6 +160,13 @@ def inputs(tmp_path_factory, tiny_model_dir):
     p["no_tokenizer"].mkdir()
     shutil.copy(tiny_model_dir / "config.json", p["no_tokenizer"])
     write("msrl_badreward.py", "def score(sample):\n    return 1.0\n\n\nNOT_CALLABLE = 3\n")
+    write("msrl_brokentool.py", "import json\n\nVALUE = undefined_name + 1\n\n\ndef score(sample, ground_truth):\n"
+          "    return 1.0\n")
+    write("msrl_badtools.py", BAD_TOOLS)
+    p["bad_tool_rows"] = write("badtools.jsonl", json.dumps({"prompt": "2*3=", "ground_truth": "6", "tools": [
+        {"type": "function", "function": "calculator"}]}) + "\n")
+    p["bad_lengths"] = write("bad_lengths.json", json.dumps({"p0": {"0": [12, "x"]}}))
+    p["moe_ckpt"] = _moe_checkpoint(t / "moe_ckpt", experts=8, config_experts=4)
     p["empty_dir"] = t / "empty_dir"
     p["empty_dir"].mkdir()
     p["flag"] = t / "pwned"
@@ -120,7 +178,8 @@ def inputs(tmp_path_factory, tiny_model_dir):
     sys.path.insert(0, str(t))
     yield p
     sys.path.remove(str(t))
-    sys.modules.pop("msrl_badreward", None)
+    for name in ("msrl_badreward", "msrl_brokentool", "msrl_badtools"):
+        sys.modules.pop(name, None)
     assert not p["flag"].exists(), "a checkpoint ran code while it was read"
 
 

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_sortedrl.errors import ConfigError, import_dotted
+from megatron_sortedrl.errors import ConfigError, check_signature, exception_line, import_dotted
 
 HERMES_STOP = "</tool_call>"  # stop string that ends a turn that called a tool
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -125,4 +125,15 @@ def parser_from(name: str) -> Callable[[str], Parsed]:
     fn = import_dotted("tools.parser", name, allowed)
     if not callable(fn):
         raise ConfigError("tools.parser", name, f"{allowed} ('{name}' is not a function)")
+    check_signature(fn, "tools.parser", name, "text")
+    # One call on an empty turn (a final answer without calls), so a parser that fails or returns something
+    # other than a Parsed is refused now, not at the first tool turn of a run.
+    try:
+        probe = fn("")
+    except Exception as exc:  # noqa: BLE001 - the user's parser failing: one line, not a traceback
+        raise ConfigError("tools.parser", name, f"{allowed} (calling it on an empty turn failed: "
+                                                f"{exception_line(exc)})") from None
+    if not (isinstance(getattr(probe, "calls", None), list) and isinstance(getattr(probe, "error", None), str)):
+        raise ConfigError("tools.parser", name, f"{allowed} (on an empty turn it returned {type(probe).__name__}, "
+                                                "not a Parsed with a `calls` list and an `error` string)")
     return fn

@@ -37,7 +37,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_sortedrl.errors import ConfigError, import_dotted
+from megatron_sortedrl.errors import ConfigError, check_signature, exception_line, import_dotted
 
 # The kinds a failed call is counted as (ToolOutcome.errors); bad_arguments: the arguments do not fit the
 # tool's schema, or the tool refused them with a ToolError.
@@ -244,28 +244,57 @@ def load_tool(ref: str, settings: ToolSettings | None = None, key: str = "tools.
     except AttributeError:
         raise ConfigError(key, ref, f"{allowed} (the function has no `schema` attribute)") from None
     except Exception as exc:  # noqa: BLE001 - a user class whose constructor fails: one line, not a traceback
-        raise ConfigError(key, ref, f"{allowed} (creating it failed: {type(exc).__name__}: {exc})") from None
-    return _checked(tool, ref, key, allowed)
+        raise ConfigError(key, ref, f"{allowed} (creating it failed: {exception_line(exc)})") from None
+    tool = _checked(tool, ref, key, allowed)
+    # As the runner calls them: tool(arguments, state) per call, tool.create(state, **row kwargs) per trajectory.
+    call = tool.fn if isinstance(tool, FunctionTool) else tool
+    check_signature(call, key, ref, "arguments, state", "a tool function (or __call__) taking")
+    if callable(getattr(tool, "create", None)):
+        check_signature(tool.create, key, ref, "state", "a tool whose create takes")
+    return tool
 
 
 def _checked(tool: Any, ref: str, key: str, allowed: str) -> Any:
-    from jsonschema import Draft202012Validator, SchemaError
-
     schema = getattr(tool, "schema", None)
     if not isinstance(getattr(tool, "name", None), str) or not callable(tool) or not isinstance(schema, dict):
         raise ConfigError(key, ref, f"{allowed} (it needs a `name`, a `schema` dict and to be callable)")
     if "function" not in schema:  # a bare {"name", "description", "parameters"}: wrapped the OpenAI way
         tool.schema = schema = {"type": "function", "function": schema}
-    fn = schema["function"]
-    if fn.get("name") != tool.name:
-        raise ConfigError(key, ref, f"a tool whose schema names it as its `name` ({tool.name!r}, schema: "
-                                    f"{fn.get('name')!r})")
-    fn.setdefault("parameters", {"type": "object", "properties": {}})
     try:
-        Draft202012Validator.check_schema(fn["parameters"])
-    except SchemaError as exc:
-        raise ConfigError(key, ref, f"a tool whose schema's parameters are a JSON schema ({exc.message})") from None
+        name = schema_name(schema)
+    except ValueError as exc:
+        raise ConfigError(key, ref, f"a tool with an OpenAI-style schema ({exc})") from None
+    if name != tool.name:
+        raise ConfigError(key, ref, f"a tool whose schema names it as its `name` ({tool.name!r}, schema: {name!r})")
+    schema["function"].setdefault("parameters", {"type": "object", "properties": {}})
     return tool
+
+
+def schema_name(schema: dict) -> str:
+    """The function name of a tool schema, OpenAI-style `{"type": "function", "function": {"name", "description",
+    "parameters"}}` or the bare inner object; ValueError saying what is wrong with its shape (a tool's own schema,
+    and a data row's `tools` entry, data/loaders.py)."""
+    from jsonschema import Draft202012Validator, SchemaError
+
+    fn = schema.get("function", schema)
+    if not isinstance(fn, dict):
+        raise ValueError(f"\"function\" is a {type(fn).__name__}, expected an object with \"name\" and \"parameters\"")
+    if "function" in schema and schema.get("type", "function") != "function":
+        raise ValueError(f"\"type\" is {schema.get('type')!r}, expected \"function\"")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"\"name\" is {name!r}, expected the tool's name (a non-empty string)")
+    if not isinstance(fn.get("description", ""), str):
+        raise ValueError(f"\"description\" of {name} is a {type(fn['description']).__name__}, expected a string")
+    params = fn.get("parameters", {"type": "object"})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise ValueError(f"\"parameters\" of {name} is {params!r:.60}, expected a JSON schema of type object (the "
+                         "call's arguments)")
+    try:
+        Draft202012Validator.check_schema(params)
+    except SchemaError as exc:
+        raise ValueError(f"\"parameters\" of {name} is not a JSON schema ({exc.message:.120})") from None
+    return name
 
 
 def load_tools(refs: list[str], settings: ToolSettings | None = None) -> dict[str, Any]:

@@ -41,20 +41,26 @@ def block_size(cfg: Any) -> int:
 
 
 def check_colocated(cfg: Any) -> None:
-    """ConfigError when the engines cannot share the trainer's devices block by block."""
-    r, world, block = cfg.rollout, cfg.parallel.world_size, block_size(cfg)
+    """ConfigError when the engines cannot share the trainer's devices block by block; it names the key that is
+    wrong (an engine TP, the engine count, the node size) and the values that would work."""
+    r, world = cfg.rollout, cfg.parallel.world_size
+    fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+    for key in ("tensor_parallel_size", "long_round_tensor_parallel_size"):
+        tp = getattr(r, key)
+        if world % tp:  # an engine's TP group must be whole trainer ranks of one block (also: TP > the world)
+            raise ConfigError(f"rollout.{key}", tp, f"one of {fits} with cluster.colocate=true (a divisor of the "
+                              f"trainer's devices, TP x PP x DP = {world}: the engines run on them), or "
+                              "cluster.colocate=false")
     rollout = r.num_workers * r.tensor_parallel_size
     if rollout > world:
         raise ConfigError("rollout.num_workers", r.num_workers,
                           f"at most {world // r.tensor_parallel_size} with cluster.colocate=true (engines x TP = "
                           f"{rollout} devices, the trainer has {world})")
-    if world % block:
-        raise ConfigError("cluster.colocate", True,
-                          f"false, or a trainer world ({world}) that is a multiple of lcm(trainer TP, rollout TPs) = "
-                          f"{block}, so every TP group of both fits in one bundle")
+    block = block_size(cfg)  # every TP divides the world, so their lcm does too
     gpn = cfg.cluster.gpus_per_node
     if gpn and gpn % block:
-        raise ConfigError("cluster.gpus_per_node", gpn, f"a multiple of {block} (lcm of the trainer and rollout TPs)")
+        raise ConfigError("cluster.gpus_per_node", gpn, f"a multiple of {block} (lcm of the trainer and rollout TPs) "
+                          "with cluster.colocate=true, so a block of shared devices never spans nodes")
 
 
 def colocated_bundles(cfg: Any, *, gpu: bool, cpus_per_rank: float = 1.0) -> list[Bundle]:

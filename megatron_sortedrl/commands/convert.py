@@ -5,7 +5,8 @@
         --hf-config models/qwen --verify
 
 Bad inputs (unsupported architecture, truncated or missing shards, missing index entries, a TP that does
-not divide heads and query groups) print one `error:` line and exit 2 before anything is written.
+not divide heads and query groups, a --hf-config that does not describe the checkpoint) print one `error:`
+line and exit 2 before anything is written.
 The work is in `megatron_sortedrl/convert/core.py`.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import typing
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -159,9 +160,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     The file and overrides are merged as plain data over the schema's defaults, interpolations resolved, and
     every value checked against the schema (`schema.validate`: types, sections, ranges) before the
     dataclasses are built, whose `__post_init__` then checks combinations of fields."""
-    path = Path(path) if path else DEFAULT_CONFIG
+    return load_schema(RunConfig, Path(path) if path else DEFAULT_CONFIG, overrides,
+                       ("<config file>", "configs/tiny_cpu.yaml", "model:, rollout:, ...", "rollout.num_workers=2"))
+
+
+def load_schema(root: type, path: Path, overrides: list[str] | None, words: tuple[str, str, str, str]) -> Any:
+    """`root` (a schema dataclass) from the YAML file `path` and `key=value` overrides, as `load_config` says;
+    `words`: how errors name the file, an example file, its sections and an example override."""
+    what, example, sections, example_override = words
     if not path.is_file():
-        raise ConfigError("<config file>", str(path), "an existing YAML file, for example configs/tiny_cpu.yaml")
+        raise ConfigError(what, str(path), f"an existing YAML file, for example {example}")
     try:
         try:
             stat = path.stat()
@@ -169,26 +177,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OmegaConfBaseException:
             raise
         except Exception as exc:  # yaml syntax errors and the like
-            raise ConfigError("<config file>", str(path),
-                              f"valid YAML ({type(exc).__name__}: {_first_line(exc)})") from None
+            raise ConfigError(what, str(path), f"valid YAML ({type(exc).__name__}: {_first_line(exc)})") from None
         if not isinstance(file_data, dict):
-            raise ConfigError("<config file>", str(path), "a YAML mapping of sections (model:, rollout:, ...)")
-        data = merge(defaults(RunConfig), file_data)
+            raise ConfigError(what, str(path), f"a YAML mapping of sections ({sections})")
+        data = merge(defaults(root), file_data)
         for item in overrides or []:
             if "=" not in item:
-                raise ConfigError("<override>", item, "key=value, for example rollout.num_workers=2")
-            _check_override_key(item.split("=", 1)[0])
-            try:
-                data = merge(data, OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False))
-            except OmegaConfBaseException:
-                raise
-            except Exception as exc:  # a value that is not YAML, e.g. `key=[1,`
-                raise ConfigError("<override>", item, f"key=value with a YAML value ({_first_line(exc)})") from None
+                raise ConfigError("<override>", item, f"key=value, for example {example_override}")
+            data = merge(data, override_data(item, root))
         if "${" in json.dumps(data, default=str):  # interpolations (${oc.env:...}, ${logging.run_dir})
             data = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
-        return build(RunConfig, validate(RunConfig, data))
+        return build(root, validate(root, data))
     except OmegaConfBaseException as exc:
-        raise _translate(exc, path) from None
+        raise _translate(exc, path, root) from None
 
 
 @lru_cache(maxsize=16)
@@ -198,23 +199,48 @@ def _read_yaml(path: str, mtime_ns: int, size: int) -> Any:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
-def _check_override_key(key: str) -> None:
-    """An override names a field of the schema, or a key inside a mapping field (model.rope_scaling.factor)."""
-    node_cls: Any = RunConfig
+def override_data(item: str, root: type = RunConfig) -> dict[str, Any]:
+    """One `key=value` override as nested plain data. The key must name a field of the schema `root` (or a key
+    inside a mapping field, model.rope_scaling.factor); the value is read as YAML, except that a string field
+    keeps the text as typed: `rollout.return_routed_experts=on` is the string "on", not YAML's boolean, and
+    `name=1e3` stays "1e3" (and a number field refuses `on` as that text, not as `True`)."""
+    key, _, text = item.partition("=")
+    typ = _override_type(key, root)
+    try:
+        data = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except OmegaConfBaseException:
+        raise
+    except Exception as exc:  # a value that is not YAML, e.g. `key=[1,`
+        raise ConfigError("<override>", item, f"key=value with a YAML value ({_first_line(exc)})") from None
+    node: Any = data
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node[part]
+    value = node[leaf]
+    if ((typ in (str, str | None) and isinstance(value, (bool, int, float)))
+            or (typ in (int, float, int | None, float | None) and isinstance(value, bool))):
+        node[leaf] = text.strip()  # a number field given `on` is then refused as the text 'on' the user typed
+    return data  # type: ignore[return-value]
+
+
+def _override_type(key: str, root: type) -> Any:
+    """The annotated type of the field `key` names under `root` (None inside a mapping field); an unknown key
+    raises the one-line ConfigError naming what is allowed there."""
+    node_cls: Any = root
     parts = key.split(".")
     for i, part in enumerate(parts):
-        match = {f.name: f for f in fields(node_cls)}.get(part)
-        if match is None:
-            _raise_unknown(key)
-        default = match.default_factory() if match.default_factory is not MISSING else match.default
-        if is_dataclass(default):
-            node_cls = type(default)
-        elif isinstance(default, dict):
-            return
+        if part not in {f.name for f in fields(node_cls)}:
+            _raise_unknown(key, root)
+        typ = hints(node_cls)[part]
+        if is_dataclass(typ):
+            node_cls = typ
+        elif typing.get_origin(typ) is dict or typ is dict:
+            return None
         elif i < len(parts) - 1:
-            _raise_unknown(key)
+            _raise_unknown(key, root)
         else:
-            return
+            return typ
+    return node_cls
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -242,22 +268,21 @@ def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, 
     return rows
 
 
-def _raise_unknown(key: str) -> None:
+def _raise_unknown(key: str, root: type = RunConfig) -> None:
     parent, _, leaf = key.rpartition(".")
-    node_cls: Any = RunConfig
+    node_cls: Any = root
     for part in parent.split(".") if parent else []:
         match = {f.name: f for f in fields(node_cls)}.get(part)
         if match is None:
-            _raise_unknown(parent)
-        default = match.default_factory() if match.default_factory is not MISSING else match.default
-        if not is_dataclass(default):
+            _raise_unknown(parent, root)
+        if not is_dataclass(hints(node_cls)[part]):
             raise ConfigError.unknown_key(key, f"nothing ('{parent}' is a value, not a section)")
-        node_cls = type(default)
+        node_cls = hints(node_cls)[part]
     allowed = ", ".join(f.name for f in fields(node_cls))
     raise ConfigError.unknown_key(key, allowed)
 
 
-def _translate(exc: OmegaConfBaseException, path: Path) -> ConfigError:
+def _translate(exc: OmegaConfBaseException, path: Path, root: type = RunConfig) -> ConfigError:
     key = getattr(exc, "full_key", None) or "<config>"
     msg = _first_line(exc)
     env = re.search(r"Environment variable '([^']+)' not found", msg)
@@ -266,7 +291,7 @@ def _translate(exc: OmegaConfBaseException, path: Path) -> ConfigError:
                            f"environment variable {env.group(1)} to be set (export {env.group(1)}=... before launching)")
     if "not in" in msg or type(exc).__name__ == "ConfigKeyError":
         try:
-            _raise_unknown(key)
+            _raise_unknown(key, root)
         except ConfigError as err:
             return err
     value = getattr(exc, "value", None)

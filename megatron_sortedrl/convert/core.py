@@ -251,15 +251,11 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
                 tp: int | None = None, pp: int | None = None, overwrite: bool = False, ep: int | None = None,
                 etp: int | None = None) -> Path:
     """Megatron checkpoint (from hf_to_mcore or a training run) -> HF directory (safetensors + config)."""
-    from megatron_sortedrl.convert.validate import check_layout, check_mcore_dir
-    from megatron_sortedrl.trainer.model import padded_vocab_size, read_hf_config
+    from megatron_sortedrl.convert.validate import check_layout
+    from megatron_sortedrl.trainer.model import padded_vocab_size
 
     ckpt, out = Path(ckpt).resolve(), Path(out).resolve()
-    meta = check_mcore_dir(ckpt)
-    cfg_dir = _config_dir(ckpt, hf_config)
-    arch = read_hf_config(cfg_dir)
-    if meta.get("model_type") and meta["model_type"] != arch.model_type:
-        raise UserError(f"{ckpt} holds a {meta['model_type']} model but {cfg_dir}/config.json is {arch.model_type}")
+    meta, cfg_dir, arch = _checked_source(ckpt, hf_config)
     tp, pp = tp or int(meta.get("tp", 1)), pp or int(meta.get("pp", 1))
     ep = ep or (int(meta.get("ep", 1)) if arch.num_experts else 1)
     etp = etp or (int(meta.get("etp", tp)) if ep > 1 else tp)
@@ -278,6 +274,21 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     return out
 
 
+def _checked_source(ckpt: Path, hf_config: str | Path | None):
+    """(meta, config dir, HFArch) of a Megatron checkpoint and the HF config to read it with, after checking that
+    the config describes the checkpoint's model (family and every shape; convert/validate.py)."""
+    from megatron_sortedrl.convert.validate import check_config_matches, check_mcore_dir
+    from megatron_sortedrl.trainer.model import read_hf_config
+
+    meta = check_mcore_dir(ckpt)
+    cfg_dir = _config_dir(ckpt, hf_config)
+    arch = read_hf_config(cfg_dir)
+    if meta.get("model_type") and meta["model_type"] != arch.model_type:
+        raise UserError(f"{ckpt} holds a {meta['model_type']} model but {cfg_dir}/config.json is {arch.model_type}")
+    check_config_matches(ckpt, arch, meta, f"{cfg_dir}/config.json")
+    return meta, cfg_dir, arch
+
+
 def _config_dir(ckpt: Path, hf_config: str | Path | None) -> Path:
     if hf_config:
         return Path(hf_config).resolve()
@@ -292,13 +303,8 @@ def verify(ckpt: str | Path, hf_dir: str | Path, *, hf_config: str | Path | None
     """Loads both sides on CPU in float32 and compares logits on a few prompts; returns the max abs diff."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_sortedrl.convert.validate import check_mcore_dir
-    from megatron_sortedrl.trainer.model import read_hf_config
-
     ckpt, hf_dir = Path(ckpt).resolve(), Path(hf_dir).resolve()
-    meta = check_mcore_dir(ckpt)
-    cfg_dir = _config_dir(ckpt, hf_config)
-    arch = read_hf_config(cfg_dir)
+    meta, cfg_dir, arch = _checked_source(ckpt, hf_config)
     tp = int(meta.get("tp", 1))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (n_prompts, seq_len), generator=gen)

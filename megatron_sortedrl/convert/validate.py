@@ -11,7 +11,9 @@ windows, latent attention, a sigmoid or grouped router, shared experts; `MODELLE
 
 Safetensors files are checked from their headers only (8-byte length, JSON header, data offsets), so a
 truncated or missing shard and every missing or mis-shaped tensor is found without reading the weights.
-The expected tensor names and shapes come from the shared weight table (`trainer/weights.py`).
+The expected tensor names and shapes come from the shared weight table (`trainer/weights.py`). A Megatron
+checkpoint read with a Hugging Face config is compared with it from its `.metadata` (`check_config_matches`:
+layers, hidden size, heads, experts, vocabulary, FFN sizes), so a config of another model is named by key.
 
 Deliberately left out: checksums of tensor data (a file of the right length with corrupt bytes passes).
 """
@@ -193,6 +195,64 @@ def check_layout(arch, tp: int, pp: int, ep: int = 1, etp: int | None = None) ->
                         f"({arch.num_kv_heads}); each TP rank must hold whole query groups")
     if arch.num_layers % pp:
         raise UserError(f"--pp {pp} does not divide the number of layers ({arch.num_layers})")
+
+
+def checkpoint_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """{sharded tensor key: global shape} of a torch_dist checkpoint, from its `.metadata` (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign .metadata: one line
+        raise CheckpointError(f"{ckpt}: its .metadata could not be read ({type(exc).__name__}: {exc}); the checkpoint "
+                              "is damaged or not a torch_dist checkpoint") from None
+    return {k: tuple(v.size) for k, v in md.items() if hasattr(v, "size")}
+
+
+def check_config_matches(ckpt: Path, arch, meta: dict, source: str) -> None:
+    """The Hugging Face config `source` describes the model the checkpoint holds: layers, hidden size, attention
+    heads, query groups, experts (and which layers have them), vocabulary and FFN sizes are compared with the
+    checkpoint's own tensor shapes; the first difference is one line naming the config.json key and both values,
+    before any rank starts (a rank would only say that the checkpoint could not be read)."""
+    import re
+
+    from megatron_sortedrl.trainer.model import padded_vocab_size
+
+    shapes = checkpoint_shapes(ckpt)
+    indices = sorted({int(m.group(1)) for k in shapes if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
+    stacked = shapes.get("decoder.layers.self_attention.linear_qkv.weight")  # alike layers: one tensor, layer axis 0
+
+    def get(i: int, name: str) -> tuple[int, ...] | None:
+        """Layer i's tensor `name`, without the layer axis of stacked layers."""
+        if indices:
+            return shapes.get(f"decoder.layers.{i}.{name}")
+        found = shapes.get(f"decoder.layers.{name}")
+        return found[1:] if found else None
+
+    layers = list(indices) or list(range(stacked[0] if stacked else 0))
+    emb = shapes.get("embedding.word_embeddings.weight")
+    routed = [i for i in layers if get(i, "mlp.router.weight")]
+    proj, qkv = (get(layers[0], f"self_attention.linear_{n}.weight") if layers else None for n in ("proj", "qkv"))
+    dense = next((get(i, "mlp.linear_fc2.weight") for i in layers if get(i, "mlp.linear_fc2.weight")), None)
+    expert_key = next((k for k in EXPERT_KEYS if arch.raw.get(k)), "num_experts")
+    tp = int(meta.get("tp", 1))
+    rows = [  # (config.json key, what the config implies, what the checkpoint holds; None: not in this layout)
+        ("num_hidden_layers", arch.num_layers, len(layers) if layers else None),
+        ("hidden_size", arch.hidden_size, emb[1] if emb else None),
+        ("num_attention_heads x head_dim", arch.num_heads * arch.head_dim, proj[1] if proj else None),
+        ("num_key_value_heads x head_dim", arch.num_kv_heads * arch.head_dim,
+         (qkv[0] - proj[1]) // 2 if qkv and proj else None),
+        (f"vocab_size (padded to TP {tp})", padded_vocab_size(arch, tp), emb[0] if emb else None),
+        (expert_key, arch.num_experts, get(routed[0], "mlp.router.weight")[0] if routed else 0),  # type: ignore[index]
+        ("decoder_sparse_step / mlp_only_layers (MoE layers)",
+         [i for i in range(arch.num_layers) if arch.is_moe_layer(i)], routed if layers else None),
+        ("intermediate_size", arch.intermediate_size, dense[1] if dense else None),
+    ]
+    for key, want, got in rows:
+        if got is not None and want != got and not (key == expert_key and not want and not got):
+            raise CheckpointError(f"{source} does not describe the model in {ckpt}: config.json gives {key} = {want}, "
+                                  f"the checkpoint holds {got}; pass --hf-config <the Hugging Face directory it was "
+                                  "converted or trained from>")
 
 
 def check_mcore_dir(ckpt: str | Path) -> dict:

@@ -136,16 +136,27 @@ def _row_tools(row: dict) -> dict:
             raise ValueError(f"'tools' is a {type(tools).__name__}, expected a list of tool names or schemas")
         names = []
         for i, t in enumerate(tools, start=1):
-            name = t if isinstance(t, str) else (t.get("function", t).get("name") if isinstance(t, dict) else None)
-            if not isinstance(name, str) or not name:
+            if isinstance(t, dict):
+                from megatron_sortedrl.agentic.tools import schema_name
+
+                try:
+                    t = schema_name(t)
+                except ValueError as exc:
+                    raise ValueError(f"'tools' entry {i} is not a valid tool schema: {exc}") from None
+            if not isinstance(t, str) or not t:
                 raise ValueError(f"'tools' entry {i} is neither a tool name nor a schema with a function name")
-            names.append(name)
+            names.append(t)
         out["tools"] = names
     kwargs = _get(row, "extra_info.tools_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
             raise ValueError(f"'extra_info.tools_kwargs' is a {type(kwargs).__name__}, expected an object "
                              "{tool name: arguments}")
+        for name, kw in kwargs.items():  # verl's {"create_kwargs": {...}} or the keyword dict itself
+            inner = kw.get("create_kwargs", kw) if isinstance(kw, dict) else kw
+            if inner is not None and not isinstance(inner, dict):
+                raise ValueError(f"'extra_info.tools_kwargs.{name}' is {inner!r:.40}, expected an object of the "
+                                 "tool's create arguments (or {\"create_kwargs\": {...}})")
         out["tools_kwargs"] = kwargs
     return out
 

@@ -11,10 +11,10 @@ counted and logged with the sample id by the driver, so a buggy reward never sto
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
-from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.errors import ConfigError, import_dotted
+from megatron_sortedrl.errors import check_signature as check_args
 
 RewardFn = Callable[..., float]
 
@@ -35,29 +35,18 @@ def reward_path(data_cfg) -> str:
 
 
 def load_reward_fn(dotted: str) -> RewardFn:
-    """Imports `package.module.function`; a bad path is a config error naming data.reward_fn."""
+    """Imports `package.module.function`; a bad path (one that does not import, names nothing callable, or a
+    function with another signature) is a config error naming data.reward_fn."""
     module_name, _, attr = dotted.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("data.reward_fn", dotted, f"an importable module path (import failed: {exc})") from None
-    fn = getattr(module, attr, None)
+    named = f"a function named '{attr}' in module '{module_name}'"
+    fn = import_dotted("data.reward_fn", dotted, "an importable module path", missing=named)
     if not callable(fn):
-        raise ConfigError("data.reward_fn", dotted, f"a function named '{attr}' in module '{module_name}'")
+        raise ConfigError("data.reward_fn", dotted, named)
     check_signature(fn, "data.reward_fn", dotted)
     return fn
 
 
 def check_signature(fn: RewardFn, key: str, shown: object) -> None:
     """A reward must accept `(sample, ground_truth)`; checked when the run starts, not when the first sample
-    is scored. Callables without an inspectable signature (some C functions) are let through."""
-    import inspect
-
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(None, None)
-    except TypeError:
-        raise ConfigError(key, shown, f"a function taking (sample, ground_truth); it takes {sig}") from None
+    is scored."""
+    check_args(fn, key, shown, "sample, ground_truth")
