@@ -363,6 +363,9 @@ _STEP_COLUMNS = (
     ("rollout/tokens_per_s", "tokens/s", "{:.0f}"), ("time/step_s", "step s", "{:.2f}"),
     ("worker_bubble", "worker bubble", "{:.3f}"), ("rollout/driver_idle_share", "driver idle", "{:.3f}"),
     ("rollout/staleness_mean", "staleness mean", "{:.2f}"),
+    # mini-batches (megatron_sortedrl/minibatch.py): steps of the harvest, staleness in steps, the PPO clip at work
+    ("train/optimizer_steps", "optimizer steps", "{:.0f}"), ("train/staleness_steps_max", "stale steps max", "{:.0f}"),
+    ("train/clip_frac", "clip frac", "{:.3f}"), ("train/ppo_kl", "KL to old", "{:.4f}"),
     ("reward/critical_path_s", "reward crit. path s", "{:.2f}"), ("reward/workers_active", "reward workers busy", "{:.2f}"),
     ("spec/mean_accepted_length", "accepted len", "{:.2f}"),
     ("tools/calls", "tool calls", "{:.0f}"), ("tools/errors", "tool errors", "{:.0f}"),
