@@ -349,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         installed = install_carried()
     except WheelsMismatch as exc:
-        print(exc)
-        return 2
+        if not args.cpu_smoke:
+            print(exc)
+            return 2
+        # the rehearsal still measures what travels and runs the rest; tools/gpu_image_check.py proves the install
+        installed = [f"not installed: {exc}".replace("gpu-check: ", "")]
     out = args.out_dir or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO / "tools"))
