@@ -36,7 +36,7 @@ def test_quick():
 def test_sees_the_record_so_far():
     data = json.loads(open(os.environ["MSRL_GPU_CHECK_JSON"]).read())
     assert data["running"].endswith("::test_sees_the_record_so_far")
-    assert [t["test"].split("::")[1] for t in data["tests"]] == ["test_quick"]
+    assert [t["test"] for t in data["tests"] if t["test"].startswith("test_fake_gpu")] == ["test_fake_gpu::test_quick"]
 
 def test_hangs():
     time.sleep(300)
@@ -46,13 +46,27 @@ def test_never_reached():
 '''
 
 
+SKIPPED_FILE = '''
+import pytest
+
+pytestmark = pytest.mark.gpu
+ray = pytest.importorskip("no_such_engine_stack")
+
+def test_needs_it():
+    pass
+'''
+BROKEN_FILE = "import no_such_module_at_all\n"
+
+
 def _check(tmp_path, *args, timeout=120, **popen):
     (tmp_path / "test_fake_gpu.py").write_text(TESTS)
+    (tmp_path / "test_fake_skip.py").write_text(SKIPPED_FILE)
+    (tmp_path / "test_fake_broken.py").write_text(BROKEN_FILE)
     out = tmp_path / "out"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
     cmd = [sys.executable, str(CHECK), "--cpu-smoke", "--skip-bench", "--out-dir", str(out),
-           "--tests", str(tmp_path / "test_fake_gpu.py"), *args]
+           "--tests", *(str(tmp_path / f"test_fake_{n}.py") for n in ("broken", "skip", "gpu")), *args]
     if popen:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True), out
@@ -67,10 +81,13 @@ def test_the_budget_is_enforced_and_the_json_names_the_test_that_hung(tmp_path):
     data = json.loads((out / "gpu_check.json").read_text())
     assert data["status"] == "done" and data["cpu_smoke"] and data["budget_s"] == 25
     got = {t["test"]: t["outcome"] for t in data["tests"]}
-    assert got == {"test_fake_gpu::test_quick": "passed", "test_fake_gpu::test_sees_the_record_so_far": "passed",
+    # a file skipped or broken at import is listed under its name, and the files after it still run
+    assert got == {"test_fake_broken": "failed", "test_fake_skip": "skipped",
+                   "test_fake_gpu::test_quick": "passed", "test_fake_gpu::test_sees_the_record_so_far": "passed",
                    "test_fake_gpu::test_hangs": "failed"}  # the one after it never ran
-    (hung,) = [t for t in data["tests"] if t["outcome"] == "failed"]
-    assert "killed at the check's budget" in hung["detail"]
+    details = {t["test"]: t["detail"] for t in data["tests"]}
+    assert "no_such_engine_stack" in details["test_fake_skip"] and "no_such_module_at_all" in details["test_fake_broken"]
+    assert "killed at the check's budget" in details["test_fake_gpu::test_hangs"]
     assert (out / "gpu_tests.log").is_file() and len(list(out.iterdir())) <= 8
     assert 0 < data["carried_mib"] < 64
 
@@ -93,7 +110,7 @@ def test_a_check_killed_from_outside_leaves_valid_json(tmp_path):
         proc.wait()
     data = json.loads(path.read_text())
     assert data["status"] == "running" and data["running"] == "test_fake_gpu::test_hangs"
-    assert [t["outcome"] for t in data["tests"]] == ["passed", "passed"]
+    assert [t["outcome"] for t in data["tests"]] == ["failed", "skipped", "passed", "passed"]
 
 
 def test_results_go_to_OUT_when_it_is_set(tmp_path, monkeypatch):

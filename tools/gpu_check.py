@@ -235,8 +235,9 @@ def run_tests(result_path: Path, timeout_s: float, files: list[str] | None = Non
     files = files or gpu_test_files()
     env = {**os.environ, ENV: str(result_path),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "tools"), os.environ.get("PYTHONPATH", "")) if p)}
+    # a file that fails to import is recorded, and the others still run
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *files, "-q", "-rs", "-p", "no:cacheprovider",
-           "-p", "gpu_check_progress"]
+           "-p", "gpu_check_progress", "--continue-on-collection-errors"]
     rc = _run_logged(cmd, result_path.with_name("gpu_tests.log"), timeout_s, env)
     data = read_json(result_path)
     if rc is None:

@@ -4,7 +4,7 @@
 
 `tools/gpu_check.py` writes the JSON first (environment, budget, `"status": "running"`), then runs pytest with
 this plugin: as each test starts, its node id goes into `"running"`; as it ends, its outcome, seconds and the
-first line of its reason join `"tests"`. Every write replaces the file atomically (a temporary file renamed over
+first line of its reason join `"tests"`; a file skipped or failing as a whole at import joins under its name. Every write replaces the file atomically (a temporary file renamed over
 it), so a run cut short at any moment, by the check's own budget or by the machine's, leaves valid JSON that
 names the tests done and the one that was running.
 
@@ -75,6 +75,13 @@ class Progress:
             d["tests"] = tests
 
         self._update(add)
+
+    def pytest_collectreport(self, report) -> None:
+        # a whole file skipped at import (no GPU, `pytest.importorskip("ray")` on a bare image) or failing to import
+        if report.nodeid.endswith(".py") and not report.passed:
+            outcome = "skipped" if report.skipped else "failed"
+            entry = {"test": Path(report.nodeid).stem, "outcome": outcome, "seconds": None, "detail": _reason(report)}
+            self._update(lambda d: d.setdefault("tests", []).append(entry))
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         self._update(lambda d: d.update(running=None))
