@@ -5,7 +5,9 @@
 When the round's layout (`rnd.layout`, from `scheduler.layout_planner`, see scheduler/layout_driver.py)
 differs from the engines' (`RolloutPool.layout`), the pool stops every engine and starts the new ones
 (`RolloutPool.set_layout`), which load the weights of the last sync again, so the new engines serve the
-current policy version. That is checked here: an engine that reports another version fails the run, since
+current policy version. Colocated, the switch goes through `Colocated.replace_engines`: the trainer's state
+leaves the devices before the new engines start and size their KV cache, and they get the weights by a hand-off
+once it is back. That is checked here: an engine that reports another version fails the run, since
 its samples would carry a version they were not generated with. HistoSpec's drafters of the new engines
 get the whole history again (`HistoryFeed.reset_engines`).
 
@@ -47,7 +49,8 @@ def apply_layout(d: Any, rnd: Any, row: dict[str, float]) -> None:
     if switched:
         before = layout_name(*d.pool.layout)
         d._phase("relayout", "start", layout=layout_name(*want))
-        report = d.pool.set_layout(*want)
+        # Colocated: the trainer's state leaves before the new engines start (colocate/lifecycle.py)
+        report = d.colo.replace_engines(lambda reload: d.pool.set_layout(*want, reload=reload))
         versions = sorted({w.version for w in d.pool.load()})
         if versions != [d.version]:
             raise RuntimeError(f"after the layout switch to {layout_name(*want)} the engines serve policy "

@@ -2,7 +2,7 @@
 # RL run from configs/qwen7b_colocated_8gpu.yaml on 1 node x 8 GPUs, trainer and engines colocated. Submit from the repository checkout:
 #
 #   export MSRL_MODEL_DIR=/path/to/hf_checkpoint MSRL_RUN_DIR=/shared/runs/qwen7b_colocated MSRL_DATA_DIR=/path/to/data
-#   sbatch slurm/qwen7b_16gpu.sh [key=value ...]           # MSRL_DRY_RUN=1 prints the layout and starts nothing
+#   sbatch slurm/qwen7b_colocated_8gpu.sh [key=value ...]           # MSRL_DRY_RUN=1 prints the layout and starts nothing
 #
 # Before the time limit Slurm sends USR1: the run checkpoints, exits and the job is requeued; the requeued
 # job resumes from the newest complete checkpoint (checkpoint.resume=auto). See docs/cluster.md.
@@ -21,4 +21,4 @@ set -euo pipefail
 MSRL_HOME=${MSRL_HOME:-${SLURM_SUBMIT_DIR:-$(pwd)}}
 # shellcheck source=slurm/ray_on_slurm.sh
 source "$MSRL_HOME/slurm/ray_on_slurm.sh"
-msrl_launch "${MSRL_CONFIG:-configs/qwen7b_16gpu.yaml}" "$@"
+msrl_launch "${MSRL_CONFIG:-configs/qwen7b_colocated_8gpu.yaml}" "$@"

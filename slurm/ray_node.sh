@@ -12,6 +12,10 @@
 # - Memory: the smallest limit of the step's cgroup and those above it (v2 memory.max or v1
 #   memory.limit_in_bytes under MSRL_CGROUP_FS, default /sys/fs/cgroup), split as Ray splits a machine's
 #   memory: 30% object store, the rest `--memory`. No limit: Ray's own defaults.
+# - Object store: at most half of the shared-memory filesystem (MSRL_SHM_DIR, default /dev/shm). Ray refuses
+#   an explicit object store larger than /dev/shm, which is small on containerised nodes, and vLLM, NCCL and
+#   the weight-sync ring (rollout/weight_sync.py) use the same filesystem; what the cap takes from the object
+#   store goes to `--memory`.
 # The ray start arguments given come after these, so MSRL_RAY_START_ARGS still wins. A step that got less than
 # it asked for is named in one line (a site whose srun ignores the request) and Ray advertises what it got.
 # Left out: heterogeneous nodes are fine here (each node measures itself), but the batch host still asks
@@ -54,10 +58,23 @@ step_memory_limit() {
     if [[ -n "$limit" ]]; then echo "$limit"; fi
 }
 
+shm_bytes() {
+    # Size in bytes of the shared-memory filesystem Ray's object store lives in, or nothing without one.
+    local dir=${MSRL_SHM_DIR:-/dev/shm}
+    if [[ -d "$dir" ]]; then echo $(($(df -Pk "$dir" | awk 'NR == 2 {print $2}') * 1024)); fi
+}
+
 args=(--num-cpus="$cpus" --num-gpus="$gpus")
 memory=$(step_memory_limit)
 if [[ -n "$memory" ]]; then
-    args+=(--memory="$((memory * 7 / 10))" --object-store-memory="$((memory * 3 / 10))")
+    store=$((memory * 3 / 10))
+    shm=$(shm_bytes)
+    if [[ -n "$shm" ]] && ((store > shm / 2)); then
+        echo "ray_on_slurm: $node: object store capped at half of ${MSRL_SHM_DIR:-/dev/shm} ($((shm / 2)) bytes)" \
+            "instead of 30% of the step's memory ($store bytes)" >&2
+        store=$((shm / 2))
+    fi
+    args+=(--memory="$((memory - store))" --object-store-memory="$store")
 fi
 if [[ "$asked_cpus" != 0 && "$cpus" -lt "$asked_cpus" ]] || ((gpus < asked_gpus)); then
     echo "ray_on_slurm: $node: the step got $cpus CPUs and $gpus GPUs of the $asked_cpus and $asked_gpus asked for;" \

@@ -22,7 +22,9 @@
 # and --memory from what the step got (its cpuset, CUDA_VISIBLE_DEVICES, its cgroup's memory limit).
 # Values are read on the batch host: nodes are assumed alike.
 # Sockets: cluster.socket_ifname sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for every node (srun passes
-# the environment on, and Ray's workers inherit it); empty: whatever the environment has.
+# the environment on, and Ray's workers inherit it) and chooses the head's Ray address (its IPv4 address on that
+# interface); empty: whatever the environment has, and the head's first non-loopback address
+# (slurm/node_address.sh). MSRL_HEAD_IP overrides the address.
 # Ports: the ports Ray would otherwise take from fixed defaults (GCS, client server, dashboard agent) come
 # from a per-job block and are passed explicitly; the rest Ray picks free itself. Temp dirs are per job.
 set -euo pipefail
@@ -90,8 +92,10 @@ msrl_ray_resources() {
     elif ((gpus > 0)); then
         MSRL_SRUN_RESOURCES+=(--gres=gpu:"$gpus")
     fi
+    MSRL_SOCKET_IFNAME=
     if [[ "$cfg_ifname" != "-" ]]; then
         export GLOO_SOCKET_IFNAME=$cfg_ifname NCCL_SOCKET_IFNAME=$cfg_ifname
+        MSRL_SOCKET_IFNAME=$cfg_ifname  # the head's Ray address is taken on it too
     fi
 }
 
@@ -142,7 +146,11 @@ msrl_launch() {
     local head=${MSRL_NODES[0]}
     [[ -x "$MSRL_PYTHON" ]] || msrl_die "no python at $MSRL_PYTHON: run 'bash tools/setup_env.sh' in $MSRL_HOME or set MSRL_PYTHON"
     msrl_ray_resources "$config" "cluster.num_nodes=${#MSRL_NODES[@]}" "$@"
-    local head_ip=${MSRL_HEAD_IP:-$(msrl_step "$head" hostname --ip-address | awk '{print $1}')}
+    # The head's address on the configured interface, else its first non-loopback one (slurm/node_address.sh).
+    local head_ip=${MSRL_HEAD_IP:-}
+    if [[ -z "$head_ip" ]]; then
+        head_ip=$(msrl_step "$head" bash "$MSRL_HOME/slurm/node_address.sh" "${MSRL_SOCKET_IFNAME:-}") || exit 2
+    fi
     local address="$head_ip:$RAY_PORT"
     local tmp="${MSRL_RAY_TMP:-/tmp}/ray_msrl_${SLURM_JOB_ID}"
     echo "ray_on_slurm: job $SLURM_JOB_ID, ${#MSRL_NODES[@]} nodes (${MSRL_NODES[*]}), head $head ($address)"

@@ -146,7 +146,8 @@ def apply_speculation(d: Any, rnd: Any, row: dict[str, float]) -> None:
         kind, layout = "histospec" if want else "plain", layout_name(*d.pool.layout)
         d._phase("relayout", "start", layout=layout)
         d.pool.opts.speculative_config = want
-        report = d.pool.set_layout(*d.pool.layout)
+        layout_now = tuple(d.pool.layout)  # colocated: the trainer's state leaves first (colocate/lifecycle.py)
+        report = d.colo.replace_engines(lambda reload: d.pool.set_layout(*layout_now, reload=reload))
         versions = sorted({w.version for w in d.pool.load()})
         if versions != [d.version]:
             raise RuntimeError(f"after switching the engines to {kind} they serve policy version(s) {versions}, "

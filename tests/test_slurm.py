@@ -208,3 +208,86 @@ def test_dapo_script_launches_its_recipe_on_16_nodes(tmp_path):
     assert "16 nodes x 8 GPUs = 128 GPUs" in out.stdout and "trainer: 64 ranks, 64 GPUs on nodes 0-7" in out.stdout
     assert "rollout, short rounds: 32 engines, 64 GPUs on nodes 8-15" in out.stdout
     assert not (tmp_path / "slurm.log").exists()
+
+
+def _sbatch_value(script: Path, option: str) -> int:
+    line = next(ln for ln in script.read_text().splitlines() if ln.startswith(f"#SBATCH --{option}="))
+    return int(line.split("=", 1)[1])
+
+
+def test_every_recipe_launches_a_config_of_its_own_size():
+    """A recipe's default config must describe the allocation the script asks for: a two-node config in a
+    one-node job (the colocated 8-GPU recipe launched the 16-GPU one) plans a layout Slurm never gives."""
+    import re
+
+    import yaml
+
+    recipes = [s for s in SCRIPTS if "#SBATCH --nodes=" in s.read_text()]
+    assert len(recipes) >= 7
+    for script in recipes:
+        text = script.read_text()
+        config = re.search(r'msrl_launch "\$\{MSRL_CONFIG:-([^}]+)\}"', text).group(1)
+        cluster = yaml.safe_load((REPO / config).read_text())["cluster"]
+        assert (cluster["num_nodes"], cluster["gpus_per_node"]) == (
+            _sbatch_value(script, "nodes"), _sbatch_value(script, "gpus-per-node")), script.name
+        assert f"sbatch slurm/{script.name} " in text, f"{script.name}: its usage line names another script"
+
+
+def test_object_store_is_capped_by_the_shared_memory_filesystem(tmp_path):
+    # A 1 PB step: 30% of it is far beyond any /dev/shm, and Ray refuses an explicit object store larger than
+    # /dev/shm. The cap is half of the filesystem (vLLM, NCCL and the weight ring share it); the rest is --memory.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    st = os.statvfs(shm)
+    half = st.f_blocks * st.f_frsize // 1024 * 1024 // 2
+    limit = 10**15
+    out = _ray_node(tmp_path, "0", 1, 0, str(limit), CUDA_VISIBLE_DEVICES="", MSRL_SHM_DIR=str(shm))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == ("ray-args: -m ray.scripts.scripts start --num-cpus=1 --num-gpus=0 "
+                                           f"--memory={limit - half} --object-store-memory={half} --block "
+                                           "--num-cpus=7")
+    assert out.stderr.strip() == (f"ray_on_slurm: nodeX: object store capped at half of {shm} ({half} bytes) "
+                                  f"instead of 30% of the step's memory ({limit * 3 // 10} bytes)")
+
+
+FAKE_HOSTNAME = """#!/usr/bin/env bash
+case "$1" in
+    --ip-address) echo "127.0.1.1" ;;   # the name resolves to loopback (Debian's /etc/hosts)
+    -I) echo "${FAKE_HOST_ADDRESSES:-}" ;;
+    *) echo nodeA ;;
+esac
+"""
+FAKE_IP = """#!/usr/bin/env bash
+# `ip -o -4 addr show dev <ifname>`: ib0 has an address, anything else none
+if [[ "$*" == "-o -4 addr show dev ib0" ]]; then
+    echo "5: ib0    inet 10.20.30.40/16 brd 10.20.255.255 scope global ib0\\       valid_lft forever"
+fi
+"""
+
+
+def test_head_address_is_never_loopback_and_follows_the_socket_interface(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("hostname", FAKE_HOSTNAME), ("ip", FAKE_IP)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+
+    def dry_run(*overrides, addresses="10.9.8.7 172.16.0.1 fd00::2"):
+        env = _env(tmp_path, 4248, MSRL_DRY_RUN="1", FAKE_HOST_ADDRESSES=addresses)
+        env.pop("MSRL_HEAD_IP")
+        env["PATH"] = f"{bin_dir}:{env['PATH']}"
+        return subprocess.run(["bash", str(REPO / "slurm" / "qwen7b_16gpu.sh"), *overrides], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    out = dry_run()  # the host's first configured address, not what its name resolves to (127.0.1.1)
+    assert out.returncode == 0, out.stderr
+    assert "head nodeA (10.9.8.7:" in out.stdout
+    out = dry_run("cluster.socket_ifname=ib0")  # the interface gloo and NCCL use carries Ray's traffic too
+    assert out.returncode == 0, out.stderr
+    assert "head nodeA (10.20.30.40:" in out.stdout
+    out = dry_run("cluster.socket_ifname=eth7")
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith("interface eth7 (cluster.socket_ifname) has no IPv4 address")
+    out = dry_run(addresses="")  # only loopback: other nodes could not reach the head
+    assert out.returncode == 2
+    assert "nodeA: no non-loopback IPv4 address" in out.stderr.strip().splitlines()[-1]

@@ -5,6 +5,7 @@
     colo.to_rollout()           # before a round or an evaluation: engines get their weights and KV cache
     colo.to_train()             # after it: engines sleep, the trainer's state comes back
     colo.hand_off(version)      # new weights to the engines (they wake their weights first)
+    colo.replace_engines(start) # a relayout: start(reload) replaces the engines (the trainer's state away)
     row = colo.step_row()       # this step's `colocate/*` figures for the metrics row
 
 One step of a colocated run, as the timeline shows it::
@@ -26,8 +27,11 @@ be resident (it reads its parameters) and the engines' weights awake; on GPU eac
 buckets over CUDA IPC when the run is on one node (`weight_transport=auto` picks "ipc" when colocated;
 `weight_sync_gpu.ipc_send_stage`), else and on CPU through host shared memory.
 
-Engines are tracked by actor: an engine the pool rebuilt (relayout, HistoSpec switch, restart after a failure)
-starts awake with the last synced weights, and the next transition takes it along.
+Engines are tracked by actor: an engine the pool restarted after a failure starts awake with the last synced
+weights, and the next transition takes it along. A relayout or the HistoSpec switch replaces every engine through
+`replace_engines`: the trainer's state leaves first (the new engines size their KV cache from the free memory
+they find), the engines start without weights, sleep, and get the current weights by a hand-off once the
+trainer is back.
 
 Each transition is one timeline phase (`wake`, `offload`, `sleep`, `reload`, `handoff`) whose end carries the
 bytes it moved or freed; the step's row gets `colocate/<phase>_bytes` and `colocate/<phase>_count` (and the
@@ -64,6 +68,11 @@ class Disaggregated:
 
     def to_train(self) -> None:
         pass
+
+    def replace_engines(self, start: Callable[[bool], dict]) -> dict:
+        """Runs `start(reload)`, which stops the engines and starts new ones (a relayout, the HistoSpec switch);
+        `reload`: whether the new engines take the last synced weights as they start. Disaggregated: they do."""
+        return start(True)
 
     def hand_off(self, version: int):
         # The trainer group is the source: its stage senders push packed buckets straight to the engines, so
@@ -119,6 +128,22 @@ class Colocated(Disaggregated):
             self._run("reload", "trainer state", self.trainer.reload_state)
             self.trainer_resident = True
 
+    def replace_engines(self, start: Callable[[bool], dict]) -> dict:
+        """New engines (a relayout or the HistoSpec switch) start with the trainer's state away: vLLM sizes its
+        KV cache from the free memory it finds, and wakes weights and cache later into the same room. They start
+        without the last weights (reading them needs the trainer resident), sleep at once, and get them by a
+        hand-off once the trainer is back: the same sequence as the first start (`start_engines`)."""
+        if self.offload_trainer and self.trainer_resident:
+            self._run("offload", "trainer state", self.trainer.offload_state)
+            self.trainer_resident = False
+        report = start(False)
+        self.engines, self.weights_valid = {}, {}  # the old engines are gone; the new ones start awake
+        for k in self._engines():
+            self.weights_valid[k] = False  # dummy weights until the hand-off below
+        self.to_train()
+        self.hand_off(self.pool.version)
+        return report
+
     def hand_off(self, version: int):
         if not self.trainer_resident:  # the trainer reads its parameters: engines sleep first (device memory)
             self.to_train()
@@ -162,8 +187,9 @@ class Colocated(Disaggregated):
         self._begin(name, detail)
         out = call()
         self._end(name, detail, int(out["bytes"]))
-        if "device_allocated" in out:
-            self._row[f"colocate/{name}_device_allocated"] = float(out["device_allocated"])
+        for key in ("device_allocated", "device_free"):  # GPU: the rank's allocated bytes, the device's free ones
+            if key in out:
+                self._row[f"colocate/{name}_{key}"] = float(out[key])
         return out
 
     def _begin(self, name: str, detail: str) -> None:

@@ -62,6 +62,15 @@ MODELLED_VALUES: dict[str, tuple] = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def moe_layer_indices(cfg: dict) -> tuple[int, ...]:
+    """0-based indices of a config.json's MoE layers; () for a dense model. transformers' Qwen3-MoE rule: layer i
+    is sparse unless listed in `mlp_only_layers`, and only every `decoder_sparse_step`-th layer is."""
+    if not any(int(cfg.get(k) or 0) for k in EXPERT_KEYS):
+        return ()
+    step, dense_only = int(cfg.get("decoder_sparse_step") or 1), {int(i) for i in cfg.get("mlp_only_layers") or []}
+    return tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in dense_only and (i + 1) % step == 0)
+
+
 def safetensors_header(path: Path) -> dict:
     """The JSON header of one safetensors file; raises CheckpointError if the file is cut short."""
     if not path.is_file():

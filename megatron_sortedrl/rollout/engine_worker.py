@@ -100,11 +100,22 @@ def routed_experts_count(hf_config: dict) -> int:
     return 0
 
 
-def routes_from_output(completion_output, num_experts: int) -> RoutedExperts | None:
+def routes_from_output(completion_output, num_experts: int, moe_layers: tuple[int, ...] | None = None
+                       ) -> RoutedExperts | None:
     """The compact routes of a finished vLLM `CompletionOutput` (its `routed_experts`: [positions, layers, topk]
-    numpy ids from the first prompt token), or None when the engine returned none."""
+    numpy ids from the first prompt token), or None when the engine returned none.
+
+    vLLM's capture has a column for every hidden layer, dense ones included (never written there); the trainer
+    replays MoE layers only, so with `moe_layers` (0-based, `convert.validate.moe_layer_indices`) those columns
+    are kept. An array with as many columns as MoE layers is taken as it is."""
     arr = getattr(completion_output, "routed_experts", None)
-    return None if arr is None else RoutedExperts.from_array(arr, num_experts)
+    if arr is None:
+        return None
+    if moe_layers is not None and len(moe_layers) != arr.shape[1]:
+        if max(moe_layers, default=-1) >= arr.shape[1]:
+            raise ValueError(f"routed experts over {arr.shape[1]} layers; the model's MoE layers are {list(moe_layers)}")
+        arr = arr[:, list(moe_layers)]
+    return RoutedExperts.from_array(arr, num_experts)
 
 
 # Speculative methods vLLM 0.32's model runner V2 does not run (`VllmConfig._get_v2_model_runner_unsupported_features`);
@@ -142,6 +153,11 @@ def capture_routed_experts(choice: str, routing_replay: bool, hf_config: dict, d
 def engine_env(*, device: str, kv_cache_gib: float = 1.0, cpu_ids: list[list[int]] | None = None) -> dict[str, str]:
     """Environment of one engine actor. `cpu_ids[r]`: cores of TP rank r (CPU only; None: vLLM's auto binding)."""
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", DEFAULT_LOG_LEVEL)}
+    if device == "gpu":
+        # A CUDA IPC hand-off passes `reduce_tensor`'s arguments (classes, a torch.dtype) through collective_rpc,
+        # whose msgpack encoder refuses them unless pickling is allowed (vLLM's own examples/rl/rlhf_ipc.py sets
+        # it): `weight_sync_gpu.ipc_handle`, our `msrl_load_ipc` and vLLM's IPC weight-transfer engine.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))
         if cpu_ids:
@@ -174,12 +190,16 @@ class EngineWorker:
         # MoE routes (rollout routing replay): vLLM's capture, or this project's in the worker extension (CPU);
         # the expert count fixes the ids' dtype
         self.worker_capture = bool(self.kwargs.pop(WORKER_CAPTURE_KEY, False))
-        self.num_experts = 0
+        self.num_experts, self.moe_layers = 0, ()
         if self.kwargs.get("enable_return_routed_experts") or self.worker_capture:
             import json
             from pathlib import Path
 
-            self.num_experts = routed_experts_count(json.loads((Path(self.kwargs["model"]) / "config.json").read_text()))
+            from megatron_sortedrl.convert.validate import moe_layer_indices
+
+            hf_config = json.loads((Path(self.kwargs["model"]) / "config.json").read_text())
+            self.num_experts = routed_experts_count(hf_config)
+            self.moe_layers = moe_layer_indices(hf_config)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     async def start(self, version: int | None = None, weight_buckets: list | None = None) -> dict[str, Any]:
@@ -254,7 +274,7 @@ class EngineWorker:
                     if self.worker_capture:
                         rec.routed_experts = await self._take_routes(rid, len(req.prompt_tokens) + len(rec.tokens) - 1)
                     elif self.num_experts:
-                        rec.routed_experts = routes_from_output(c, self.num_experts)
+                        rec.routed_experts = routes_from_output(c, self.num_experts, self.moe_layers)
                     break
         except Exception as exc:  # engine died or refused the request: hand back what exists as a partial
             self._error = f"{type(exc).__name__}: {exc}"

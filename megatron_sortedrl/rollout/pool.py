@@ -91,8 +91,10 @@ class RolloutPool(PoolWeights):
     def layout(self) -> tuple[int, int]:
         return len(self.slots), (self.slots[0].tp if self.slots else 0)
 
-    def set_layout(self, num_engines: int, tp: int) -> dict[str, float]:
-        """Replaces every engine by `num_engines` engines of TP `tp`; needs no request in flight."""
+    def set_layout(self, num_engines: int, tp: int, reload: bool = True) -> dict[str, float]:
+        """Replaces every engine by `num_engines` engines of TP `tp`; needs no request in flight. `reload`: the
+        new engines take the last synced weights as they start (False: they start on dummy weights and the
+        caller syncs them, as a colocated relayout does once the trainer's state is back)."""
         if self._owner:
             raise RuntimeError(f"set_layout with {len(self._owner)} requests in flight; abort or drain them first")
         t0 = time.monotonic()
@@ -106,7 +108,7 @@ class RolloutPool(PoolWeights):
         self._reserve(num_engines, tp)
         self.slots = [self._launch(_Slot(i, tp)) for i in range(num_engines)]
         try:
-            self._wait_started(self.slots)
+            self._wait_started(self.slots, reload=reload)
         except BaseException:
             self.shutdown()  # no half-started layout left holding its GPUs
             raise

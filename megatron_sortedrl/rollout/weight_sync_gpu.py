@@ -147,6 +147,15 @@ def nccl_send_stage(comm: Any, tensors: Iterable[tuple[str, torch.Tensor]], buck
     return stats
 
 
+def ipc_handle(t: torch.Tensor) -> dict[str, tuple]:
+    """{this GPU's uuid: `reduce_tensor`'s arguments} for a CUDA tensor another process opens (GPU only). The
+    arguments hold classes and a torch.dtype, which collective_rpc carries only with pickling allowed
+    (`engine_worker.engine_env`); the uuid lets the receiver find the device under its own numbering."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return {str(torch.cuda.get_device_properties(t.device).uuid): reduce_tensor(t)[1]}
+
+
 def ipc_send_stage(engines: list[Any], tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict[str, int]:
     """One stage sender's part of a colocated hand-off over CUDA IPC (GPU only; `transport="ipc"`).
 
@@ -155,15 +164,11 @@ def ipc_send_stage(engines: list[Any], tensors: Iterable[tuple[str, torch.Tensor
     views on its own device (`worker_extension.msrl_load_ipc`, which copies out what vLLM's layerwise reload
     still holds). The call returns only after every engine has loaded it, so the buffer is reused safely."""
     import ray
-    from torch.multiprocessing.reductions import reduce_tensor
 
-    from megatron_sortedrl.rollout.weight_sync import _check_counts, packed_nbytes
-
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     stats = {"num_tensors": 0, "bytes": 0, "num_buckets": 0}
     for flat, meta in iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True):
         torch.cuda.current_stream().synchronize()  # packed before another process reads it
-        handle = {uuid: reduce_tensor(flat)[1]}
+        handle = ipc_handle(flat)
         _check_counts(ray.get([e.load_ipc_bucket.remote(handle, flat.numel(), meta) for e in engines]), meta)
         stats["num_tensors"] += len(meta)
         stats["bytes"] += packed_nbytes(meta)
@@ -226,10 +231,7 @@ class GpuWeightSync:
             info: dict[str, Any] = {"names": list(bucket), "shapes": [list(t.shape) for t in bucket.values()],
                                     "dtype_names": [str(t.dtype).split(".")[-1] for t in bucket.values()]}
             if self.backend == "ipc":
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-                info["ipc_handles"] = [{uuid: reduce_tensor(t)[1]} for t in bucket.values()]
+                info["ipc_handles"] = [ipc_handle(t) for t in bucket.values()]
                 ray.get([a.transfer_update.remote(info) for a in self.actors])  # bucket stays alive until here
             else:
                 futs = [a.transfer_update.remote(info) for a in self.actors]  # receivers enter the broadcasts

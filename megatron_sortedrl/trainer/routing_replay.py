@@ -99,7 +99,7 @@ class RoutingReplay:
                 raise ValueError("routing replay: seq_slice needs the micro-batch size")
             routes = routes.view(-1, batch, self.num_moe_layers, self.topk)[seq_slice].reshape(-1, self.num_moe_layers,
                                                                                                 self.topk)
-        idx = routes.to(torch.int64)  # megatron gathers the router scores with them
+        idx = _on_device(routes.to(torch.int64), self.routers[0].weight.device)  # megatron gathers scores with them
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         for r, col in zip(self.routers, self.columns):
@@ -126,6 +126,18 @@ class RoutingReplay:
         for r in self.routers:
             r.router_replay.clear_indices()
             r.router_replay.clear_router_replay_action()
+
+
+def _on_device(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`idx` on the routers' device, moved once per micro-batch: megatron's `get_replay_topk` moves its target
+    indices to the scores' device in every MoE layer of every forward and recompute, a synchronous host-to-device
+    copy each from host memory; on the device already, that `.to` is a no-op. On a GPU the copy is made from
+    pinned memory without blocking the host (ordered on the current stream before the forward's kernels)."""
+    if idx.device == device:
+        return idx
+    if device.type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx.to(device)
 
 
 def _per_call_action(replay):
