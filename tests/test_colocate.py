@@ -86,14 +86,14 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
                 (list(s.response_tokens), list(s.rollout_logprobs), copy.deepcopy(s.version_spans), driver.step))
         return on_aborted(s, clock)
 
-    train_step = driver.trainer.train_step
+    train = driver.trainer.train_minibatches  # the driver's train phase (megatron_sortedrl/minibatch.py)
 
-    def checked_train_step(*args, **kwargs):
+    def checked_train(*args, **kwargs):
         trained_while.append((colo.trainer_resident, sorted(set(colo.engines.values()))))
-        return train_step(*args, **kwargs)
+        return train(*args, **kwargs)
 
     driver.policy.on_sample_aborted = record_abort
-    driver.trainer.train_step = checked_train_step
+    driver.trainer.train_minibatches = checked_train
     try:
         assert colo.colocated and colo.engines and set(colo.engines.values()) == {"asleep"}
         summary = driver.run(on_step=steps.append)
