@@ -92,6 +92,9 @@ def workload_overrides(args) -> list[str]:
         keys.append(f"data.max_difficulty={args.max_difficulty}")
     if args.max_response_length:
         keys.append(f"rollout.max_response_length={args.max_response_length}")
+    # equal footing (docs/trainer.md): the same samples per optimizer step for every variant
+    if getattr(args, "mini_batch", 0):
+        keys.append(f"algorithm.ppo_mini_batch_size={args.mini_batch}")
     return keys
 
 
@@ -558,6 +561,9 @@ def main() -> int:
     ap.add_argument("--max-difficulty", type=int, default=None, help="data.max_difficulty (default: the config's)")
     ap.add_argument("--max-response-length", type=int, default=None, help="default: the config's")
     ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (default: the preset's)")
+    ap.add_argument("--mini-batch", type=int, default=0,
+                    help="algorithm.ppo_mini_batch_size for every variant: the same optimizer steps for all (0: one "
+                         "step per harvest, as the committed figures were measured)")
     ap.add_argument("--sft-prompts", type=int, default=0,
                     help="fresh problems of the warm-up (default: the config's trainer.warmup_sft_problems, else 2048)")
     ap.add_argument("--seed", type=int, default=0, help="seed of repeat 0; repeat r uses seed + r")
