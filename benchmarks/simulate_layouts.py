@@ -28,8 +28,8 @@ committed plus the layout keys, so its legacy rows (docs/benchmarks/simulation_q
 untouched; it takes most of the time (10-45 s per row and seed; the whole benchmark 9 minutes with --jobs 2 on
 the shared 2-core machine).
 
-Left out: bubbles and staleness (the simulations run without a timeline, to be fast: docs/benchmarks/
-simulation_*.json has them), asynchronous RL, and colocated stream training (an engine that ran dry would have to
+Left out: bubbles and the staleness histogram in policy versions (the simulations run without a timeline, to be
+fast: docs/benchmarks/simulation_*.json has them), asynchronous RL, and colocated stream training (an engine that ran dry would have to
 sleep before its GPU trains; scheduler/layout_sim.py).
 """
 

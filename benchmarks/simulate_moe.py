@@ -2,7 +2,7 @@
 over three seeds; and the same scenario on a dense-equivalent engine, to show what active-parameter decode
 changes. Figures committed to docs/benchmarks/.
 
-    PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/simulate_moe.py          # about 15 minutes on 2 CPU cores
+    PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/simulate_moe.py          # about 17 minutes on 2 shared CPU cores
     PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/simulate_moe.py --seeds 0,1,2,3,4 --jobs 1
 
 The scenario is configs/sim_qwen3_235b_128gpu.yaml (MoE engine costs: memory follows the 438 GiB of total
