@@ -143,7 +143,7 @@ def plot(doc: dict, path: Path) -> None:
         ax[0].plot([i] * len(dots), dots, "k.", ms=6)
         ax[1].bar(i, r["worker_bubble"][0], color="tab:orange", alpha=0.6)
     for a in ax:
-        a.set_xticks(range(len(doc["summary"])), [r["policy"] for r in doc["summary"]], rotation=15)
+        a.set_xticks(range(len(doc["summary"])), [r["policy"] for r in doc["summary"]], rotation=30, ha="right", fontsize=8)
     ax[0].axhline(1.0, color="gray", lw=0.8)
     ax[0].set(ylabel="samples/s vs the better sync (dots: seeds)", title="Throughput, multi-turn agent workload")
     ax[1].set(ylabel="worker bubble (median)", title="Idle engine time in rollout")

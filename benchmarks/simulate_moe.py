@@ -134,7 +134,7 @@ def plot(doc: dict, path: Path) -> None:
         colors = ["tab:orange" if "histospec" in n else "tab:blue" for n in names]
         a.bar(x, med, color=colors, yerr=err, capsize=3)
         a.set(xticks=x, ylabel=label)
-        a.set_xticklabels([n.replace("+histospec", "\n+histospec") for n in names], fontsize=8)
+        a.set_xticklabels([n.replace("+histospec", "\n+histospec") for n in names], fontsize=7, rotation=35, ha="right")
     ax[0].axhline(1.0, color="gray", lw=0.8)
     ax[0].set_title(f"{doc['scenario']}: median, min-max over {len(doc['seeds'])} seeds", fontsize=9)
     ax[1].set_title("rollout bubble (blue: plain, orange: HistoSpec)", fontsize=9)
