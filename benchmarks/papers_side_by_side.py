@@ -2,7 +2,7 @@
 each with the paper's own figure, our simulator's figure for the same policy, and ours: twotier+HistoSpec with
 tail migration and colocated stream training (`twotier+histospec@system`; plain twotier+HistoSpec is a row too).
 
-    nice .venv/bin/python benchmarks/papers_side_by_side.py      # ~5 minutes on an idle 2-core machine
+    nice .venv/bin/python benchmarks/papers_side_by_side.py      # ~15 minutes on a 2-core machine
 
 Writes docs/benchmarks/papers_side_by_side.json and .md. Per scenario (configs/sim_paper_*.yaml):
 
@@ -14,6 +14,13 @@ Writes docs/benchmarks/papers_side_by_side.json and .md. Per scenario (configs/s
    model: it is listed beside our best.
 3. SortedRL setting: `sync`, `sorted` in on_policy and partial mode (their bubble ratios), `twotier`,
    `twotier+histospec` (partial mode, our default).
+
+4. Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer step
+   each), so all make the same optimizer steps on the same data (`updates`); `sync` runs again at a rollout
+   batch of twotier's mean harvest (`sync@b<B>`, B prompts; scheduler/equal_footing.py), and every row gets
+   `x_best_sync`, samples/s over the better of the two sync rows, and `max_staleness_steps`. The papers'
+   figures are against their own sync at its recipe batch, so the side-by-side table keeps `x sync` for them
+   and adds a line at equal footing.
 
 What the papers report (and what we compare it with) is listed in PAPERS below; the mapping of the three
 RollPacker speed-ups to the 7B/14B/32B settings follows the order the figures are quoted in. GPU counts
@@ -34,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scheduler import equal_footing  # noqa: E402
 from scheduler.limit import add_limit, physical_limit  # noqa: E402
 from scheduler.report import add_ratios, summarize  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
@@ -62,14 +70,20 @@ def run_policy(sim, run, name: str, overrides: list[str], path: str) -> dict:
         sim, run = load_sim_config(ROOT / path, overrides)
     t0 = time.time()
     result = simulate(sim, run, name.split("@")[0], record=True)
+    result.policy = name
     row = summarize(result)
-    row["policy"] = name
     row["sim_wall_s"] = round(time.time() - t0, 1)
+    add_shares(row)
+    return row
+
+
+def add_shares(row: dict) -> None:
+    """Rollout's share of the run and of rollout + train, and the row's progress line."""
     phases = row["rollout_s"] + row["train_s"]
     row["rollout_share"] = row["rollout_s"] / row["total_s"] if row["total_s"] else 0.0
     row["rollout_share_of_rollout_train"] = row["rollout_s"] / phases if phases else 0.0
-    print(f"    {name}: {row['total_s']:.0f} s, worker bubble {row['worker_bubble']:.1%} ({row['sim_wall_s']} s)", flush=True)
-    return row
+    print(f"    {row['policy']}: {row['total_s']:.0f} s, worker bubble {row['worker_bubble']:.1%} ({row['sim_wall_s']} s)",
+          flush=True)
 
 
 def scenario(key: str, spec: dict) -> dict:
@@ -86,11 +100,16 @@ def scenario(key: str, spec: dict) -> dict:
     names = ["sync", "tail", "twotier", "twotier+histospec"] if spec["paper"] == "RollPacker" else \
         ["sync", "sorted@on_policy", "sorted@partial", "twotier", "twotier+histospec"]
     names.append(OURS)
-    rows = []
-    for name in names:
+
+    def variant_sim(sim_, run_, name):
+        """A row's mechanisms (`@system`) or mode (`@on_policy`, `@partial`) on top of the calibrated scenario."""
         variant = name.partition("@")[2]
-        extra = SYSTEM if variant == "system" else [f"run.scheduler.mode={variant}"] if variant else []
-        rows.append(run_policy(sim, run, name, over + extra if extra else [], path))
+        if variant:
+            extra = SYSTEM if variant == "system" else [f"run.scheduler.mode={variant}"]
+            sim_, run_ = load_sim_config(ROOT / path, over + extra)
+        return simulate(sim_, run_, name.partition("@")[0], record=True)
+
+    rows, _ = equal_footing.compare(sim, run, names, variant_sim, lambda label, res, row: add_shares(row))
     add_ratios(rows)
     limit = physical_limit(sim, run)
     add_limit(rows, limit)
@@ -113,6 +132,7 @@ def compare(res: dict) -> list[dict]:
         out.append({"figure": "end-to-end vs verl (full system)", "paper": f"{p['end_to_end_vs_verl']:.2f}x",
                     "same_policy": f"{by['tail']['throughput_vs_sync']:.2f}x (tail; no elastic TP, reward or stream training)",
                     "ours": f"{ours['throughput_vs_sync']:.2f}x, twotier alone {by['twotier']['throughput_vs_sync']:.2f}x"})
+        out.append(equal_footing_line(by, "tail"))
         out.append({"figure": "worker bubble (sync -> policy)", "paper": "-",
                     "same_policy": f"{by['sync']['worker_bubble']:.1%} -> {by['tail']['worker_bubble']:.1%} (tail)",
                     "ours": f"{ours['worker_bubble']:.1%}"})
@@ -129,6 +149,7 @@ def compare(res: dict) -> list[dict]:
         out.append({"figure": "speed vs sync", "paper": "-",
                     "same_policy": f"{by['sorted@on_policy']['throughput_vs_sync']:.2f}x on-policy, {part['throughput_vs_sync']:.2f}x partial",
                     "ours": f"{ours['throughput_vs_sync']:.2f}x"})
+        out.append(equal_footing_line(by, "sorted@partial"))
     out.append({"figure": "RhymeRL overall (its own setting)", "paper": f"{RHYMERL_OVERALL:.1f}x", "same_policy": "-",
                 "ours": f"{ours['throughput_vs_sync']:.2f}x (vs sync)"})
     out.append({"figure": "time per sample / physical limit", "paper": "-",
@@ -136,19 +157,35 @@ def compare(res: dict) -> list[dict]:
     return out
 
 
+def equal_footing_line(by: dict[str, dict], same: str) -> dict:
+    """The table's line at equal footing: the same optimizer steps, against the better of sync and sync@b<B>."""
+    return {"figure": f"vs best sync, same optimizer steps ({by[same]['best_sync']})", "paper": "-",
+            "same_policy": f"{by[same]['x_best_sync']:.2f}x ({same})",
+            "ours": f"{by[OURS]['x_best_sync']:.2f}x, twotier alone {by['twotier']['x_best_sync']:.2f}x, "
+                    f"twotier+histospec {by['twotier+histospec']['x_best_sync']:.2f}x"}
+
+
 def to_markdown(results: list[dict]) -> str:
     lines = ["# The papers' settings in our simulator", "",
              "Written by `benchmarks/papers_side_by_side.py` (deterministic simulation, one run per variant).",
              "Trainer speed per scenario is set so rollout is 69% of a sync step; GPU counts other than "
-             "RollPacker's 128 are assumptions (see each YAML).", ""]
+             "RollPacker's 128 are assumptions (see each YAML).",
+             "Every policy trains the same mini-batches (`algorithm.ppo_mini_batch_size` samples per optimizer step), "
+             "so all make the same optimizer steps on the same data (`updates`). `sync@b<B>` is sync with its rollout "
+             "batch set to twotier's mean harvest (B prompts), the way a sync user amortises the long tail; `x best "
+             "sync` is samples/s over the better of sync and sync@b<B>, `x sync` over sync at its recipe batch (what "
+             "the papers' figures compare with). `stale steps`: the most optimizer steps between a sample's weights "
+             "and its step.", ""]
     for res in results:
         lines += [f"## {res['scenario']} (`{res['config']}`)", "",
                   "| figure | paper | our simulator, same policy | ours (twotier+HistoSpec, tail migration, colocated "
                   "stream training) |", "|---|---|---|---|"]
         lines += [f"| {c['figure']} | {c['paper']} | {c['same_policy']} | {c['ours']} |" for c in res["comparison"]]
-        lines += ["", "| policy | worker bubble | slot bubble | x sync | x limit | rollout share |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['policy']} | {r['worker_bubble']:.1%} | {r['slot_bubble']:.1%} | {r['throughput_vs_sync']:.2f} | "
-                  f"{r['ratio_to_limit']:.2f} | {r['rollout_share']:.0%} |" for r in res["rows"]]
+        lines += ["", "| policy | worker bubble | slot bubble | x best sync | x sync | x limit | rollout share | updates "
+                  "| stale steps |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['policy']} | {r['worker_bubble']:.1%} | {r['slot_bubble']:.1%} | {r['x_best_sync']:.2f} | "
+                  f"{r['throughput_vs_sync']:.2f} | {r['ratio_to_limit']:.2f} | {r['rollout_share']:.0%} | "
+                  f"{r['updates']} | {r['max_staleness_steps']} |" for r in res["rows"]]
         lines.append("")
     return "\n".join(lines)
 

@@ -4,7 +4,11 @@ on 128 GPUs (Qwen2.5-32B); figures committed to docs/benchmarks/sim_colocate.{js
     PYTHONPATH=. nice .venv/bin/python benchmarks/simulate_layouts.py --jobs 3          # both scenarios, 3 seeds
     PYTHONPATH=. nice .venv/bin/python benchmarks/simulate_layouts.py --scenarios qwen7b_8gpu --seeds 0,1,2,3,4
 
-Rows: sync, tail, twotier and twotier+HistoSpec, each on both layouts (`scheduler/layout_sim.py`):
+Rows: sync, tail, twotier and twotier+HistoSpec, each on both layouts (`scheduler/layout_sim.py`), and per
+layout and seed sync again at a rollout batch of twotier's mean harvest there (`sync@b<B>`, B prompts;
+scheduler/equal_footing.py). Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`,
+one optimizer step each), so all make the same optimizer steps on the same data (`updates`); the switch (or
+weight sync) comes once per harvest that trained (`harvests`, and once more for the last partial mini-batch):
 
 - **colocated**: every GPU generates (engines on all GPUs), then the switch the planner prices
   (`megatron_sortedrl/plan/colocated.py`): engines sleep (level 2), the trainer's state comes back from host
@@ -15,13 +19,17 @@ Rows: sync, tail, twotier and twotier+HistoSpec, each on both layouts (`schedule
   (the model's bytes at 20 GB/s, the planner's default).
 
 Each row runs with `workload.seed` 0, 1, 2 (the response lengths; the simulator is otherwise deterministic) and
-reports the median with min and max of the run time and of the throughput ratio to the same seed's `sync`
-disaggregated row (`x sync disagg.`; > 1 is faster). The 32B scenario is configs/sim_qwen32b_128gpu.yaml as
+reports the median with min and max of the run time, of `x_best_sync` (samples/s over the better of the same
+seed's sync and sync@b<B> in the same layout) and of the throughput ratio to the same seed's `sync`
+disaggregated row (`x sync disagg.`; > 1 is faster), with `updates` (optimizer steps) and
+`max_staleness_steps` (the most optimizer steps between a sample's weights and its step). The `sync@b<B>`
+rows of all seeds pool as one (`sync@b<lo>-<hi>` when B differs by seed). The 32B scenario is configs/sim_qwen32b_128gpu.yaml as
 committed plus the layout keys, so its legacy rows (docs/benchmarks/simulation_qwen32b_128gpu.json) are
-untouched; it takes most of the time (about a minute per row and seed on a quiet core).
+untouched; it takes most of the time (10-45 s per row and seed; the whole benchmark 9 minutes with --jobs 2 on
+the shared 2-core machine).
 
-Left out: bubbles and staleness (the simulations run without a timeline, to be fast: docs/benchmarks/
-simulation_*.json has them), asynchronous RL, and colocated stream training (an engine that ran dry would have to
+Left out: bubbles and the staleness histogram in policy versions (the simulations run without a timeline, to be
+fast: docs/benchmarks/simulation_*.json has them), asynchronous RL, and colocated stream training (an engine that ran dry would have to
 sleep before its GPU trains; scheduler/layout_sim.py).
 """
 
@@ -38,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scheduler.equal_footing import compare, pooled_labels  # noqa: E402
 from scheduler.layout_sim import step_costs  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
@@ -53,25 +62,35 @@ SCENARIOS = {
                        ["layout.kind=disaggregated", "cluster.trainer_gpus=96", "cluster.stream_training=true"]),
 }
 LAYOUTS = ("colocated", "disaggregated")
+KEEP = ("scenario", "layout", "policy", "seed", "total_s", "samples", "samples_per_s", "updates", "harvests",
+        "switches", "samples_per_update", "max_staleness_steps", "x_best_sync", "best_sync", "x_best_sync_histospec",
+        "rollout_s", "switch_s_per_step", "switch_s", "engines", "trainer_gpus", "streamed_tokens", "overrides",
+        "sim_wall_s")
 
 
-def run_one(task: tuple[str, str, str, int]) -> dict:
-    scenario, layout, policy, seed = task
+def fast(sim, run, policy: str):
+    return simulate(sim, run, policy, record=False)  # no timeline: bubbles are left out
+
+
+def run_one(task: tuple[str, str, int]) -> list[dict]:
+    """One scenario, layout and seed: every policy, then sync at twotier's mean harvest (`sync@b<B>`)."""
+    scenario, layout, seed = task
     path, colo, disagg = SCENARIOS[scenario]
     over = (colo if layout == "colocated" else disagg) + [f"workload.seed={seed}"]
     sim, run = load_sim_config(ROOT / path, over)
-    t0 = time.monotonic()
-    result = simulate(sim, run, policy, record=False)
-    updates = sum(1 for r in result.rounds if r["update"])
-    costs = step_costs(sim, run)
-    step = {k: v for k, v in costs.items() if k != "total"}
-    return {"scenario": scenario, "layout": layout, "policy": policy, "seed": seed, "total_s": result.total_s,
-            "samples": sum(r["samples"] for r in result.rounds), "updates": updates,
-            "rollout_s": sum(r["rollout_s"] for r in result.rounds), "switch_s_per_step": step,
-            "switch_s": updates * sum(step.values()), "engines": sim.cluster.gpus - sim.cluster.trainer_gpus,
-            "trainer_gpus": sim.cluster.trainer_gpus or sim.cluster.gpus,
-            "streamed_tokens": sum(r["streamed_tokens"] for r in result.rounds), "overrides": over,
-            "sim_wall_s": round(time.monotonic() - t0, 1)}
+    step = {k: v for k, v in step_costs(sim, run).items() if k != "total"}
+
+    def measured(label, result, row):
+        # one switch (weight sync) per harvest that trained, one more for the last partial mini-batch
+        switches = row["harvests"] + (result.optimizer_steps > sum(r["optimizer_steps"] for r in result.rounds))
+        row.update(scenario=scenario, layout=layout, seed=seed, switches=switches,
+                   rollout_s=sum(r["rollout_s"] for r in result.rounds), switch_s_per_step=step,
+                   switch_s=switches * sum(step.values()), engines=sim.cluster.gpus - sim.cluster.trainer_gpus,
+                   trainer_gpus=sim.cluster.trainer_gpus or sim.cluster.gpus,
+                   streamed_tokens=sum(r["streamed_tokens"] for r in result.rounds), overrides=over)
+
+    rows, _ = compare(sim, run, list(POLICIES), fast, measured)
+    return [{k: r[k] for k in KEEP if k in r} for r in rows]
 
 
 def spread(values: list[float]) -> dict:
@@ -83,17 +102,20 @@ def aggregate(runs: list[dict]) -> list[dict]:
     rows = []
     for scenario in SCENARIOS:
         for layout in LAYOUTS:
-            for policy in POLICIES:
-                mine = [r for r in runs if (r["scenario"], r["layout"], r["policy"]) == (scenario, layout, policy)]
-                if not mine:
-                    continue
+            here = [r for r in runs if (r["scenario"], r["layout"]) == (scenario, layout)]
+            pooled = pooled_labels([r["policy"] for r in here])
+            for policy in dict.fromkeys(pooled.values()):
+                mine = [r for r in here if pooled[r["policy"]] == policy]
                 ratios = [base[(scenario, r["seed"])] / r["total_s"] for r in mine if (scenario, r["seed"]) in base]
                 rows.append({"scenario": scenario, "layout": layout, "policy": policy,
                              "seeds": [r["seed"] for r in mine], "total_s": spread([r["total_s"] for r in mine]),
                              "throughput_vs_sync_disaggregated": spread(ratios) if ratios else None,
+                             "x_best_sync": spread([r["x_best_sync"] for r in mine]),
                              "rollout_share": spread([r["rollout_s"] / r["total_s"] for r in mine]),
                              "switch_share": spread([r["switch_s"] / r["total_s"] for r in mine]),
                              "updates": spread([r["updates"] for r in mine]),
+                             "harvests": spread([r["harvests"] for r in mine]),
+                             "max_staleness_steps": spread([r["max_staleness_steps"] for r in mine]),
                              "switch_s_per_step": mine[0]["switch_s_per_step"], "engines": mine[0]["engines"],
                              "trainer_gpus": mine[0]["trainer_gpus"], "samples": mine[0]["samples"]})
     return rows
@@ -108,17 +130,24 @@ def _fmt(s: dict | None, f: str = "{:.0f}") -> str:
 def markdown(doc: dict) -> str:
     lines = ["# Colocated against disaggregated, simulated", "",
              f"`{doc['command']}`: {len(doc['seeds'])} seeds (`workload.seed` {', '.join(map(str, doc['seeds']))}), "
-             "median [min, max]. `x sync disagg.` is samples/s over the same seed's sync disaggregated row "
-             "(> 1: faster). Switch: the colocated step's sleep + reload + offload + wake + handoff seconds "
+             "median [min, max]. Every policy trains the same mini-batches (`algorithm.ppo_mini_batch_size` samples "
+             "per optimizer step), so all make the same optimizer steps on the same data (`updates`). `sync@b<B>` is "
+             "sync with its rollout batch set to twotier's mean harvest in that layout and seed (B prompts), the way a "
+             "sync user amortises the long tail. `x best sync` is samples/s over the better of sync and sync@b<B> in "
+             "the same layout and seed; `x sync disagg.` over the same seed's sync disaggregated row "
+             "(> 1: faster). `harvests`: rounds that trained (one switch each); `stale steps`: the most optimizer "
+             "steps between a sample's weights and its step. Switch: the colocated step's sleep + reload + offload + wake + handoff seconds "
              "(plan/colocated.py formulas), the disaggregated step's network weight sync.", "",
-             "| scenario | layout | policy | GPUs: engines / trainer | run time s | x sync disagg. | switch s per step "
-             "| switch share | rollout share | updates |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| scenario | layout | policy | GPUs: engines / trainer | run time s | x best sync | x sync disagg. "
+             "| switch s per step | switch share | rollout share | updates | harvests | stale steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         sw = sum(r["switch_s_per_step"].values())
         lines.append(f"| {r['scenario']} | {r['layout']} | {r['policy']} | {r['engines']} / {r['trainer_gpus']} | "
-                     f"{_fmt(r['total_s'])} | {_fmt(r['throughput_vs_sync_disaggregated'], '{:.2f}')} | {sw:.1f} | "
+                     f"{_fmt(r['total_s'])} | {_fmt(r['x_best_sync'], '{:.2f}')} | "
+                     f"{_fmt(r['throughput_vs_sync_disaggregated'], '{:.2f}')} | {sw:.1f} | "
                      f"{_fmt(r['switch_share'], '{:.1%}')} | {_fmt(r['rollout_share'], '{:.0%}')} | "
-                     f"{_fmt(r['updates'])} |")
+                     f"{_fmt(r['updates'])} | {_fmt(r['harvests'])} | {_fmt(r['max_staleness_steps'])} |")
     lines += ["", "Switch seconds per step, colocated: " + "; ".join(
         f"{r['scenario']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["switch_s_per_step"].items())
         for r in doc["rows"] if r["layout"] == "colocated" and r["policy"] == "sync")]
@@ -135,7 +164,8 @@ def plot(doc: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 3.6), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios):
         for i, layout in enumerate(LAYOUTS):
-            rows = [r for r in doc["rows"] if r["scenario"] == scenario and r["layout"] == layout]
+            rows = [r for r in doc["rows"] if r["scenario"] == scenario and r["layout"] == layout
+                    and r["policy"] in POLICIES]  # sync@b<B> is in the table and JSON
             xs = [POLICIES.index(r["policy"]) + (i - 0.5) * 0.4 for r in rows]
             med = [r["throughput_vs_sync_disaggregated"]["median"] for r in rows]
             err = [[m - r["throughput_vs_sync_disaggregated"]["min"] for m, r in zip(med, rows)],
@@ -160,14 +190,16 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     scenarios = args.scenarios.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
-    tasks = [(s, lay, p, seed) for s in scenarios for seed in seeds for lay in LAYOUTS for p in POLICIES]
+    tasks = [(s, lay, seed) for s in scenarios for seed in seeds for lay in LAYOUTS]
     t0 = time.monotonic()
     runs = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for run in pool.map(run_one, tasks):
-            runs.append(run)
-            print(f"{run['scenario']:>15} {run['layout']:>13} {run['policy']:>18} seed {run['seed']}: "
-                  f"{run['total_s']:.0f} s, {run['updates']} updates (simulated in {run['sim_wall_s']} s)", flush=True)
+        for rows in pool.map(run_one, tasks):
+            for run in rows:
+                runs.append(run)
+                print(f"{run['scenario']:>15} {run['layout']:>13} {run['policy']:>18} seed {run['seed']}: "
+                      f"{run['total_s']:.0f} s, x best sync {run['x_best_sync']:.2f}, {run['updates']} updates "
+                      f"(simulated in {run['sim_wall_s']} s)", flush=True)
     cmd = "python benchmarks/simulate_layouts.py" + ("" if args.scenarios == ",".join(SCENARIOS) else
                                                      f" --scenarios {args.scenarios}") + (
         "" if args.seeds == "0,1,2" else f" --seeds {args.seeds}")

@@ -2,19 +2,25 @@
 over three seeds; and the same scenario on a dense-equivalent engine, to show what active-parameter decode
 changes. Figures committed to docs/benchmarks/.
 
-    PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/simulate_moe.py          # about 5 minutes on 2 CPU cores
+    PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/simulate_moe.py          # about 17 minutes on 2 shared CPU cores
     PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/simulate_moe.py --seeds 0,1,2,3,4 --jobs 1
 
 The scenario is configs/sim_qwen3_235b_128gpu.yaml (MoE engine costs: memory follows the 438 GiB of total
 weights, decode reads the shared weights plus the experts a step's tokens are routed to;
 `scheduler/cost_model.py`). A seed sets the synthetic lengths (`workload.seed`) and the run's seed
-(`run.seed`). Writes docs/benchmarks/simulation_qwen3_235b_128gpu.json, .md and .png:
+(`run.seed`). Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer
+step each), so all make the same optimizer steps on the same data (`updates`); per seed, sync and
+sync+histospec also run at a rollout batch of twotier's mean harvest in that seed (`sync@b<B>`, B prompts;
+scheduler/equal_footing.py). Writes docs/benchmarks/simulation_qwen3_235b_128gpu.json, .md and .png:
 
-- `rows`: per policy the median and [min, max] over seeds of total time, samples/s, throughput relative to
-  sync of the same seed, worker and slot bubble, rounds, preemptions, and the ratio to the physical limit
-  (`scheduler/limit.py`, with speculation at its best acceptance, so a lower bound for every row);
+- `rows`: per policy the median and [min, max] over seeds of total time, samples/s, `x_best_sync` (samples/s
+  over the better of the seed's sync and sync@b<B>; `x_best_sync_histospec` for +histospec rows, against the
+  better sync+histospec), throughput relative to sync of the same seed, worker and slot bubble, rounds
+  (harvests), `updates` (optimizer steps), `max_staleness_steps`, preemptions, and the ratio to the physical
+  limit (`scheduler/limit.py`, with speculation at its best acceptance, so a lower bound for every row); the
+  `sync@b<B>` rows of all seeds pool as one (`sync@b<lo>-<hi>` when B differs by seed);
 - `runs`: every (policy, seed) summary as `scheduler/report.summarize` writes it;
-- `dense_equivalent`: sync and twotier(+histospec) with `engine.expert_weight_gib=0`, i.e. a dense model of the
+- `dense_equivalent`: sync, twotier(+histospec) and sync@b<B> with `engine.expert_weight_gib=0`, i.e. a dense model of the
   same total size whose every decode step reads all 438 GiB (the old cost model's view of this model);
 - `decode_by_batch`: one TP=4 engine's decode tokens/s by running sequences, MoE against dense-equivalent,
   with and without HistoSpec at history age 0 (drafts touch more experts, so they pay less on MoE).
@@ -37,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scheduler.equal_footing import compare, pooled_labels  # noqa: E402
 from scheduler.limit import physical_limit  # noqa: E402
-from scheduler.report import summarize  # noqa: E402
 from scheduler.sim_config import load_sim_config  # noqa: E402
 from scheduler.simulator import simulate  # noqa: E402
 from scheduler.speculation_model import HistoSpecSim, chain  # noqa: E402
@@ -49,7 +55,8 @@ POLICIES = ("sync", "sorted", "tail", "twotier", "sync+histospec", "sorted+histo
             "twotier+histospec")
 DENSE_POLICIES = ("sync", "twotier", "twotier+histospec")
 STATS = ("total_s", "samples_per_s", "throughput_vs_sync", "worker_bubble", "slot_bubble", "rounds", "preemptions",
-         "ratio_to_limit", "max_staleness", "wasted_tokens")
+         "ratio_to_limit", "max_staleness", "wasted_tokens", "x_best_sync", "updates", "harvests",
+         "max_staleness_steps", "x_best_sync_histospec")
 
 
 def _load(seed: int, dense: bool):
@@ -59,13 +66,14 @@ def _load(seed: int, dense: bool):
     return sim, run
 
 
-def run_one(job: tuple[str, int, bool]) -> dict:
-    policy, seed, dense = job
+def run_seed(job: tuple[int, bool]) -> list[dict]:
+    """One seed on one engine: its policies, then sync at twotier's mean harvest (scheduler/equal_footing.py)."""
+    seed, dense = job
     sim, run = _load(seed, dense)
-    t0 = time.time()
-    row = summarize(simulate(sim, run, policy))
-    row.update(seed=seed, engine="dense-equivalent" if dense else "moe", sim_wall_s=round(time.time() - t0, 1))
-    return row
+    rows, _ = compare(sim, run, list(DENSE_POLICIES if dense else POLICIES), simulate)
+    for row in rows:
+        row.update(seed=seed, engine="dense-equivalent" if dense else "moe")
+    return rows
 
 
 def aggregate(runs: list[dict], limits: dict[int, float]) -> list[dict]:
@@ -74,12 +82,15 @@ def aggregate(runs: list[dict], limits: dict[int, float]) -> list[dict]:
     for r in runs:
         r["throughput_vs_sync"] = r["samples_per_s"] / sync[r["seed"]]["samples_per_s"]
         r["ratio_to_limit"] = r["total_s"] / r["samples"] / limits[r["seed"]]
+    pooled = pooled_labels([r["policy"] for r in runs])
     rows = []
-    for policy in dict.fromkeys(r["policy"] for r in runs):
-        mine = [r for r in runs if r["policy"] == policy]
+    for policy in dict.fromkeys(pooled.values()):
+        mine = [r for r in runs if pooled[r["policy"]] == policy]
         row = {"policy": policy, "seeds": sorted(r["seed"] for r in mine)}
         for k in STATS:
-            vals = [float(r[k]) for r in mine]
+            vals = [float(r[k]) for r in mine if k in r]
+            if not vals:
+                continue
             row[k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
         rows.append(row)
     return rows
@@ -116,14 +127,14 @@ def plot(doc: dict, path: Path) -> None:
     rows = doc["rows"]
     names = [r["policy"] for r in rows]
     x = list(range(len(rows)))
-    for a, key, label in ((ax[0], "throughput_vs_sync", "samples/s relative to sync (same seed)"),
+    for a, key, label in ((ax[0], "x_best_sync", "samples/s over the better sync (same seed)"),
                           (ax[1], "worker_bubble", "worker bubble ratio")):
         med = [r[key]["median"] for r in rows]
         err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
         colors = ["tab:orange" if "histospec" in n else "tab:blue" for n in names]
         a.bar(x, med, color=colors, yerr=err, capsize=3)
         a.set(xticks=x, ylabel=label)
-        a.set_xticklabels([n.replace("+histospec", "\n+histospec") for n in names], fontsize=8)
+        a.set_xticklabels([n.replace("+histospec", "\n+histospec") for n in names], fontsize=7, rotation=35, ha="right")
     ax[0].axhline(1.0, color="gray", lw=0.8)
     ax[0].set_title(f"{doc['scenario']}: median, min-max over {len(doc['seeds'])} seeds", fontsize=9)
     ax[1].set_title("rollout bubble (blue: plain, orange: HistoSpec)", fontsize=9)
@@ -148,17 +159,31 @@ def markdown(doc: dict) -> str:
     lines = [f"# {doc['scenario']}: every policy, with and without HistoSpec", "",
              f"`{doc['command']}` ({doc['config']}; seeds {', '.join(map(str, doc['seeds']))}; median [min, max]).",
              "Written by benchmarks/simulate_moe.py; the JSON beside this file has every run.", "",
-             "| policy | x sync | samples/s | worker bubble | slot bubble | x limit | updates | preemptions |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Every policy trains the same mini-batches (`algorithm.ppo_mini_batch_size` samples per optimizer step), "
+             "so all make the same optimizer steps on the same data (`updates`). `sync@b<B>` is sync (and "
+             "sync+histospec) with its rollout batch set to twotier's mean harvest in that seed (B prompts), the way "
+             "a sync user amortises the long tail. `x best sync`: samples/s over the better of sync and sync@b<B> in "
+             "the same seed; `x sync`: over sync at its recipe batch. `harvests`: rounds that trained; `stale steps`: "
+             "the most optimizer steps between a sample's weights and its step.", "",
+             "| policy | x best sync | x sync | samples/s | worker bubble | slot bubble | x limit | updates | harvests "
+             "| stale steps | preemptions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        lines.append(f"| {r['policy']} | {cell(r['throughput_vs_sync'], '{:.2f}')} | {cell(r['samples_per_s'], '{:.2f}')} | "
+        lines.append(f"| {r['policy']} | {cell(r['x_best_sync'], '{:.2f}')} | {cell(r['throughput_vs_sync'], '{:.2f}')} | "
+                     f"{cell(r['samples_per_s'], '{:.2f}')} | "
                      f"{cell(r['worker_bubble'], '{:.3f}')} | {cell(r['slot_bubble'], '{:.3f}')} | "
-                     f"{cell(r['ratio_to_limit'], '{:.2f}')} | {cell(r['rounds'], '{:.0f}')} | "
+                     f"{cell(r['ratio_to_limit'], '{:.2f}')} | {cell(r['updates'], '{:.0f}')} | "
+                     f"{cell(r['harvests'], '{:.0f}')} | {cell(r['max_staleness_steps'], '{:.0f}')} | "
                      f"{cell(r['preemptions'], '{:.0f}')} |")
+    spec = [r for r in doc["rows"] if "x_best_sync_histospec" in r]
+    if spec:
+        lines += ["", "HistoSpec rows against the better of sync+histospec and sync+histospec@b<B>: " + "; ".join(
+            f"{r['policy']} {cell(r['x_best_sync_histospec'], '{:.2f}')}" for r in spec) + "."]
     lines += ["", "Dense-equivalent engine (every decode step reads all 438 GiB; `engine.expert_weight_gib=0`):", "",
-              "| policy | x sync (dense-equivalent sync) | samples/s | worker bubble |", "|---|---|---|---|"]
+              "| policy | x best sync (dense-equivalent) | x sync (dense-equivalent sync) | samples/s | worker bubble |",
+              "|---|---|---|---|---|"]
     for r in doc["dense_equivalent"]["rows"]:
-        lines.append(f"| {r['policy']} | {cell(r['throughput_vs_sync'], '{:.2f}')} | "
+        lines.append(f"| {r['policy']} | {cell(r['x_best_sync'], '{:.2f}')} | {cell(r['throughput_vs_sync'], '{:.2f}')} | "
                      f"{cell(r['samples_per_s'], '{:.2f}')} | {cell(r['worker_bubble'], '{:.3f}')} |")
     lines += ["", "One TP=4 engine, decode tokens/s by running sequences (3k context each):", "",
               "| sequences | MoE tokens/s | MoE GiB read/step | MoE HistoSpec x | dense-eq. tokens/s | dense-eq. HistoSpec x |",
@@ -177,10 +202,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    jobs = [(p, s, False) for p in POLICIES for s in seeds] + [(p, s, True) for p in DENSE_POLICIES for s in seeds]
+    jobs = [(s, False) for s in seeds] + [(s, True) for s in seeds]
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(run_one, jobs))
+        results = [row for rows in pool.map(run_seed, jobs) for row in rows]
     for r in results:
         print(f"  {r['engine']:>16} {r['policy']:>18} seed {r['seed']}: {r['total_s']:.0f} s simulated "
               f"({r['sim_wall_s']} s)", flush=True)

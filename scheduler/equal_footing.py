@@ -24,6 +24,7 @@ Left out: choosing sync's batch by search (two points: the recipe's and the defa
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -57,6 +58,26 @@ def sync_batch_label(label: str) -> bool:
     return policy_of(label)[0] == "sync" and (not variant or re.fullmatch(r"b\d+", variant) is not None)
 
 
+def pooled_labels(labels: list[str]) -> dict[str, str]:
+    """Each per-seed row label -> the label its rows pool under across seeds. `sync@b<B>` follows each seed's
+    harvest, so B may differ between seeds: those rows pool as `sync@b<B>` when every seed had the same B, else as
+    `sync@b<min>-<max>` (the same for `sync+histospec@b<B>`); other labels pool as themselves."""
+    batches: dict[str, set[int]] = {}
+    for label in labels:
+        base, _, variant = label.partition("@")
+        if variant and sync_batch_label(label):
+            batches.setdefault(base, set()).add(int(variant[1:]))
+    out = {}
+    for label in labels:
+        base, _, variant = label.partition("@")
+        if variant and sync_batch_label(label):
+            lo, hi = min(batches[base]), max(batches[base])
+            out[label] = f"{base}@b{lo}" if lo == hi else f"{base}@b{lo}-{hi}"
+        else:
+            out[label] = label
+    return out
+
+
 def add_best_sync(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`x_best_sync` (and `best_sync`) on every row: the ratio to the faster plain `sync` batch row (other `sync@`
     variants, with mechanisms of their own, are rows like any other); `x_best_sync_histospec` on `+histospec` rows."""
@@ -78,15 +99,18 @@ def compare(sim: Any, run: Any, policies: list[str], simulate: Callable | None =
             on_result: Callable[[str, Any, dict], None] | None = None) -> tuple[list[dict], list[Any]]:
     """Simulates `policies`, then each `sync` variant among them again at the default policy's mean harvest
     (`sync@b<B>`, the default is `run.scheduler.policy`, or the first non-sync policy when it did not run);
-    returns (rows with `x_best_sync`, results) in that order."""
+    returns (rows with `x_best_sync` and `sim_wall_s`, the seconds each simulation took, results) in that order.
+    `simulate(sim, run, policy)` gets the row's label as `policy` (a `sync@b<B>` row: its sync policy)."""
     if simulate is None:
         from scheduler.simulator import simulate
     rows, results = [], []
 
     def one(label: str, cfg: Any, policy: str) -> Any:
+        t0 = time.time()
         res = simulate(sim, cfg, policy)
         res.policy = label
         row = summarize(res)
+        row["sim_wall_s"] = round(time.time() - t0, 1)
         if on_result is not None:
             on_result(label, res, row)
         rows.append(row)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.equal_footing import add_best_sync, compare, mean_harvest_prompts
+from scheduler.equal_footing import add_best_sync, compare, mean_harvest_prompts, pooled_labels
 from scheduler.limit import physical_limit
 from scheduler.report import summarize
 from scheduler.sim_config import load_sim_config
@@ -88,6 +88,15 @@ def test_histospec_rows_get_both_ratios():
                           {"policy": "sync@system", "samples_per_s": 8.0}])  # a mechanism variant, not a batch
     assert rows[3]["x_best_sync"] == 2.5 and rows[3]["x_best_sync_histospec"] == 2.0
     assert rows[3]["best_sync"] == "sync@b8" and "x_best_sync_histospec" not in rows[1]
+
+
+def test_sync_batch_rows_pool_across_seeds_under_one_label():
+    same = pooled_labels(["sync", "sync@b48", "twotier", "sync@b48", "twotier@tokens_only"])
+    assert same == {"sync": "sync", "sync@b48": "sync@b48", "twotier": "twotier",
+                    "twotier@tokens_only": "twotier@tokens_only"}
+    spread = pooled_labels(["sync@b12", "sync@b14", "sync+histospec@b13", "sync@system"])
+    assert spread == {"sync@b12": "sync@b12-14", "sync@b14": "sync@b12-14", "sync+histospec@b13": "sync+histospec@b13",
+                      "sync@system": "sync@system"}
 
 
 def test_the_limit_stays_below_every_policy_with_minibatches():
