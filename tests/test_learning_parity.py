@@ -102,11 +102,12 @@ def test_side_by_side_puts_the_simulators_speed_beside_the_learning(tmp_path):
     runs = {BASELINE: [_run([0.1, 0.3, 0.5], 4.0)] * 3, "twotier": [_run([0.1, 0.3, 0.5], 2.0)] * 3}
     result = {"summary": summarize(runs, budget=20, every=10)}
     sim = tmp_path / "sim.json"
-    sim.write_text(json.dumps({"rows": [{"policy": "sync", "throughput_vs_sync": 1.0},
-                                        {"policy": "twotier", "throughput_vs_sync": 2.91}]}))
+    # the simulated column is the equal-footing ratio to the better sync, not the ratio to sync's recipe batch
+    sim.write_text(json.dumps({"rows": [{"policy": "sync", "throughput_vs_sync": 1.0, "x_best_sync": 0.45},
+                                        {"policy": "twotier", "throughput_vs_sync": 2.87, "x_best_sync": 1.28}]}))
     table = side_by_side(result, sim).splitlines()
-    assert table[2].startswith("| sync | 1.00 | 1.00 | 0.500 |")
-    assert table[3].startswith("| twotier | 2.91 | 2.00 | 0.500 |")  # measured: half the ms per sample
+    assert table[2].startswith("| sync | 0.45 | 1.00 | 0.500 |")
+    assert table[3].startswith("| twotier | 1.28 | 2.00 | 0.500 |")  # measured: half the ms per sample
 
 
 def test_curve_counts_drawn_samples_from_the_drivers_step_result():
