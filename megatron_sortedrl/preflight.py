@@ -67,7 +67,7 @@ def check_model_config(file: Path) -> None:
     refuses it too, with the same line, before Ray."""
     import json
 
-    from megatron_sortedrl.convert.validate import check_architecture
+    from megatron_sortedrl.convert.architectures import check_architecture
 
     try:
         cfg = json.loads(file.read_text())

@@ -250,8 +250,8 @@ def check_engines(sim: SimConfig, run: RunConfig) -> None:
 
 def check_replay(workload: WorkloadConfig) -> None:
     """A replay workload's lengths file is read now, so a missing or malformed one is refused before any
-    simulation (scheduler/workload.py: `load_lengths`)."""
+    simulation (scheduler/replay_lengths.py: `load_lengths`)."""
     if workload.kind == "replay":
-        from scheduler.workload import load_lengths
+        from scheduler.replay_lengths import load_lengths
 
         load_lengths(workload.replay_path)

@@ -74,7 +74,7 @@ from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
 from scheduler.sim_config import SimConfig
 from scheduler.speculation_model import HistoSpecSim, split_policy
-from scheduler.sim_engine import SimEngine, _Seq  # noqa: F401  (one engine; re-exported)
+from scheduler.sim_engine import SimEngine, SimSeq
 from scheduler.stream_sim import train_phase_s
 from scheduler.trajectory_sim import ToolDone, TrajectorySim, tokens_per_tool_s
 from scheduler.workload import make_workload
@@ -120,7 +120,7 @@ class Simulator:
         self.preemptions = 0
         self.migrations = 0  # running requests moved to an engine that ran dry (cluster.tail_migration)
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
-        self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
+        self.by_prompt: dict[str, dict[str, SimSeq]] = {}  # prompt id -> its submitted, unfinished requests
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
         self.traj: TrajectorySim | None = None  # multi-turn trajectories (set by `simulate`; None: single-turn)
@@ -139,7 +139,7 @@ class Simulator:
             return model.decode_step_s(tp, batch, context)
         return self.spec.step_s(model, tp, batch, positions, context)
 
-    def start(self, engine: SimEngine, req: Request) -> _Seq:
+    def start(self, engine: SimEngine, req: Request) -> SimSeq:
         s = req.sample
         sid = s.sample_id
         if s.response_length == 0 or sid not in self.targets:  # a fresh attempt draws a new length
@@ -149,7 +149,7 @@ class Simulator:
                                  self.workload.length(s.prompt_id, s.epoch, s.index, attempt))
         end = self.traj.turn_end(s) if self.traj else self.targets[sid]  # a trajectory decodes turn by turn
         target = min(end, s.response_length + req.max_tokens)
-        seq = _Seq(req, max(target, s.response_length + 1))
+        seq = SimSeq(req, max(target, s.response_length + 1))
         if self.spec is not None:
             seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
             self.by_prompt.setdefault(s.prompt_id, {})[sid] = seq
@@ -159,17 +159,17 @@ class Simulator:
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
 
-    def _commit(self, seq: _Seq, version: int) -> Sample:
+    def commit(self, seq: SimSeq, version: int) -> Sample:
         s = seq.req.sample
         k = min(int(seq.gen + 1e-6), seq.target) - s.response_length
         if k > 0:  # the simulator's tokens are placeholders; lengths and versions are what matter
             s.append([0] * k, [0.0] * k, version)
         return s
 
-    def finished(self, engine: SimEngine, seq: _Seq) -> None:
+    def finished(self, engine: SimEngine, seq: SimSeq) -> None:
         if self.traj is not None and self.traj.turn_ended(engine, seq):
             return  # a turn ended and a tool call follows: the sample waits off the engine
-        s = self._commit(seq, self.policy.version)
+        s = self.commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
         if hasattr(self.workload, "reward"):  # a workload without a pass-rate process leaves rewards unset
             s.reward = self.workload.reward(s.prompt_id, s.epoch, s.index)
@@ -286,7 +286,7 @@ class Simulator:
                 if sid in wanted:
                     wanted.discard(sid)
                     self.where.pop(sid, None)
-                    s = self._commit(seq, self.policy.version)
+                    s = self.commit(seq, self.policy.version)
                     self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
                     if self.traj:
                         self.traj.aborted(s, t_end)
@@ -357,7 +357,7 @@ class Simulator:
                 engine.advance_to(self.clock.t, finish_step=True)
             seq = engine.abort(sample_id)
             if seq is not None:
-                s = self._commit(seq, self.policy.version)
+                s = self.commit(seq, self.policy.version)
                 self.emit("request", "abort", max(engine.t, self.clock.t), worker=engine.wid, sample_id=sample_id,
                           tokens=s.response_length)
                 if self.traj:

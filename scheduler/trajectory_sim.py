@@ -45,15 +45,12 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from megatron_sortedrl.sample import Sample
 from scheduler.protocol import Request
 from scheduler.sim_config import WorkloadConfig
-
-if TYPE_CHECKING:  # the simulator imports this module; these are only its types
-    from scheduler.sim_engine import SimEngine, _Seq
-    from scheduler.simulator import Simulator
+from scheduler.sim_engine import SimEngine, SimSeq
 
 
 class ToolCall(NamedTuple):
@@ -172,8 +169,8 @@ class _Wait:
 class TrajectorySim:
     """The simulator's per-trajectory records and its hooks for turn ends, tool answers, aborts and harvests."""
 
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim  # the `Simulator` that owns these hooks; it imports this module, never the other way round
         self.level = TurnLevel(sim.sim.workload)
         self.draws: dict[str, Trajectory] = {}  # sample id -> trajectory of its current attempt
         self.waiting: dict[str, _Wait] = {}  # sample id -> its tool call in flight this round
@@ -201,14 +198,14 @@ class TrajectorySim:
         traj = self.draws[s.sample_id]
         return len(traj.turns), traj.tool_s
 
-    def turn_ended(self, engine: SimEngine, seq: _Seq) -> bool:
+    def turn_ended(self, engine: SimEngine, seq: SimSeq) -> bool:
         """Called when `seq` reached its target: True if a tool call follows (the sample leaves the engine)."""
         sid = seq.req.sample.sample_id
         traj = self.draws[sid]
         k = traj.call_at(seq.target)
         if k is None:
             return False
-        s = self.sim._commit(seq, self.sim.policy.version)  # the completed turn belongs to the sample now
+        s = self.sim.commit(seq, self.sim.policy.version)  # the completed turn belongs to the sample now
         self.sim.where.pop(sid, None)
         self.calls += 1
         self._wait(sid, seq, seq.req, engine, engine.t + traj.tools[k].latency_s)

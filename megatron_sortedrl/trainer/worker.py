@@ -380,11 +380,12 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
         sends each one to every engine; the stage's other TP ranks, and with experts the ranks of its EP
         group (possibly in other DP replicas), only send it their pieces; other ranks return at once. Returns the sender's counts (None elsewhere).
         `transport`: "object_store" (Ray, any device) or "nccl" (GPU; `nccl` carries the rendezvous and the
-        broadcast plan, see `rollout.weight_sync.nccl_send_buckets`). `mode`: "pipelined" (layer-by-layer export,
+        broadcast plan, see `rollout.weight_sync_gpu.nccl_send_buckets`). `mode`: "pipelined" (layer-by-layer export,
         `weight_sync.stage_push` / `nccl_send_stage`) or "serial" (the path before, kept for comparison)."""
         from megatron.core import parallel_state as ps
 
         from megatron_sortedrl.rollout import weight_sync as ws
+        from megatron_sortedrl.rollout import weight_sync_gpu as wsg
         from megatron_sortedrl.trainer.stage_export import iter_stage_hf_weights
 
         tensors = iter_stage_hf_weights(self.module, self.arch, use_te=self.use_te,
@@ -398,14 +399,14 @@ class TrainerWorker(StreamTrainingMixin, OffloadMixin):  # stream_*: trainer/str
             # One packing buffer for all buckets: ray.put copies it and the NCCL broadcast is waited for.
             if transport == "nccl" and mode == "serial":
                 buckets = ws.iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True)
-                stats = ws.nccl_send_buckets(self._nccl_comm(nccl, stage), stage, nccl["plan"], buckets, engines)
+                stats = wsg.nccl_send_buckets(self._nccl_comm(nccl, stage), stage, nccl["plan"], buckets, engines)
             elif transport == "nccl":  # this stage's own group: rank 0 is this sender, then every engine GPU
                 ep = nccl["endpoints"][stage]
                 comm = self._nccl_comm({"master_address": ep[0], "master_port": ep[1],
                                         "world_size": nccl["stage_world_size"]}, 0)
-                stats = ws.nccl_send_stage(comm, tensors, bucket_bytes)
+                stats = wsg.nccl_send_stage(comm, tensors, bucket_bytes)
             elif transport == "ipc":  # colocated on one node: CUDA IPC handles of a GPU bucket
-                stats = ws.ipc_send_stage(engines, tensors, bucket_bytes)
+                stats = wsg.ipc_send_stage(engines, tensors, bucket_bytes)
             else:
                 stats = ws.stage_push(engines, tensors, bucket_bytes=bucket_bytes,
                                       max_buckets_in_flight=max_buckets_in_flight, mode=mode)
