@@ -53,7 +53,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron_sortedrl.config import help_field
+from megatron_sortedrl.schema import help_field
 from megatron_sortedrl.errors import ConfigError, UserError
 
 SPEC_SUFFIX = "+histospec"
