@@ -58,7 +58,7 @@ from megatron_sortedrl.reward_stage import make_reward_stage
 from megatron_sortedrl.round_stream import compose_round, hand_over_rewards, stream_round
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
-from scheduler.selective import shape_batch
+from megatron_sortedrl.shaping import shape_batch
 from speculative.fast_path import apply_speculation, initial_speculative_config
 
 
