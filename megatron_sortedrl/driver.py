@@ -53,13 +53,13 @@ from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.minibatch import MiniBatcher, train_update
 from megatron_sortedrl.placement import local_ray_env, socket_env
 from megatron_sortedrl.preflight import preflight
-from megatron_sortedrl.relayout import apply_layout, layout_name
+from megatron_sortedrl.relayout import apply_layout, apply_speculation, layout_name
 from megatron_sortedrl.reward_stage import make_reward_stage
 from megatron_sortedrl.round_stream import compose_round, hand_over_rewards, stream_round
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
 from megatron_sortedrl.sample import Prompt, Sample
 from megatron_sortedrl.shaping import shape_batch
-from speculative.fast_path import apply_speculation, initial_speculative_config
+from speculative.fast_path import initial_speculative_config
 
 
 @dataclass
