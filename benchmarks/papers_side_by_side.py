@@ -34,10 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.limit import add_limit, physical_limit  # noqa: E402
-from scheduler.report import add_ratios, summarize  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim.limit import add_limit, physical_limit  # noqa: E402
+from scheduler.sim.report import add_ratios, summarize  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 ROLLOUT_SHARE = 0.69
 PAPERS = {

@@ -318,7 +318,7 @@ def packed_replay(d, run_dir: Path) -> dict:
     waited for a policy update: the floor of every plain scheduler on this machine."""
     from megatron_sortedrl.rollout import GenRequest
     from megatron_sortedrl.telemetry.timeline import read_run_timeline
-    from scheduler.calibrate import replay_table, run_prompt_tokens
+    from scheduler.sim.calibrate import replay_table, run_prompt_tokens
 
     table = replay_table(read_run_timeline(run_dir))
     prompt_len = run_prompt_tokens(run_dir)

@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.regime_grid import _stale_share  # noqa: E402
-from scheduler.limit import physical_limit  # noqa: E402
-from scheduler.report import summarize  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim.limit import physical_limit  # noqa: E402
+from scheduler.sim.report import summarize  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 CONFIG = "configs/sim_agentic_7b_8gpu.yaml"
 POLICIES = ("sync", "tail", "twotier", "twotier+histospec", "tail@tokens_only", "twotier@tokens_only")
@@ -53,7 +53,7 @@ def run_seed(config: str, seed: int) -> list[dict]:
         t0 = time.time()
         base, _, variant = policy.partition("@")
         if variant == "tokens_only":  # the history's tool seconds weigh nothing in the predicted cost
-            with mock.patch("scheduler.simulator.tokens_per_tool_s", lambda *_: 0.0):
+            with mock.patch("scheduler.sim.simulator.tokens_per_tool_s", lambda *_: 0.0):
                 result = simulate(sim, run, base)
         else:
             result = simulate(sim, run, policy)

@@ -37,11 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.limit import physical_limit  # noqa: E402
-from scheduler.report import summarize  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
-from scheduler.speculation_model import HistoSpecSim, chain  # noqa: E402
+from scheduler.sim.limit import physical_limit  # noqa: E402
+from scheduler.sim.report import summarize  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
+from scheduler.sim.speculation_model import HistoSpecSim, chain  # noqa: E402
 
 CONFIG = "configs/sim_qwen3_235b_128gpu.yaml"
 NAME = "qwen3_235b_128gpu"

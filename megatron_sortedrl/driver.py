@@ -107,7 +107,7 @@ class Driver:
         from megatron_sortedrl.tiny_model import build_tiny_model
         from megatron_sortedrl.trainer.group import TrainerGroup
         from megatron_sortedrl.trainer.stream import DriverStream
-        from scheduler.layout_driver import driver_planner
+        from scheduler.sim.layout_driver import driver_planner
         from scheduler.policies import make_policy
         from speculative.feed import HistoryFeed
 
@@ -148,7 +148,7 @@ class Driver:
         self.pool, self.colo = start_engines(cfg, self.trainer, PoolOptions.from_config(cfg, speculative_config=spec),
                                              self.say)
         self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
-        planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/layout_driver.py)
+        planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/sim/layout_driver.py)
         self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                   max_response_length=cfg.rollout.max_response_length, planner=planner,
                                   seed=cfg.seed, sample_factory=self._new_sample,

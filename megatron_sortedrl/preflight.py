@@ -30,7 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> None:
-    from scheduler.layout_driver import check_planner
+    from scheduler.sim.layout_driver import check_planner
 
     check_planner(cfg)  # a planner the driver cannot honour fails here, in one line
     check_model_dir(cfg.model)

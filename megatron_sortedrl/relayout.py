@@ -3,7 +3,7 @@
     apply_layout(driver, rnd, row)           # Driver.compose_round, after the policy composed `rnd`
     apply_speculation(driver, rnd, row)      # then: plain or HistoSpec engines for the round, same layout
 
-When the round's layout (`rnd.layout`, from `scheduler.layout_planner`, see scheduler/layout_driver.py)
+When the round's layout (`rnd.layout`, from `scheduler.layout_planner`, see scheduler/sim/layout_driver.py)
 differs from the engines' (`RolloutPool.layout`), the pool stops every engine and starts the new ones
 (`RolloutPool.set_layout`), which load the weights of the last sync again, so the new engines serve the
 current policy version. Colocated, the switch goes through `Colocated.replace_engines`: the trainer's state

@@ -21,7 +21,7 @@ from megatron_sortedrl.shaping import shape_batch
 from scheduler.config import SamplingConfig
 from scheduler.history import LengthHistory
 from scheduler.selective import SelectivePolicy, SkipGate, informative
-from scheduler.simulator import Simulator, build_policy, simulate
+from scheduler.sim.simulator import Simulator, build_policy, simulate
 from test_scheduler_policies import scenario
 
 FAST = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

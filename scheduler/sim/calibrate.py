@@ -2,7 +2,7 @@
 timeline and metrics, and the run's own response lengths to replay.
 
     python -m megatron_sortedrl simulate configs/sim_tiny_cpu.yaml --calibrate-from runs/tiny_cpu --policies sync
-    from scheduler.calibrate import calibrate_run, apply_calibration
+    from scheduler.sim.calibrate import calibrate_run, apply_calibration
     cal = calibrate_run("runs/tiny_cpu"); sim = apply_calibration(sim, cal, "runs/sim/lengths.json")
 
 What is measured, and how (every figure is also in `Calibration.fit` for the report):
@@ -425,7 +425,7 @@ def _fit_train(x: list[float], y: list[float]) -> tuple[float, float]:
 def apply_calibration(sim: Any, cal: Calibration, lengths_path: str | Path, tp: int = 1,
                       kv_cache_gib: float | None = None) -> Any:
     """A copy of `SimConfig` `sim` with the measured costs and the replay workload (written to `lengths_path`)."""
-    from scheduler.sim_config import WorkloadConfig
+    from scheduler.sim.sim_config import WorkloadConfig
 
     Path(lengths_path).parent.mkdir(parents=True, exist_ok=True)
     Path(lengths_path).write_text(json.dumps({p: {str(e): v for e, v in per.items()} for p, per in cal.lengths.items()}))
@@ -516,7 +516,7 @@ def match_rollout_level(sim: Any, run_dir: str | Path, cal: Calibration, out_dir
     round start and harvest latency do not scale; with engine jitter the simulated seconds are the mean over
     `draws` draws of it. On a simulated run the factor is 1 (tests/test_calibrate.py)."""
     from megatron_sortedrl.config import load_config
-    from scheduler.simulator import simulate
+    from scheduler.sim.simulator import simulate
 
     run_dir = Path(run_dir)
     run = load_config(run_dir / "config.yaml", [])

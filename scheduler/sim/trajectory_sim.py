@@ -3,7 +3,7 @@
     python -m megatron_sortedrl simulate configs/sim_agentic_7b_8gpu.yaml --policies sync,tail,twotier
     PYTHONPATH=. python benchmarks/simulate_agentic.py          # docs/benchmarks/sim_agentic.{json,png,md}
 
-On with `workload.turns_max` > 1 (`scheduler/sim_config.py`); with 1 the simulator never builds this and runs
+On with `workload.turns_max` > 1 (`scheduler/sim/sim_config.py`); with 1 the simulator never builds this and runs
 single-turn samples exactly as before. A sample is a trajectory:
 
     turn 0 tokens | tool message 0 | turn 1 tokens | tool message 1 | ... | turn K-1 tokens
@@ -21,7 +21,7 @@ single-turn samples exactly as before. A sample is a trajectory:
 - **Budget.** The trajectory stops at `max_response_length` response tokens (turns and tool messages together):
   a turn that reaches it is cut there, and a tool message that would cross it ends the trajectory at its turn.
 
-In the engine (`scheduler/simulator.py` calls the hooks below): a turn decodes like any request; when it ends
+In the engine (`scheduler/sim/simulator.py` calls the hooks below): a turn decodes like any request; when it ends
 and a tool call follows, the sample leaves the engine (its slot and KV are free: the engine serves others while
 the tool runs off the engines), and when the tool answers it re-enters the same engine's waiting list ahead of
 queued requests, its tool message prefilled on admission (the earlier context is in the prefix cache). A sample
@@ -49,8 +49,8 @@ from typing import Any, NamedTuple
 
 from megatron_sortedrl.sample import Sample
 from scheduler.protocol import Request
-from scheduler.sim_config import WorkloadConfig
-from scheduler.sim_engine import SimEngine, SimSeq
+from scheduler.sim.sim_config import WorkloadConfig
+from scheduler.sim.sim_engine import SimEngine, SimSeq
 
 
 class ToolCall(NamedTuple):

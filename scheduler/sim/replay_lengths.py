@@ -1,6 +1,6 @@
 """The recorded response lengths a replay workload plays back: a lengths JSON or a run timeline.
 
-    from scheduler.replay_lengths import load_lengths
+    from scheduler.sim.replay_lengths import load_lengths
     table = load_lengths("runs/x/timeline.jsonl")     # {prompt_id: {epoch: [lengths]}}
 
 A JSON file is checked against `LENGTHS_SCHEMA` (a wrong structure is one line with the file and the JSON path);

@@ -1,6 +1,6 @@
 """Speed-ups at equal footing: every policy against the best `sync`, at the same samples per optimizer step.
 
-    from scheduler.equal_footing import compare
+    from scheduler.sim.equal_footing import compare
     rows, results = compare(sim, run, ["sync", "twotier", "twotier+histospec"])   # adds sync@<B>, x_best_sync
     python -m megatron_sortedrl simulate configs/sim_qwen32b_128gpu.yaml --policies sync,twotier,twotier+histospec
 
@@ -27,8 +27,8 @@ import re
 from dataclasses import replace
 from typing import Any, Callable
 
-from scheduler.report import summarize
-from scheduler.speculation_model import split_policy
+from scheduler.sim.report import summarize
+from scheduler.sim.speculation_model import split_policy
 
 
 def mean_harvest_prompts(result: Any, n: int) -> int:
@@ -80,7 +80,7 @@ def compare(sim: Any, run: Any, policies: list[str], simulate: Callable | None =
     (`sync@b<B>`, the default is `run.scheduler.policy`, or the first non-sync policy when it did not run);
     returns (rows with `x_best_sync`, results) in that order."""
     if simulate is None:
-        from scheduler.simulator import simulate
+        from scheduler.sim.simulator import simulate
     rows, results = [], []
 
     def one(label: str, cfg: Any, policy: str) -> Any:

@@ -1,7 +1,7 @@
-"""One continuously batched engine of the cluster simulator (`scheduler/simulator.py`, which documents the model:
+"""One continuously batched engine of the cluster simulator (`scheduler/sim/simulator.py`, which documents the model:
 admission with prefill, decode chunks from event to event, KV preemption, lookahead and tail migration).
 
-    from scheduler.sim_engine import SimEngine      # built by Simulator.set_layout, one per engine of the layout
+    from scheduler.sim.sim_engine import SimEngine      # built by Simulator.set_layout, one per engine of the layout
 
 Split out of simulator.py to keep both files readable; the event loop, rounds and harvests stay there.
 Left out: everything above one engine (queues across engines, policies, rewards): the `Simulator` does them.
@@ -15,7 +15,7 @@ from typing import Any
 
 from scheduler.cost_model import EngineCostModel
 from scheduler.protocol import Request
-from scheduler.tail_migration import take_running
+from scheduler.sim.tail_migration import take_running
 
 
 class SimSeq:
@@ -124,7 +124,7 @@ class SimEngine:
                     # finds some (an engine that filled all its slots would leave the last ones nothing).
                     req, self.ahead = self.sim.ahead.popleft(), True
                 if req is None:
-                    # Tail migration (scheduler/tail_migration.py): run dry, take a running request of the busiest.
+                    # Tail migration (scheduler/sim/tail_migration.py): run dry, take a running request of the busiest.
                     moved = (take_running(self.sim, self) if steal and self.sim.sim.cluster.tail_migration
                              and not self.running else None)
                     if moved is None:

@@ -1,7 +1,7 @@
 """Response-length workloads for the simulator: synthetic heavy tails with per-prompt persistence, or
 replay of a recorded run.
 
-    from scheduler.workload import make_workload
+    from scheduler.sim.workload import make_workload
     w = make_workload(sim.workload, max_response_length=32768)
     w.length("p17", epoch=1, index=3, attempt=0)      # -> tokens this sample generates before EOS
 
@@ -28,7 +28,7 @@ band. The shares move linearly from `*_start` to `*_end` over the epochs (more p
 between), so with n = 16 about 30% of groups are informative early and 20% late. A sample's reward is a
 seeded Bernoulli draw of its prompt's rate, the same for every policy.
 
-Multi-turn trajectories (`workload.turns_max` > 1) are drawn by `scheduler/trajectory_sim.py`; each turn's tokens
+Multi-turn trajectories (`workload.turns_max` > 1) are drawn by `scheduler/sim/trajectory_sim.py`; each turn's tokens
 come from `turn_length`, the model above with a per-turn eps (the prompt's level is shared by its turns).
 
 Left out: correlation between length and reward, and length drift over training.
@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 import random
 
-from scheduler.replay_lengths import load_lengths
-from scheduler.sim_config import WorkloadConfig
+from scheduler.sim.replay_lengths import load_lengths
+from scheduler.sim.sim_config import WorkloadConfig
 
 
 class PassRates:
