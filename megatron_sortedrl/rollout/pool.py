@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_sortedrl.rollout.engine_worker import EngineWorker, engine_env, engine_kwargs
