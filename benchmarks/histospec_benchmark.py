@@ -312,7 +312,7 @@ def main() -> int:
 
     from tokenizers import Tokenizer
 
-    from speculative.tiny_policy import arithmetic_corpus, encode, train_tiny_policy
+    from megatron_sortedrl.tiny_policy import arithmetic_corpus, encode, train_tiny_policy
 
     texts, responses = arithmetic_corpus(args.prompts, variants=2, seed=1, min_difficulty=2, max_difficulty=6)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="histospec_bench_")) / "model"

@@ -204,7 +204,7 @@ def main() -> None:
     from megatron_sortedrl.agentic.trajectory import ToolRenderer
     from megatron_sortedrl.config import TinyModelConfig
     from megatron_sortedrl.tiny_model import build_tiny_model
-    from speculative.tiny_policy import train_tiny_policy
+    from megatron_sortedrl.tiny_policy import train_tiny_policy
 
     load_start = os.getloadavg()
     t0 = time.perf_counter()

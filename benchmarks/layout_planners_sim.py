@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scheduler.layout import LAYOUT_PLANNERS  # noqa: E402
-from scheduler.report import summarize  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim.report import summarize  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 SCALES = {"qwen32b_128gpu": "configs/sim_qwen32b_128gpu.yaml",
           "paper_rollpacker_14b_16k": "configs/sim_paper_rollpacker_14b_16k.yaml"}

@@ -17,7 +17,7 @@ Writes docs/benchmarks/papers_side_by_side.json and .md. Per scenario (configs/s
 
 4. Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer step
    each), so all make the same optimizer steps on the same data (`updates`); `sync` runs again at a rollout
-   batch of twotier's mean harvest (`sync@b<B>`, B prompts; scheduler/equal_footing.py), and every row gets
+   batch of twotier's mean harvest (`sync@b<B>`, B prompts; scheduler/sim/equal_footing.py), and every row gets
    `x_best_sync`, samples/s over the better of the two sync rows, and `max_staleness_steps`. The papers'
    figures are against their own sync at its recipe batch, so the side-by-side table keeps `x sync` for them
    and adds a line at equal footing.
@@ -41,11 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler import equal_footing  # noqa: E402
-from scheduler.limit import add_limit, physical_limit  # noqa: E402
-from scheduler.report import add_ratios, summarize  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim import equal_footing  # noqa: E402
+from scheduler.sim.limit import add_limit, physical_limit  # noqa: E402
+from scheduler.sim.report import add_ratios, summarize  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 ROLLOUT_SHARE = 0.69
 PAPERS = {
@@ -60,7 +60,7 @@ PAPERS = {
 }
 RHYMERL_OVERALL = 2.6
 # Ours: twotier+HistoSpec with the round-tail mechanisms of the system, colocated (tail migration,
-# scheduler/tail_migration.py, and stream training on the tail's idle GPUs, scheduler/stream_sim.py).
+# scheduler/sim/tail_migration.py, and stream training on the tail's idle GPUs, scheduler/sim/stream_sim.py).
 OURS = "twotier+histospec@system"
 SYSTEM = ["cluster.tail_migration=true", "cluster.stream_training=true"]
 

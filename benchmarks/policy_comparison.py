@@ -205,7 +205,7 @@ class Session:
                                tp_long=cfg.rollout.long_round_tensor_parallel_size)
         d.policy = make_policy(cfg.scheduler, sorted(d.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                                max_response_length=cfg.rollout.max_response_length, planner=planner, seed=cfg.seed,
-                               sample_factory=d._new_sample, num_epochs=cfg.data.num_epochs or None)
+                               sample_factory=d.new_sample, num_epochs=cfg.data.num_epochs or None)
         d.stream = DriverStream(d.trainer, d.policy) if cfg.trainer.stream else None  # as Driver.__init__ does
         d.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
                                  max_responses_per_prompt=cfg.speculative.history_max_responses)
@@ -321,7 +321,7 @@ def packed_replay(d, run_dir: Path) -> dict:
     waited for a policy update: the floor of every plain scheduler on this machine."""
     from megatron_sortedrl.rollout import GenRequest
     from megatron_sortedrl.telemetry.timeline import read_run_timeline
-    from scheduler.calibrate import replay_table, run_prompt_tokens
+    from scheduler.sim.calibrate import replay_table, run_prompt_tokens
 
     table = replay_table(read_run_timeline(run_dir))
     prompt_len = run_prompt_tokens(run_dir)

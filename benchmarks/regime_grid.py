@@ -13,13 +13,13 @@ and the number of epochs (one epoch: no history at all). Three rows replay lengt
 here from a seeded model, labelled `reconstructed`, because no per-sample RL length logs are available
 offline and this repository holds no recorded real-run timeline yet (`runs/*/timeline.jsonl` replays the
 same way: add it with `--replay NAME=PATH`). The committed 32B, 128-GPU scenario is one more row. The
-`agent_*` regimes, last, are multi-turn trajectories with tool calls between turns (scheduler/trajectory_sim.py,
+`agent_*` regimes, last, are multi-turn trajectories with tool calls between turns (scheduler/sim/trajectory_sim.py,
 `AGENT_REGIMES`): the same base, sessions of 1-8 assistant turns, tool latencies log-normal per kind.
 
 Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer step each), so
 all make the same optimizer steps on the same data (`updates`). One more row per regime, `sync_at_harvest`, is
 sync with `rollout_batch_size` set to twotier's mean harvest (in prompts; `rollout_batch_size` says which): the
-way a sync user amortises the tail, and a baseline like the others (scheduler/equal_footing.py).
+way a sync user amortises the tail, and a baseline like the others (scheduler/sim/equal_footing.py).
 
 Writes docs/benchmarks/regime_grid.json (one row per regime and policy: `x_best_sync` against the better of
 sync and sync_at_harvest, `throughput_vs_sync`, `throughput_vs_best` against the best of sync, sync_at_harvest,
@@ -48,10 +48,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.equal_footing import compare  # noqa: E402
-from scheduler.speculation_model import split_policy  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim.equal_footing import compare  # noqa: E402
+from scheduler.sim.speculation_model import split_policy  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 POLICIES = ("sync", "sorted", "tail", "twotier")
 BASELINES = ("sync", "sorted", "tail", "sync_at_harvest")
@@ -90,7 +90,7 @@ REGIMES: dict[str, tuple[str, list[str]]] = {
 }
 
 
-# Multi-turn regimes (scheduler/trajectory_sim.py), appended after every other row so those keep their places.
+# Multi-turn regimes (scheduler/sim/trajectory_sim.py), appended after every other row so those keep their places.
 # Tools as configs/sim_agentic_7b_8gpu.yaml: calculator 0.1 s, sandboxed python 2 s, search 5 s, test runs 15 s
 # (medians; log-normal sigma 0.5-1.2, cut at 120 s); median_response is then the median tokens of one turn.
 AGENT_TOOLS = ("[{name: calculator, weight: 3, median_s: 0.1, sigma: 0.5, tokens: 16}, "
@@ -150,7 +150,7 @@ REPLAYS = {
 
 def run_regime(name: str, path: str, overrides: list[str]) -> list[dict]:
     """Every policy at the scenario's mini-batch (equal optimizer steps), then sync at twotier's mean harvest
-    (`sync_at_harvest`, a baseline since every policy trains the same mini-batches; scheduler/equal_footing.py)."""
+    (`sync_at_harvest`, a baseline since every policy trains the same mini-batches; scheduler/sim/equal_footing.py)."""
     sim, run = load_sim_config(ROOT / path, overrides)
     t_start: dict[str, float] = {}
 

@@ -14,7 +14,7 @@ DS with reward-history skip, on a DAPO-like pass-rate process; figures committed
         --reuse sorted --seeds 1,2  # and the headline ratios' spread over three workload seeds
 
 Scenario: configs/sim_qwen32b_128gpu.yaml (Qwen2.5-32B, 128 GPUs, 16 responses per prompt, 32k tails) with
-the workload's pass-rate process (scheduler/workload.py: per-prompt pass rates that persist across epochs and
+the workload's pass-rate process (scheduler/sim/workload.py: per-prompt pass rates that persist across epochs and
 drift, about 30% of groups informative in the first epoch and 20% in the last; the realised shares are in the
 JSON) over `--epochs` passes. Each variant runs the real policy objects (`scheduler/selective.py` wraps them).
 
@@ -50,11 +50,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.report import bubble_ratios  # noqa: E402
+from scheduler.sim.report import bubble_ratios  # noqa: E402
 from scheduler.selective import SkipGate  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
-from scheduler.workload import PassRates  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
+from scheduler.sim.workload import PassRates  # noqa: E402
 
 POLICIES = ("sync", "sorted", "tail", "twotier")
 # sync + DS the way verl's DAPO recipe runs it (gen_batch_size = 3 x train_batch_size): each round generates

@@ -153,7 +153,7 @@ def run_real(policy: str, repeat: int, args, model_dir: Path, work: Path) -> Pat
 def measured(run_dir: Path) -> dict:
     """Time per trained sample, worker bubble and phase seconds of a real run, from its timeline."""
     from megatron_sortedrl.telemetry.timeline import phase_intervals, read_run_timeline, worker_bubble_ratio
-    from scheduler.calibrate import probe_seconds
+    from scheduler.sim.calibrate import probe_seconds
 
     events = read_run_timeline(run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -201,8 +201,8 @@ KINDS = (("predicted", "sync", False, "costs from the same repeat's sync run, en
 def predicted(run_dir: Path, costs_from: Path, policy: str, out: Path, probe: bool = False,
               match_level: bool = True) -> tuple[dict, dict]:
     """Simulated figures of `run_dir` (its config and lengths) with costs calibrated on `costs_from`."""
-    from scheduler.calibrate import calibrated_scenario
-    from scheduler.sim_config import load_sim_config
+    from scheduler.sim.calibrate import calibrated_scenario
+    from scheduler.sim.sim_config import load_sim_config
 
     base, _ = load_sim_config(ROOT / "configs" / "sim_tiny_cpu.yaml")
     sim, run, cal = calibrated_scenario(base, run_dir, out, costs_from=costs_from, probe=probe,
@@ -214,9 +214,9 @@ def simulated(sim, run, policy: str) -> dict:
     """Figures of the simulated replay, the mean over draws of the engines' round-to-round speeds."""
     import statistics
 
-    from scheduler.calibrate import draws_of
-    from scheduler.report import summarize
-    from scheduler.simulator import simulate
+    from scheduler.sim.calibrate import draws_of
+    from scheduler.sim.report import summarize
+    from scheduler.sim.simulator import simulate
 
     rows = [summarize(simulate(x, run, policy)) for x in draws_of(sim, DRAWS)]
     m = {k: statistics.mean(r[k] for r in rows) for k in ("samples", "total_s", "worker_bubble", "rollout_s", "train_s", "rounds")}
@@ -229,8 +229,8 @@ def simulated(sim, run, policy: str) -> dict:
 def attribution(run_dir: Path, costs_from: Path, policy: str, real: dict, out: Path) -> dict:
     """Which modelled cost makes the prediction wrong: the time error when one group of sync's (level-matched)
     costs is replaced by the same group measured on the run itself (also level-matched), group by group."""
-    from scheduler.calibrate import COST_GROUPS, calibrate_run, match_rollout_level, replay_scenario, with_costs_of
-    from scheduler.sim_config import load_sim_config
+    from scheduler.sim.calibrate import COST_GROUPS, calibrate_run, match_rollout_level, replay_scenario, with_costs_of
+    from scheduler.sim.sim_config import load_sim_config
 
     base, _ = load_sim_config(ROOT / "configs" / "sim_tiny_cpu.yaml")
     src = match_rollout_level(base, costs_from, calibrate_run(costs_from, base.workload.prompt_tokens), out)

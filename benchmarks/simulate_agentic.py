@@ -5,16 +5,16 @@ scenario, several seeds, at equal footing: ratios to the better sync of the same
     nice .venv/bin/python benchmarks/simulate_agentic.py --config configs/sim_agentic_7b_8gpu.yaml --seeds 0,1,2,3,4
 
 Scenario: configs/sim_agentic_7b_8gpu.yaml (Qwen2.5-7B on 8 GPUs, 1-8 assistant turns per trajectory, tool
-latencies log-normal per kind from 0.1 s to tens of seconds; scheduler/trajectory_sim.py). Each seed redraws the
+latencies log-normal per kind from 0.1 s to tens of seconds; scheduler/sim/trajectory_sim.py). Each seed redraws the
 whole workload (`workload.seed`: turns, tokens, tool calls, rewards); within a seed every policy sees the same
 trajectories. Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer
 step each), so on the same data all make the same optimizer steps (`updates`); per seed `sync` also runs at a
-rollout batch of twotier's mean harvest in that seed (`sync@b<B>`, B prompts; scheduler/equal_footing.py).
+rollout batch of twotier's mean harvest in that seed (`sync@b<B>`, B prompts; scheduler/sim/equal_footing.py).
 Per seed a row per policy gives samples/s, `x_best_sync` (over the better of that seed's two sync rows),
 `throughput_vs_sync` (over sync's at its recipe batch, in that seed), `max_staleness_steps` and `updates`;
 the table reports the median over seeds with [min, max] (the `sync@b<B>` rows of all seeds pool as one,
 `sync@b<lo>-<hi>` when B differs by seed), and `ratio_to_limit` (time per trained sample over
-the scenario's physical limit, `scheduler/limit.py`, tool latencies included). `<policy>@tokens_only` rows are references, not
+the scenario's physical limit, `scheduler/sim/limit.py`, tool latencies included). `<policy>@tokens_only` rows are references, not
 baselines: the policy with its history predicting tokens alone (tool seconds weigh nothing: `tokens_per_tool_s`
 0), to show what predicting the trajectory's cost buys. Also per policy: worker bubble, staleness share, wasted
 tokens, harvests (`rounds`) and the trajectories' tool calls and tool seconds.
@@ -23,7 +23,7 @@ Writes docs/benchmarks/sim_agentic.json (every seed's rows and the summary), sim
 sim_agentic.png (throughput vs the better sync per policy, one dot per seed).
 
 Left out: accuracy (the simulator has no model), tool-pool queueing and prefix-cache eviction during tool calls
-(scheduler/trajectory_sim.py says why).
+(scheduler/sim/trajectory_sim.py says why).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.regime_grid import _stale_share  # noqa: E402
-from scheduler.equal_footing import compare, pooled_labels  # noqa: E402
-from scheduler.limit import physical_limit  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim.equal_footing import compare, pooled_labels  # noqa: E402
+from scheduler.sim.limit import physical_limit  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 CONFIG = "configs/sim_agentic_7b_8gpu.yaml"
 POLICIES = ("sync", "tail", "twotier", "twotier+histospec", "tail@tokens_only", "twotier@tokens_only")
@@ -60,7 +60,7 @@ def simulate_variant(sim, run, policy: str):
     """`<policy>@tokens_only`: the history's tool seconds weigh nothing in the predicted cost."""
     base, _, variant = policy.partition("@")
     if variant == "tokens_only":
-        with mock.patch("scheduler.simulator.tokens_per_tool_s", lambda *_: 0.0):
+        with mock.patch("scheduler.sim.simulator.tokens_per_tool_s", lambda *_: 0.0):
             return simulate(sim, run, base)
     return simulate(sim, run, policy)
 
@@ -82,7 +82,7 @@ def run_seed(config: str, seed: int) -> list[dict]:
 
 
 def summarize_seeds(rows: list[dict]) -> list[dict]:
-    """Median, min and max over seeds per policy (`sync@b<B>` rows pooled: scheduler.equal_footing.pooled_labels)."""
+    """Median, min and max over seeds per policy (`sync@b<B>` rows pooled: scheduler.sim.equal_footing.pooled_labels)."""
     pooled = pooled_labels([r["policy"] for r in rows])
     out = []
     for policy in dict.fromkeys(pooled.values()):
@@ -123,7 +123,7 @@ def write_md(doc: dict, path: Path) -> None:
                      f"{fmt(r['wasted_tokens'], '{:.0f}')} | {fmt(r['updates'], '{:.0f}')} | {fmt(r['rounds'], '{:.0f}')} |")
     best = max(doc["summary"], key=lambda r: r["x_best_sync"][0])
     lines += ["", f"Fastest by median: `{best['policy']}` ({best['x_best_sync'][0]:.2f}x the better sync). `x limit`: time per "
-              "trained sample over the physical limit's (scheduler/limit.py, with tool latencies on the critical path "
+              "trained sample over the physical limit's (scheduler/sim/limit.py, with tool latencies on the critical path "
               "and speculation at its best acceptance: a lower bound for every row). `@tokens_only` rows are references: "
               "the policy predicting tokens alone."]
     path.write_text("\n".join(lines) + "\n")

@@ -4,9 +4,9 @@ on 128 GPUs (Qwen2.5-32B); figures committed to docs/benchmarks/sim_colocate.{js
     PYTHONPATH=. nice .venv/bin/python benchmarks/simulate_layouts.py --jobs 3          # both scenarios, 3 seeds
     PYTHONPATH=. nice .venv/bin/python benchmarks/simulate_layouts.py --scenarios qwen7b_8gpu --seeds 0,1,2,3,4
 
-Rows: sync, tail, twotier and twotier+HistoSpec, each on both layouts (`scheduler/layout_sim.py`), and per
+Rows: sync, tail, twotier and twotier+HistoSpec, each on both layouts (`scheduler/sim/layout_sim.py`), and per
 layout and seed sync again at a rollout batch of twotier's mean harvest there (`sync@b<B>`, B prompts;
-scheduler/equal_footing.py). Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`,
+scheduler/sim/equal_footing.py). Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`,
 one optimizer step each), so all make the same optimizer steps on the same data (`updates`); the switch (or
 weight sync) comes once per harvest that trained (`harvests`, and once more for the last partial mini-batch):
 
@@ -30,7 +30,7 @@ the shared 2-core machine).
 
 Left out: bubbles and the staleness histogram in policy versions (the simulations run without a timeline, to be
 fast: docs/benchmarks/simulation_*.json has them), asynchronous RL, and colocated stream training (an engine that ran dry would have to
-sleep before its GPU trains; scheduler/layout_sim.py).
+sleep before its GPU trains; scheduler/sim/layout_sim.py).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.equal_footing import compare, pooled_labels  # noqa: E402
-from scheduler.layout_sim import step_costs  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
+from scheduler.sim.equal_footing import compare, pooled_labels  # noqa: E402
+from scheduler.sim.layout_sim import step_costs  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
 
 POLICIES = ("sync", "tail", "twotier", "twotier+histospec")
 BASELINE = ("sync", "disaggregated")

@@ -11,13 +11,13 @@ weights, decode reads the shared weights plus the experts a step's tokens are ro
 (`run.seed`). Every policy trains the scenario's mini-batches (`algorithm.ppo_mini_batch_size`, one optimizer
 step each), so all make the same optimizer steps on the same data (`updates`); per seed, sync and
 sync+histospec also run at a rollout batch of twotier's mean harvest in that seed (`sync@b<B>`, B prompts;
-scheduler/equal_footing.py). Writes docs/benchmarks/simulation_qwen3_235b_128gpu.json, .md and .png:
+scheduler/sim/equal_footing.py). Writes docs/benchmarks/simulation_qwen3_235b_128gpu.json, .md and .png:
 
 - `rows`: per policy the median and [min, max] over seeds of total time, samples/s, `x_best_sync` (samples/s
   over the better of the seed's sync and sync@b<B>; `x_best_sync_histospec` for +histospec rows, against the
   better sync+histospec), throughput relative to sync of the same seed, worker and slot bubble, rounds
   (harvests), `updates` (optimizer steps), `max_staleness_steps`, preemptions, and the ratio to the physical
-  limit (`scheduler/limit.py`, with speculation at its best acceptance, so a lower bound for every row); the
+  limit (`scheduler/sim/limit.py`, with speculation at its best acceptance, so a lower bound for every row); the
   `sync@b<B>` rows of all seeds pool as one (`sync@b<lo>-<hi>` when B differs by seed);
 - `runs`: every (policy, seed) summary as `scheduler/report.summarize` writes it;
 - `dense_equivalent`: sync, twotier(+histospec) and sync@b<B> with `engine.expert_weight_gib=0`, i.e. a dense model of the
@@ -43,11 +43,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.equal_footing import compare, pooled_labels  # noqa: E402
-from scheduler.limit import physical_limit  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
-from scheduler.speculation_model import HistoSpecSim, chain  # noqa: E402
+from scheduler.sim.equal_footing import compare, pooled_labels  # noqa: E402
+from scheduler.sim.limit import physical_limit  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
+from scheduler.sim.speculation_model import HistoSpecSim, chain  # noqa: E402
 
 CONFIG = "configs/sim_qwen3_235b_128gpu.yaml"
 NAME = "qwen3_235b_128gpu"
@@ -67,7 +67,7 @@ def _load(seed: int, dense: bool):
 
 
 def run_seed(job: tuple[int, bool]) -> list[dict]:
-    """One seed on one engine: its policies, then sync at twotier's mean harvest (scheduler/equal_footing.py)."""
+    """One seed on one engine: its policies, then sync at twotier's mean harvest (scheduler/sim/equal_footing.py)."""
     seed, dense = job
     sim, run = _load(seed, dense)
     rows, _ = compare(sim, run, list(DENSE_POLICIES if dense else POLICIES), simulate)

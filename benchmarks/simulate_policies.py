@@ -12,14 +12,14 @@ lookahead on (configs/sim_paper_rollpacker_14b_16k.yaml; nothing was tuned on it
 - `rows`: one per variant, every one at the scenario's mini-batch (`algorithm.ppo_mini_batch_size`: the same
   optimizer steps for all, `updates`), with `x_best_sync` (samples/s over the better of sync at its recipe batch
   and `sync@b<B>`, sync at twotier's mean harvest of B prompts; `x_best_sync_histospec` the same against the
-  HistoSpec sync rows; scheduler/equal_footing.py), `max_staleness_steps`, `throughput_vs_sync` (samples/s over
+  HistoSpec sync rows; scheduler/sim/equal_footing.py), `max_staleness_steps`, `throughput_vs_sync` (samples/s over
   sync's at its recipe batch, same run) and
-  `ratio_to_limit` (time per trained sample over the physical limit's, `scheduler/limit.py`, with the
+  `ratio_to_limit` (time per trained sample over the physical limit's, `scheduler/sim/limit.py`, with the
   scenario's speculation at its best acceptance, so a lower bound for every row; its any-placement form
   for the disaggregated row). The plain policies run the scenario as is; `<policy>@<variant>` rows add the
-  round-tail mechanisms: `@migration` tail migration (`scheduler/tail_migration.py`), `@system` tail
+  round-tail mechanisms: `@migration` tail migration (`scheduler/sim/tail_migration.py`), `@system` tail
   migration + colocated stream training, `@disaggregated` tail migration + stream training on trainer GPUs
-  of their own (`TRAINER_SHARE` of the GPUs, whole nodes; `scheduler/stream_sim.py`). `sync@system` is the
+  of their own (`TRAINER_SHARE` of the GPUs, whole nodes; `scheduler/sim/stream_sim.py`). `sync@system` is the
   baseline with the same mechanisms (`throughput_vs_sync_same_mechanisms`). `worker_idle_s_by_round`: idle
   worker-seconds per round, the worker bubble's numerator, to show where it is;
 - `limit`: the bound with and without speculation, and its parts;
@@ -47,12 +47,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler.equal_footing import add_best_sync, mean_harvest_prompts, sync_at, sync_batch_label  # noqa: E402
-from scheduler.limit import add_limit, physical_limit  # noqa: E402
-from scheduler.report import add_ratios, format_table, plot, summarize  # noqa: E402
-from scheduler.sim_config import load_sim_config  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
-from scheduler.speculation_model import HistoSpecSim, SpeculationConfig, chain  # noqa: E402
+from scheduler.sim.equal_footing import add_best_sync, mean_harvest_prompts, sync_at, sync_batch_label  # noqa: E402
+from scheduler.sim.limit import add_limit, physical_limit  # noqa: E402
+from scheduler.sim.report import add_ratios, format_table, plot, summarize  # noqa: E402
+from scheduler.sim.sim_config import load_sim_config  # noqa: E402
+from scheduler.sim.simulator import simulate  # noqa: E402
+from scheduler.sim.speculation_model import HistoSpecSim, SpeculationConfig, chain  # noqa: E402
 
 SCALES = {"tiny_cpu": "configs/sim_tiny_cpu.yaml", "qwen32b_128gpu": "configs/sim_qwen32b_128gpu.yaml",
           # Not tuned for: the RollPacker 14B/16k setting as its YAML has it, with the 32B scenario's lookahead.
@@ -70,9 +70,9 @@ def variant_overrides(name: str, sim) -> list[str] | None:
     if not variant:
         return []
     migrate, stream = ["cluster.tail_migration=true"], ["cluster.stream_training=true"]
-    if variant == "migration":  # tail migration only (scheduler/tail_migration.py)
+    if variant == "migration":  # tail migration only (scheduler/sim/tail_migration.py)
         return migrate
-    if variant == "system":  # tail migration + colocated stream training (scheduler/stream_sim.py)
+    if variant == "system":  # tail migration + colocated stream training (scheduler/sim/stream_sim.py)
         return migrate + stream
     if variant == "disaggregated":  # tail migration + stream training on trainer GPUs of their own
         c = sim.cluster
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
         base_over = SCALE_OVERRIDES.get(scale, [])
         sim, run = load_sim_config(ROOT / path, base_over)
         rows, results = [], []
-        # equal footing (scheduler/equal_footing.py): sync again at twotier's mean harvest, sync+histospec too
+        # equal footing (scheduler/sim/equal_footing.py): sync again at twotier's mean harvest, sync+histospec too
         harvest = []
         for name in list(POLICIES) + ["sync@harvest", "sync+histospec@harvest"]:
             if name.endswith("@harvest"):
@@ -242,7 +242,7 @@ def main(argv: list[str]) -> int:
             spec_block["long_round_evidence"] = long_round_evidence(sim, run)
         doc = {"scenario": sim.name, "config": path, "rows": rows,
                "limit": {"with_speculation": limit, "without_speculation": limit_plain,
-                         "definition": "scheduler/limit.py: max(throughput, longest response alone) + train + sync "
+                         "definition": "scheduler/sim/limit.py: max(throughput, longest response alone) + train + sync "
                                        "for the fewest updates; ratio_to_limit uses the bound with speculation (its "
                                        "any-placement form, generation and token training overlapped, for the "
                                        "disaggregated rows)"},

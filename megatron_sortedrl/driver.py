@@ -32,14 +32,14 @@ directory resumes from the newest complete one (`checkpoint.resume=auto`): the m
 TensorBoard records of steps after it are dropped (they will be run again), so every step appears once.
 
 The bookkeeping around the loop (resume point, record files, the metrics row, summary, report, stop signals)
-lives in `run_records.py`; the streamed round (the `generate` phase) in `round_stream.py`.
+lives in `run_records.py`; the set-up before the first phase (tokenizer, Ray, trainer, engines, rewards,
+policy) in `run_setup.py`; the streamed round (the `generate` phase) in `round_stream.py`.
 
 Left out: asynchronous (overlapping) rollout and training.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import time
@@ -48,18 +48,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_sortedrl import lifetime
-from megatron_sortedrl.agentic.trajectory import sample_meta, step_metrics, trajectories_for
+from megatron_sortedrl.agentic.trajectory import sample_meta, step_metrics
 from megatron_sortedrl.errors import CheckpointError
-from megatron_sortedrl.minibatch import MiniBatcher, train_update
-from megatron_sortedrl.placement import local_ray_env, socket_env
+from megatron_sortedrl.minibatch import train_update
 from megatron_sortedrl.preflight import preflight
-from megatron_sortedrl.relayout import apply_layout, layout_name
-from megatron_sortedrl.reward_stage import make_reward_stage
+from megatron_sortedrl.relayout import apply_layout, apply_speculation, layout_name
 from megatron_sortedrl.round_stream import compose_round, hand_over_rewards, stream_round
 from megatron_sortedrl.run_records import RunRecords, catch_stop_signals, resume_point
+from megatron_sortedrl.run_setup import set_up_run
 from megatron_sortedrl.sample import Prompt, Sample
-from scheduler.selective import shape_batch
-from speculative.fast_path import apply_speculation, initial_speculative_config
+from megatron_sortedrl.shaping import shape_batch
 
 
 @dataclass
@@ -79,7 +77,7 @@ class Driver:
         self.layout_row: dict[str, float] = {}  # the current step's engine layout metrics (relayout.py)
         self.stop_signal: str | None = None  # set by SIGTERM/SIGUSR1: checkpoint after this step and stop
         self.accuracy_before: float | None = None
-        self._reward_fn = reward_fn
+        self._ptok: dict[str, list[int]] = {}  # prompt id -> its encoded tokens
         self._saved_step = -1
         self.resume_from = resume_point(cfg, self.ckpt_root)
         preflight(cfg, self.resume_from, reward_fn)  # one-line errors before Ray, trainer or engines start
@@ -87,7 +85,7 @@ class Driver:
         # with this process, even when it is SIGKILLed (lifetime.py); close() disarms it.
         self.lifetime = lifetime.guard()
         try:
-            self._setup()
+            set_up_run(self, reward_fn)  # tokenizer, prompts, Ray, trainer, engines, rewards, policy (run_setup.py)
             self._resumed = self._load_resume_state() if self.resume_from else {}
             self._open_records()
         except BaseException:
@@ -96,80 +94,11 @@ class Driver:
 
     # ------------------------------------------------------------------------------------------ set-up
 
-    def _setup(self) -> None:
-        import ray
-        from transformers import AutoTokenizer
-
-        from megatron_sortedrl.data import load_prompts
-        from megatron_sortedrl.data.prompting import PromptEncoder
-        from megatron_sortedrl.colocate import start_engines
-        from megatron_sortedrl.rollout import PoolOptions
-        from megatron_sortedrl.tiny_model import build_tiny_model
-        from megatron_sortedrl.trainer.group import TrainerGroup
-        from megatron_sortedrl.trainer.stream import DriverStream
-        from scheduler.layout_driver import driver_planner
-        from scheduler.policies import make_policy
-        from speculative.feed import HistoryFeed
-
-        cfg = self.cfg
-        random.seed(cfg.seed)
-        if not Path(cfg.model.path).exists() and cfg.model.build_tiny_if_missing:
-            build_tiny_model(cfg.model.path, cfg.model.tiny)
-            self.say(f"built tiny model at {cfg.model.path}")
-        self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.eos = self.tok.eos_token_id
-        # multi-turn tool use: the turn loop and its tool runner, None without tools (agentic/trajectory.py)
-        self.agentic = trajectories_for(cfg, self.tok, self._tool_event)
-        self.encoder = PromptEncoder(self.tok, cfg.data, self.agentic.schemas if self.agentic is not None else None)
-        self._ptok: dict[str, list[int]] = {}
-        (self.run_dir / "skipped_prompts.jsonl").unlink(missing_ok=True)  # written anew at every start
-        self.prompts: dict[str, Prompt] = {p.prompt_id: p for p in self._encoded(load_prompts(cfg.data, "train"))}
-        self.eval_prompts = self._encoded(load_prompts(cfg.data, "eval"))
-        # One Ray instance for trainer ranks and engines; without this the trainer would size it to itself.
-        # Without cluster.ray_address it is a new local instance ("local"): Ray would otherwise attach to any
-        # other Ray running on this machine (another user's run, a test) and share its CPUs.
-        if not ray.is_initialized():
-            need = cfg.parallel.world_size + cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
-            os.environ.update(local_ray_env(cfg.cluster))  # (worker niceness: read by the raylet ray.init starts)
-            sockets = socket_env(cfg.cluster)  # gloo/NCCL interface for every rank and engine
-            os.environ.update(sockets)
-            ray.init(address=cfg.cluster.ray_address or "local", include_dashboard=False, log_to_driver=False,
-                     num_cpus=None if cfg.cluster.ray_address else max(need, os.cpu_count() or 1),
-                     runtime_env={"env_vars": sockets} if sockets else None)
-            self._owns_ray = True
-        else:
-            self._owns_ray = False
-        self.say("starting trainer group ...")
-        self.trainer = TrainerGroup(cfg)
-        self.say("starting rollout pool ...")
-        # HistoSpec's round switch starts the engines plain while no prompt has history (speculative/fast_path.py).
-        spec = initial_speculative_config(cfg.speculative)
-        # colocate/: a colocated run's engines share the trainer's devices; `colo` makes each switch a phase
-        self.pool, self.colo = start_engines(cfg, self.trainer, PoolOptions.from_config(cfg, speculative_config=spec),
-                                             self.say)
-        self.rewards = make_reward_stage(cfg, self._reward_fn, self.say)  # scaling, timeouts, critical path
-        planner = driver_planner(cfg)  # scheduler.layout_planner (scheduler/layout_driver.py)
-        self.policy = make_policy(cfg.scheduler, sorted(self.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
-                                  max_response_length=cfg.rollout.max_response_length, planner=planner,
-                                  seed=cfg.seed, sample_factory=self._new_sample,
-                                  num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
-        if self.agentic is not None:  # the history predicts trajectory cost: tokens, turns, tool seconds
-            self.agentic.attach(self.policy)
-        # trainer/stream.py; a streamed group gets the batch's overlong shaping before its advantages
-        self.stream = DriverStream(self.trainer, self.policy, lambda g: shape_batch(
-            g, cfg.sampling, cfg.rollout.max_response_length)[0]) if cfg.trainer.stream else None
-        # HistoSpec: records, ships, measures (speculative/feed.py); with tools its drafts align turns by the marker
-        marker = self.agentic.renderer.turn_marker() if self.agentic is not None else []
-        self.feed = HistoryFeed(cfg.speculative, self.pool, turn_marker=marker)
-        self.history = self.feed.store
-        # mini-batches of every harvest; the remainder waits for the next one (minibatch.py)
-        self.minibatch = MiniBatcher(cfg.algorithm.ppo_mini_batch_size, cfg.algorithm.ppo_epochs)
-
     def _end_failed_setup(self) -> None:
         """A set-up that failed part way ends what it started; the error is the caller's to report."""
         import ray
 
-        if getattr(self, "_owns_ray", False) and ray.is_initialized():
+        if getattr(self, "owns_ray", False) and ray.is_initialized():
             ray.shutdown()
         self.lifetime.close(end_rest=True)
 
@@ -204,7 +133,7 @@ class Driver:
 
             self.nvml = NodeSamplers.start(self.run_dir, self.clock.epoch, 1.0 / self.cfg.logging.nvml_sample_hz)
 
-    def _encoded(self, prompts: list[Prompt]) -> list[Prompt]:
+    def encode_prompts(self, prompts: list[Prompt]) -> list[Prompt]:
         from megatron_sortedrl.data.prompting import keep_within_limit
 
         return keep_within_limit(self.encoder, prompts, self._ptok, self.run_dir / "skipped_prompts.jsonl", self.say)
@@ -212,12 +141,12 @@ class Driver:
     def _tokens(self, prompt: Prompt) -> list[int]:
         return self._ptok[prompt.prompt_id]
 
-    def _new_sample(self, prompt_id: str, epoch: int, index: int) -> Sample:
+    def new_sample(self, prompt_id: str, epoch: int, index: int) -> Sample:
         p = self.prompts[prompt_id]
         return Sample(prompt_id=prompt_id, index=index, epoch=epoch, prompt_tokens=list(self._tokens(p)),
                       ground_truth=p.ground_truth, meta={"difficulty": p.difficulty, **sample_meta(p)})
 
-    def _tool_event(self, event: str, s: Sample) -> None:  # a trajectory's tool wait starts / ends
+    def tool_event(self, event: str, s: Sample) -> None:  # a trajectory's tool wait starts / ends
         self.events.append(self.timeline.record("request", event, self.step, sample_id=s.sample_id,
                                                 tokens=s.response_length))
 
@@ -431,7 +360,7 @@ class Driver:
                 closer()
             except Exception as exc:  # keep closing the rest; a half-closed run must not leak processes
                 self.say(f"warning: {closer.__qualname__} failed: {exc}")
-        if self._owns_ray and ray.is_initialized():
+        if self.owns_ray and ray.is_initialized():
             ray.shutdown()
         self.lifetime.close(end_rest=True)  # what the closers above missed ends too; then the watchdog goes
 

@@ -23,7 +23,7 @@ round, `sorted`'s short-first cut) is cut into mini-batches of `algorithm.ppo_mi
   weights that sampled its oldest token were current (`synced` records the step count of every version the
   engines received). With one step per harvest it equals the policy-version staleness the scheduler reports.
 
-Plain Python on `Sample` records, so the driver and the simulator run the same cut (scheduler/simulator.py).
+Plain Python on `Sample` records, so the driver and the simulator run the same cut (scheduler/sim/simulator.py).
 Left out: token-budgeted mini-batches (verl's dynamic batch size applies to micro-batches, which the trainer
 packs by tokens already: `trainer.micro_batch_tokens`).
 """

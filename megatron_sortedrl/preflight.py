@@ -30,7 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 
 def preflight(cfg, resume_from: Path | None = None, reward_fn: Any = None) -> None:
-    from scheduler.layout_driver import check_planner
+    from scheduler.sim.layout_driver import check_planner
 
     check_planner(cfg)  # a planner the driver cannot honour fails here, in one line
     check_model_dir(cfg.model)
@@ -67,7 +67,7 @@ def check_model_config(file: Path) -> None:
     refuses it too, with the same line, before Ray."""
     import json
 
-    from megatron_sortedrl.convert.validate import check_architecture
+    from megatron_sortedrl.convert.architectures import check_architecture
 
     try:
         cfg = json.loads(file.read_text())

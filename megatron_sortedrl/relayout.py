@@ -1,15 +1,18 @@
 """The driver's layout switch: executes the layout the planner chose for a round on the real engines.
 
     apply_layout(driver, rnd, row)           # Driver.compose_round, after the policy composed `rnd`
+    apply_speculation(driver, rnd, row)      # then: plain or HistoSpec engines for the round, same layout
 
-When the round's layout (`rnd.layout`, from `scheduler.layout_planner`, see scheduler/layout_driver.py)
+When the round's layout (`rnd.layout`, from `scheduler.layout_planner`, see scheduler/sim/layout_driver.py)
 differs from the engines' (`RolloutPool.layout`), the pool stops every engine and starts the new ones
 (`RolloutPool.set_layout`), which load the weights of the last sync again, so the new engines serve the
 current policy version. Colocated, the switch goes through `Colocated.replace_engines`: the trainer's state
 leaves the devices before the new engines start and size their KV cache, and they get the weights by a hand-off
 once it is back. That is checked here: an engine that reports another version fails the run, since
 its samples would carry a version they were not generated with. HistoSpec's drafters of the new engines
-get the whole history again (`HistoryFeed.reset_engines`).
+get the whole history again (`HistoryFeed.reset_engines`). `apply_speculation` rebuilds the engines in the same
+layout when HistoSpec's round switch (`speculative.fast_path.RoundEngineSwitch`, pure logic) answers another
+speculative config; it drives the pool, so it lives here on the driver's side, not in `speculative/`.
 
 On the timeline the switch is a `relayout` phase (between the previous step and this round's rollout);
 every rollout phase's start carries the layout it ran on (`layout`, e.g. "2xTP1"), which the run report's
@@ -34,6 +37,8 @@ switch price (`cluster.relayout_s`), not a leak.
 from __future__ import annotations
 
 from typing import Any
+
+from speculative.fast_path import RoundEngineSwitch
 
 
 def layout_name(num_engines: int, tp: int) -> str:
@@ -71,3 +76,37 @@ def apply_layout(d: Any, rnd: Any, row: dict[str, float]) -> None:
         for tp in planner.candidates():
             engines = planner.layout(tp).num_engines
             row[f"rollout/estimate_tp{tp}_s"] = planner.model.estimate_round_s(tp, engines, predicted, prompt_len)
+
+
+def apply_speculation(d: Any, rnd: Any, row: dict[str, float]) -> None:
+    """Puts `d.pool` on the speculative config `rnd` needs (Driver.compose_round, after `apply_layout`): when
+    it differs from the engines', they are rebuilt in the same layout, checked to serve the current policy
+    version, and their drafters get the whole history. On the timeline
+    it is a `relayout` phase (the same layout, rebuilt), as a layout switch is. Adds
+    `rollout/speculative_engines` (1.0: HistoSpec engines, 0.0: plain) and `rollout/spec_switches` to `row`, and
+    counts a rebuild in `rollout/relayouts`."""
+    switch: RoundEngineSwitch | None = getattr(d.feed, "switch", None)
+    if switch is None or not switch.active:
+        return
+    prompts = [(r.sample.prompt_tokens, r.sample.epoch) for r in rnd.requests]
+    want = switch.config_for(prompts, d.history, d.pool.opts.speculative_config)
+    switched = want != d.pool.opts.speculative_config
+    if switched:
+        kind, layout = "histospec" if want else "plain", layout_name(*d.pool.layout)
+        d._phase("relayout", "start", layout=layout)
+        d.pool.opts.speculative_config = want
+        layout_now = tuple(d.pool.layout)  # colocated: the trainer's state leaves first (colocate/lifecycle.py)
+        report = d.colo.replace_engines(lambda reload: d.pool.set_layout(*layout_now, reload=reload))
+        versions = sorted({w.version for w in d.pool.load()})
+        if versions != [d.version]:
+            raise RuntimeError(f"after switching the engines to {kind} they serve policy version(s) {versions}, "
+                               f"not the current {d.version}")
+        d.feed.engines_replaced()
+        d._phase("relayout", "end", layout=layout)
+        d.say(f"step {d.step}: engines -> {kind} for round {rnd.index} ({len(rnd.requests)} requests, history "
+              f"from an earlier epoch for {switch.history_share(prompts, d.history):.0%} of its "
+              f"prompts) in {report['total_s']:.1f}s")
+    # A rebuild is a relayout in the same layout: counted with the layout switches, so metrics and timeline agree.
+    row.update({"rollout/speculative_engines": float(d.pool.opts.speculative_config is not None),
+                "rollout/spec_switches": row.get("rollout/spec_switches", 0) + int(switched),
+                "rollout/relayouts": row.get("rollout/relayouts", 0) + int(switched)})

@@ -102,7 +102,7 @@ def call_reward(fn: Callable[..., Any], sample: Sample) -> tuple[float, str, str
         return 0.0, f"{type(exc).__name__}: {exc}", ""
 
 
-class _Worker:
+class RewardWorker:
     """One spawned worker and its pipe; `target(fn_ref, conn, parent)` is its main (the tool runner passes its own)."""
 
     def __init__(self, ctx: Any, fn_ref: Any, target: Callable[..., None] | None = None) -> None:
@@ -135,9 +135,9 @@ class RewardPool:
         self.fn_ref, self.timeout_s, self.max_batch = reward_fn, timeout_s, max(1, max_batch)
         self.order_key, self.grace_s = order_key, grace_s
         self.target = max(1, num_workers)
-        self._retiring: list[tuple[_Worker, float]] = []  # asked to exit, not yet gone
+        self._retiring: list[tuple[RewardWorker, float]] = []  # asked to exit, not yet gone
         self._ctx = mp.get_context("spawn")
-        self.workers = [_Worker(self._ctx, reward_fn) for _ in range(max(1, num_workers))]
+        self.workers = [RewardWorker(self._ctx, reward_fn) for _ in range(max(1, num_workers))]
         self.pending: deque[Sample] = deque()
         self.done: list[Sample] = []
         self.failures: list[tuple[str, str]] = []  # (sample id, error) of every failed or timed-out call
@@ -164,7 +164,7 @@ class RewardPool:
         """Grows to `n` workers now; shrinks by retiring idle workers (busy ones finish first)."""
         self.target = max(1, n)
         while len(self.workers) < self.target:
-            self.workers.append(_Worker(self._ctx, self.fn_ref))
+            self.workers.append(RewardWorker(self._ctx, self.fn_ref))
         self._retire()
 
     def _retire(self) -> None:
@@ -251,7 +251,7 @@ class RewardPool:
 
     def _restart(self, i: int) -> None:
         self.workers[i].kill()
-        self.workers[i] = _Worker(self._ctx, self.fn_ref)
+        self.workers[i] = RewardWorker(self._ctx, self.fn_ref)
 
     def poll(self) -> list[Sample]:
         """Samples scored since the last call (non-blocking)."""
@@ -274,7 +274,7 @@ class RewardPool:
 
     def close(self) -> None:
         for w in self.workers + [w for w, _ in self._retiring]:
-            _close_worker(w)
+            close_reward_worker(w)
 
     def __enter__(self) -> RewardPool:
         return self
@@ -283,7 +283,7 @@ class RewardPool:
         self.close()
 
 
-def _close_worker(w: _Worker) -> None:
+def close_reward_worker(w: RewardWorker) -> None:
     try:
         w.conn.send(None)
     except (OSError, BrokenPipeError):

@@ -14,6 +14,9 @@ variable's "4" for an int, 2 for a float, 7 for a str); anything else is refused
 
 A list of sections (`list[ToolKind]`) is checked item by item, each over its section's defaults.
 
+`help_field` declares a field with its help and range; it lives here, beside what checks it, so a pure module
+(the scheduling policies) can declare typed fields without importing the run config.
+
 Left out: checks that relate several fields (max_difficulty >= min_difficulty, TP divides the heads):
 those stay in each section's `__post_init__`, which runs after this pass.
 """
@@ -24,7 +27,7 @@ import copy
 import math
 import types
 import typing
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING, field, fields, is_dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +35,21 @@ from megatron_sortedrl.errors import ConfigError
 
 # Field metadata keys that declare a range; `help_field(..., min=1)` writes them.
 RANGE_KEYS = ("min", "max", "gt", "lt", "choices")
+
+
+def help_field(text: str, default: Any = None, factory: Any = None, **checks: Any) -> Any:
+    """A dataclass field with its one line of help (what `config --explain` prints) and its range, if any:
+    `min`/`max` (inclusive), `gt`/`lt` (exclusive), `choices` (`validate` below checks them for
+    every field when a config loads). Every config schema of the project declares its fields with it."""
+    unknown = set(checks) - set(RANGE_KEYS)
+    if unknown:
+        raise TypeError(f"help_field: unknown check {sorted(unknown)}; use {', '.join(RANGE_KEYS)}")
+    meta = {"help": text, **checks}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
 
 

@@ -46,7 +46,7 @@ class SchedulerConfig:
     )
     placement: str = field(default="lpt", metadata={"help": "Tier-2 placement: round_robin | lpt (longest predicted first).", "choices": PLACEMENTS})
     layout_planner: str = field(
-        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker; `simulate` only) | cost_model (scheduler/layout_driver.py).", "choices": LAYOUT_PLANNERS}
+        default="fixed", metadata={"help": "Engine layout per round: fixed | preemption (RollPacker; `simulate` only) | cost_model (scheduler/sim/layout_driver.py).", "choices": LAYOUT_PLANNERS}
     )
     layout_cost_model: str = field(
         default="", metadata={"help": "cost_model in `train`: a simulator YAML whose engine: section models the run's engines."}

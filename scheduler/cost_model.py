@@ -12,7 +12,7 @@ per-step overhead, a per-sequence compute term and an all-reduce term that grows
 
 B = running sequences (query positions of the step), C = their total context (prompt + generated tokens).
 Parameters come from `configs/sim_*.yaml` (`engine:` section) or are measured from a real run
-(`scheduler/calibrate.py`).
+(`scheduler/sim/calibrate.py`).
 
 Mixture of Experts (`expert_weight_gib` > 0): memory follows the total weights (`weight_gib`, all experts
 resident), decode cost the weights a step actually reads: the shared part (attention, norms, embeddings,
@@ -27,7 +27,7 @@ per-token compute of the *active* parameters (2 x active params FLOP), set by th
 verification multiplies B by the positions verified, so drafts touch more experts on an MoE engine.
 
 Speculative decoding: `verify_step_s` is one step that verifies several positions per sequence (the
-simulator's HistoSpec model, `scheduler/speculation_model.py`, supplies how many).
+simulator's HistoSpec model, `scheduler/sim/speculation_model.py`, supplies how many).
 
 Left out: chunked-prefill interleaving details, pipeline parallelism inside an engine, routing skew (real
 routing is not uniform: a step touches somewhat fewer experts than the formula says, so MoE decode at
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_sortedrl.config import help_field
+from megatron_sortedrl.schema import help_field
 from megatron_sortedrl.errors import ConfigError
 
 GIB = 1024**3

@@ -1,6 +1,6 @@
 """The one protocol a tier-1 scheduling policy implements, and the records it exchanges with a driver.
 
-The real RL driver and the simulator (`scheduler/simulator.py`) run a policy the same way::
+The real RL driver and the simulator (`scheduler/sim/simulator.py`) run a policy the same way::
 
     round = policy.compose_round(clock)            # None: nothing left to do
     submit round.requests (each already placed on round.layout's worker `request.worker`)

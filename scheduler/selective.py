@@ -1,7 +1,7 @@
 """DAPO's rollout-side rules for every scheduling policy: dynamic sampling (drop prompt groups whose rewards are
 all equal, keep generating until the update holds enough informative groups), selective rollout from the
 per-prompt reward history (skip prompts predicted uninformative before they are generated), and overlong
-reward shaping. Configured by `sampling.*` (`scheduler.config.SamplingConfig`); docs/selective_rollout.md.
+reward shaping's settings (the shaping itself, a loss-side rule, is `megatron_sortedrl/shaping.py`). Configured by `sampling.*` (`scheduler.config.SamplingConfig`); docs/selective_rollout.md.
 
     from scheduler.policies import make_policy
     policy = make_policy(cfg.scheduler, prompt_ids, sampling=cfg.sampling, n_samples=16, ...)  # wrapped here
@@ -28,9 +28,9 @@ nothing; the caller composes and generates another round (same policy version) b
   generated groups approaches the target (GRESO, arXiv 2506.02177, uses the same feedback, per training step).
   Each draw is seeded by (seed, prompt, epoch), so the
   decisions are deterministic under the seed and independent of event order.
-- *Shaping* (`shape_batch`): DAPO's soft overlong penalty and overlong filtering, applied to the trained
-  batch (copies; the samples keep their task reward for logging). The filter above judges the task reward,
-  as DAPO's `filter_groups.metric=acc` does.
+- *Shaping* is not done here: DAPO's soft overlong penalty and overlong filtering change the loss, so they sit
+  beside it (`megatron_sortedrl/shaping.py`, `shape_batch`, applied by the driver to the trained batch). The
+  filter above judges the task reward, as DAPO's `filter_groups.metric=acc` does.
 
 Every prompt of every epoch ends up `trained`, `filtered` or `skipped` (`consumed`, per epoch); per update the
 harvest carries `stats["sampling"]` metrics (`sampling/*`), which the driver logs and the run report draws.
@@ -45,10 +45,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
-from megatron_sortedrl.algorithms import overlong_penalty
 from megatron_sortedrl.sample import Sample
 from scheduler.base import DataCursor, PolicyBase, PromptState, prompt_key
 from scheduler.config import SamplingConfig
@@ -305,24 +303,3 @@ class SelectivePolicy:
         self.consumed = {int(e): Counter(c) for e, c in own.get("consumed", {}).items()}
         self.totals.clear()
         self.totals.update(own.get("totals", {}))
-
-
-def shape_batch(batch: list[Sample], cfg: SamplingConfig, max_response_length: int) -> tuple[list[Sample], dict[str, float]]:
-    """DAPO overlong shaping of an update batch: returns copies with the soft overlong penalty added to the reward
-    and `meta["loss_masked"]` set on truncated responses (overlong filtering), plus per-step metrics. The samples
-    passed in keep their task reward (logs and accuracy read it)."""
-    if not batch or (cfg.overlong_buffer <= 0 and not cfg.overlong_filter):
-        return batch, {}
-    out, penalized, masked, total = [], 0, 0, 0.0
-    for s in batch:
-        pen = overlong_penalty(s.response_length, max_response_length, cfg.overlong_buffer, cfg.overlong_penalty) \
-            if cfg.overlong_buffer > 0 else 0.0
-        truncated = cfg.overlong_filter and s.finish_reason == "length"
-        penalized += pen < 0
-        masked += truncated
-        total += pen
-        meta = {**s.meta, "loss_masked": True} if truncated else s.meta
-        out.append(replace(s, reward=float(s.reward or 0.0) + pen, meta=meta) if (pen or truncated) else s)
-    n = len(batch)
-    return out, {"overlong/penalized_share": penalized / n, "overlong/penalty_mean": total / n,
-                 "overlong/masked": float(masked), "overlong/masked_share": masked / n}

@@ -22,7 +22,8 @@ How. `RoundEngineSwitch.config_for` answers the speculative config for a round: 
 `speculative.min_history_share` of the round's prompts have responses of an earlier epoch to draft from,
 else None (a plain engine, on vLLM's default path: async scheduling and, where vLLM can, the V2 runner). The
 engines are
-rebuilt only when the answer changes, through the pool's relayout path (new engines, weights pushed from the
+rebuilt only when the answer changes (`megatron_sortedrl.relayout.apply_speculation`, on the driver's side),
+through the pool's relayout path (new engines, weights pushed from the
 pool's kept buckets, history shipped in full), so in an RL run over a fixed dataset it changes once: epoch
 0 (no history yet) runs plain, every later epoch with HistoSpec. `min_history_share: 0` keeps the
 speculative engine from the start (the old behaviour: epoch 0 then drafts from siblings, the request's own
@@ -125,39 +126,3 @@ class RoundEngineSwitch:
 def initial_speculative_config(cfg: Any) -> dict | None:
     """vLLM `speculative_config` for the engines a run starts with (no history yet: plain when the switch is on)."""
     return RoundEngineSwitch(cfg).initial_config(None)
-
-
-def apply_speculation(d: Any, rnd: Any, row: dict[str, float]) -> None:
-    """Puts `d.pool` on the speculative config `rnd` needs (Driver.compose_round, after `apply_layout`): when
-    it differs from the engines', they are rebuilt in the same layout, checked to serve the current policy
-    version, and their drafters get the whole history. On the timeline
-    it is a `relayout` phase (the same layout, rebuilt), as a layout switch is. Adds
-    `rollout/speculative_engines` (1.0: HistoSpec engines, 0.0: plain) and `rollout/spec_switches` to `row`, and
-    counts a rebuild in `rollout/relayouts`."""
-    switch: RoundEngineSwitch | None = getattr(d.feed, "switch", None)
-    if switch is None or not switch.active:
-        return
-    prompts = [(r.sample.prompt_tokens, r.sample.epoch) for r in rnd.requests]
-    want = switch.config_for(prompts, d.history, d.pool.opts.speculative_config)
-    switched = want != d.pool.opts.speculative_config
-    if switched:
-        from megatron_sortedrl.relayout import layout_name
-
-        kind, layout = "histospec" if want else "plain", layout_name(*d.pool.layout)
-        d._phase("relayout", "start", layout=layout)
-        d.pool.opts.speculative_config = want
-        layout_now = tuple(d.pool.layout)  # colocated: the trainer's state leaves first (colocate/lifecycle.py)
-        report = d.colo.replace_engines(lambda reload: d.pool.set_layout(*layout_now, reload=reload))
-        versions = sorted({w.version for w in d.pool.load()})
-        if versions != [d.version]:
-            raise RuntimeError(f"after switching the engines to {kind} they serve policy version(s) {versions}, "
-                               f"not the current {d.version}")
-        d.feed.engines_replaced()
-        d._phase("relayout", "end", layout=layout)
-        d.say(f"step {d.step}: engines -> {kind} for round {rnd.index} ({len(rnd.requests)} requests, history "
-              f"from an earlier epoch for {switch.history_share(prompts, d.history):.0%} of its "
-              f"prompts) in {report['total_s']:.1f}s")
-    # A rebuild is a relayout in the same layout: counted with the layout switches, so metrics and timeline agree.
-    row.update({"rollout/speculative_engines": float(d.pool.opts.speculative_config is not None),
-                "rollout/spec_switches": row.get("rollout/spec_switches", 0) + int(switched),
-                "rollout/relayouts": row.get("rollout/relayouts", 0) + int(switched)})

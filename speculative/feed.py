@@ -27,7 +27,7 @@ proposer's drafter time of the step and `spec/round_long` (1.0 for a long round)
 The `spec/step/*` figures and `spec/round_long` are logged without speculation too (tokens per forward
 1.0), so a run without speculation is the baseline of one with it.
 Plain rounds: with `speculative.min_history_share` > 0 a round whose prompts mostly lack history runs on
-plain engines (`speculative.fast_path.apply_speculation`); nothing is shipped to them, and the switch to
+plain engines (`megatron_sortedrl.relayout.apply_speculation`); nothing is shipped to them, and the switch to
 HistoSpec engines ships the settings and the whole history (`engines_replaced`).
 Left out: pushing history to engines of other methods (ngram/suffix answer "inactive" and are skipped).
 """

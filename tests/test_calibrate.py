@@ -1,4 +1,4 @@
-"""Simulator calibration from a run directory (scheduler/calibrate.py): the fit recovers the costs a simulated
+"""Simulator calibration from a run directory (scheduler/sim/calibrate.py): the fit recovers the costs a simulated
 run was made with, the replay trains exactly the recorded response lengths, and `simulate --calibrate-from`
 works end to end and answers a bad directory in one line.
 
@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 
 from megatron_sortedrl.config import to_yaml
-from scheduler.calibrate import apply_calibration, calibrate_run, write_sim_run
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
-from scheduler.workload import make_workload
+from scheduler.sim.calibrate import apply_calibration, calibrate_run, write_sim_run
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
+from scheduler.sim.workload import make_workload
 
 
 def simulated_run(tmp_path, policy, prompts=32, epochs=2):
@@ -122,7 +122,7 @@ def _with_config(sim, run, run_dir, policy, epochs=2):
 
 
 def test_level_match_is_one_on_an_exact_model_and_recovers_a_speed_error(tmp_path):
-    from scheduler.calibrate import _slowed, match_rollout_level, rollout_seconds
+    from scheduler.sim.calibrate import _slowed, match_rollout_level, rollout_seconds
 
     sim, run, result, run_dir, prompts = simulated_run(tmp_path, "sync", prompts=16)
     _with_config(sim, run, run_dir, "sync")
@@ -140,7 +140,7 @@ def test_level_match_is_one_on_an_exact_model_and_recovers_a_speed_error(tmp_pat
 
 def test_rollout_seconds_leave_out_the_unclosed_last_rollout():
     from megatron_sortedrl.telemetry.timeline import Event
-    from scheduler.calibrate import rollout_seconds
+    from scheduler.sim.calibrate import rollout_seconds
 
     ev = [Event(t=0.0, kind="phase", event="start", step=1, phase="rollout"),
           Event(t=2.0, kind="phase", event="end", step=1, phase="rollout"),
@@ -152,7 +152,7 @@ def test_rollout_seconds_leave_out_the_unclosed_last_rollout():
 
 def test_probe_scales_every_engine_by_the_ratio_of_the_pre_rl_evals():
     from megatron_sortedrl.telemetry.timeline import Event
-    from scheduler.calibrate import Calibration, probe_seconds, scale_to_probe
+    from scheduler.sim.calibrate import Calibration, probe_seconds, scale_to_probe
 
     def evals(seconds):
         return [Event(t=1.0, kind="phase", event="start", step=0, phase="eval"),

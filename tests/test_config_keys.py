@@ -4,7 +4,7 @@
 
 A static scan (the standard library's `ast`, no imports of the scanned code): for every leaf key of the
 run config (`megatron_sortedrl/config/`, with `scheduler.*` and `speculative.*` from their packages)
-and of the simulator config (`scheduler/sim_config.py`), some Python file of the package, `scheduler/`,
+and of the simulator config (`scheduler/sim/sim_config.py`), some Python file of the package, `scheduler/`,
 `speculative/` or `tools/` must read the attribute from an object that names its section: `cfg.data.seed`,
 `data_cfg.seed`, `tiny.seed`, `s.history_max_prompts` after `s = cfg.scheduler`, or a parameter annotated
 with the section's class (`def f(cfg: SchedulerConfig)`) or typed in its docstring. A leaf name that only
@@ -26,10 +26,10 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from megatron_sortedrl.config import RunConfig
-from scheduler.sim_config import SimConfig
+from scheduler.sim.sim_config import SimConfig
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG_MODULES = {"scheduler/config.py", "speculative/config.py", "scheduler/sim_config.py",
+CONFIG_MODULES = {"scheduler/config.py", "speculative/config.py", "scheduler/sim/sim_config.py",
                   "megatron_sortedrl/agentic/config.py",
                   *(p.relative_to(REPO).as_posix() for p in (REPO / "megatron_sortedrl" / "config").glob("*.py"))}
 SCANNED_DIRS = ("megatron_sortedrl", "scheduler", "speculative", "tools")

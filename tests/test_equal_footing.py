@@ -1,5 +1,5 @@
 """Equal footing in the simulator: the same optimizer steps for every policy on the same data, the cost of each
-step, and `x_best_sync` against the better of two sync batches (scheduler/equal_footing.py).
+step, and `x_best_sync` against the better of two sync batches (scheduler/sim/equal_footing.py).
 
     pytest tests/test_equal_footing.py -q
 
@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.equal_footing import add_best_sync, compare, mean_harvest_prompts, pooled_labels
-from scheduler.limit import physical_limit
-from scheduler.report import summarize
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
+from scheduler.sim.equal_footing import add_best_sync, compare, mean_harvest_prompts, pooled_labels
+from scheduler.sim.limit import physical_limit
+from scheduler.sim.report import summarize
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
 
 POLICIES = ("sync", "sorted", "tail", "twotier")
 

@@ -21,8 +21,9 @@ import pytest
 
 from megatron_sortedrl.colocate.lifecycle import Disaggregated
 from megatron_sortedrl.errors import ConfigError
+from megatron_sortedrl.relayout import apply_speculation
 from speculative.config import SpeculativeConfig
-from speculative.fast_path import RoundEngineSwitch, apply_speculation, initial_speculative_config
+from speculative.fast_path import RoundEngineSwitch, initial_speculative_config
 from speculative.feed import HistoryFeed
 from speculative.history import HistoryStore
 

@@ -32,7 +32,7 @@ from speculative.history import HistoryStore
 from speculative.metrics import from_vllm_metrics
 from speculative.proposer import vllm_speculative_config
 from speculative.config import SpeculativeConfig
-from speculative.tiny_policy import arithmetic_corpus, encode, train_tiny_policy
+from megatron_sortedrl.tiny_policy import arithmetic_corpus, encode, train_tiny_policy
 
 EXTENSION = "speculative.vllm_extension.HistoSpecWorkerMixin"
 FIRST = 4  # response tokens compared at temperature 1 (token 1 is never drafted; 2..4 are)

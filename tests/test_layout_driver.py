@@ -1,4 +1,4 @@
-"""The driver's layout planner (scheduler/layout_driver.py): the planner named in the config, its engine model
+"""The driver's layout planner (scheduler/sim/layout_driver.py): the planner named in the config, its engine model
 from a simulator YAML, the layout switch its model asks for, and one-line refusals.
 
 Hardware: CPU only, no engines (the switch itself is `RolloutPool.set_layout`, called by the driver's
@@ -12,7 +12,7 @@ import pytest
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.errors import ConfigError
 from scheduler.layout import CostModelPlanner, FixedPlanner
-from scheduler.layout_driver import driver_planner
+from scheduler.sim.layout_driver import driver_planner
 
 # Two cores where each engine runs at most 8 sequences: many short requests go faster on two TP=1 engines
 # (twice the running sequences), a few long ones on one TP=2 engine (each step reads half the weights per core).

@@ -1,4 +1,4 @@
-"""The two layouts in the simulator (scheduler/layout_sim.py): a colocated step is sleep, reload, train, offload,
+"""The two layouts in the simulator (scheduler/sim/layout_sim.py): a colocated step is sleep, reload, train, offload,
 wake and handoff on the timeline, each as long as the planner's formula says; a disaggregated step trains and
 syncs the model's bytes over the network; the default keeps the old train + sync; contradictions are refused.
 
@@ -13,9 +13,9 @@ import pytest
 
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.plan.colocated import switch_seconds
-from scheduler.layout_sim import COLOCATED_PHASES, step_costs
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
+from scheduler.sim.layout_sim import COLOCATED_PHASES, step_costs
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
 
 GIB = 2**30
 SMALL = ["workload.num_prompts=16", "workload.num_epochs=2", "workload.sigma=1.4", "run.scheduler.rollout_batch_size=4",

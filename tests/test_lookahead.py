@@ -12,8 +12,8 @@ import pytest
 
 from megatron_sortedrl.errors import ConfigError
 from scheduler.config import SchedulerConfig
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
 
 SMALL = ["workload.num_prompts=24", "workload.num_epochs=2", "workload.sigma=1.4", "run.scheduler.rollout_batch_size=4",
          "run.scheduler.update_batch_size=8", "run.scheduler.group_size=8", "run.algorithm.ppo_mini_batch_size=8"]

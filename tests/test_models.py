@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from megatron_sortedrl.convert.validate import check_architecture
+from megatron_sortedrl.convert.architectures import check_architecture
 from megatron_sortedrl.errors import UserError
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 128, "hidden_size": 64,

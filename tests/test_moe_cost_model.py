@@ -17,9 +17,9 @@ import pytest
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.plan.arch import Arch
 from scheduler.cost_model import GIB, EngineCostModel
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
-from scheduler.speculation_model import HistoSpecSim
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
+from scheduler.sim.speculation_model import HistoSpecSim
 
 REPO = Path(__file__).resolve().parent.parent
 MOE = {"weight_gib": 100.0, "expert_weight_gib": 96.0, "num_experts": 128, "experts_per_token": 8,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.reward_cost import RewardCostConfig, RewardQueue
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
+from scheduler.sim.reward_cost import RewardCostConfig, RewardQueue
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
 
 BASE = ["workload.num_epochs=1", "workload.num_prompts=32", "reward.median_s=0.05", "reward.sigma=1.5",
         "reward.timeout_s=2"]

@@ -1,5 +1,5 @@
 """Every field of a simulator scenario answers bad input in one line naming its dotted path and the scenario file
-(scheduler/sim_config.py loads scenarios through megatron_sortedrl/schema.py, as run configs load).
+(scheduler/sim/sim_config.py loads scenarios through megatron_sortedrl/schema.py, as run configs load).
 
     python -m pytest tests/test_scenario_schema.py -q        # about 20 s: in-process, no simulation runs
 
@@ -28,7 +28,7 @@ from schema_cases import bad_field, by_key, cases, names_key, nested, unbounded
 from megatron_sortedrl.cli import main
 from megatron_sortedrl.errors import ConfigError, UserError
 from megatron_sortedrl.schema import leaf_fields, section_paths
-from scheduler.sim_config import SimConfig, load_sim_config, read_scenario
+from scheduler.sim.sim_config import SimConfig, load_sim_config, read_scenario
 
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO = REPO / "configs" / "sim_tiny_cpu.yaml"

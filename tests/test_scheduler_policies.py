@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from megatron_sortedrl.config import load_config
 from scheduler.cost_model import EngineCostModel
-from scheduler.sim_config import ClusterCosts, SimConfig, WorkloadConfig
-from scheduler.simulator import build_policy, simulate, Simulator
+from scheduler.sim.sim_config import ClusterCosts, SimConfig, WorkloadConfig
+from scheduler.sim.simulator import build_policy, simulate, Simulator
 
 BASE_RUN = load_config(None, ["model.path=/nonexistent/tiny", "rollout.long_round_tensor_parallel_size=2"])
 

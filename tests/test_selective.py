@@ -17,10 +17,11 @@ from megatron_sortedrl.algorithms import overlong_penalty
 from megatron_sortedrl.config import load_config
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.sample import Sample
+from megatron_sortedrl.shaping import shape_batch
 from scheduler.config import SamplingConfig
 from scheduler.history import LengthHistory
-from scheduler.selective import SelectivePolicy, SkipGate, informative, shape_batch
-from scheduler.simulator import Simulator, build_policy, simulate
+from scheduler.selective import SelectivePolicy, SkipGate, informative
+from scheduler.sim.simulator import Simulator, build_policy, simulate
 from test_scheduler_policies import scenario
 
 FAST = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,9 +11,9 @@ import pytest
 
 from megatron_sortedrl.errors import ConfigError
 from scheduler.cost_model import EngineCostModel
-from scheduler.report import bubble_ratios
-from scheduler.sim_config import ClusterCosts, SimConfig, WorkloadConfig, load_sim_config
-from scheduler.simulator import Simulator, build_policy
+from scheduler.sim.report import bubble_ratios
+from scheduler.sim.sim_config import ClusterCosts, SimConfig, WorkloadConfig, load_sim_config
+from scheduler.sim.simulator import Simulator, build_policy
 from tests.test_scheduler_policies import BASE_RUN
 
 

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_sortedrl.errors import ConfigError
-from scheduler.limit import physical_limit
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
-from scheduler.speculation_model import (HistoSpecSim, SpeculationConfig, alpha_for_rate, calibrate, chain, emitted,
+from scheduler.sim.limit import physical_limit
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
+from scheduler.sim.speculation_model import (HistoSpecSim, SpeculationConfig, alpha_for_rate, calibrate, chain, emitted,
                                          split_policy)
 
 SMALL = ["workload.num_prompts=12", "workload.num_epochs=2", "run.scheduler.rollout_batch_size=4",

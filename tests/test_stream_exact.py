@@ -75,7 +75,7 @@ def _estimator_parity(model_dir: str, combos, out) -> None:
     and one through `DriverStream` with the groups streamed as they finish, both from the same weights and a
     fresh optimizer; puts {combo: result} on `out`."""
     try:
-        from scheduler.selective import shape_batch
+        from megatron_sortedrl.shaping import shape_batch
         from megatron_sortedrl.trainer.optimizer import build_optimizer, zero_grads
         from megatron_sortedrl.trainer.stream import DriverStream
         from megatron_sortedrl.trainer.weights import load_hf_weights

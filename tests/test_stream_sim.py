@@ -1,4 +1,4 @@
-"""Stream training in the simulator, colocated (scheduler/stream_sim.py): the idle-GPU sweep against hand-computed
+"""Stream training in the simulator, colocated (scheduler/sim/stream_sim.py): the idle-GPU sweep against hand-computed
 values, and on a small scenario: less time in the train phase, the same samples trained, and still above the
 physical limit.
 
@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 
 from megatron_sortedrl.errors import ConfigError
-from scheduler.limit import physical_limit
-from scheduler.sim_config import load_sim_config
-from scheduler.simulator import simulate
-from scheduler.stream_sim import streamed_tokens
+from scheduler.sim.limit import physical_limit
+from scheduler.sim.sim_config import load_sim_config
+from scheduler.sim.simulator import simulate
+from scheduler.sim.stream_sim import streamed_tokens
 
 
 def test_sweep_trains_only_on_idle_gpus_and_only_what_has_finished():

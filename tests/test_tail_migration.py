@@ -1,4 +1,4 @@
-"""Tail migration in the simulator (scheduler/tail_migration.py): an engine that ran dry takes a running request of
+"""Tail migration in the simulator (scheduler/sim/tail_migration.py): an engine that ran dry takes a running request of
 the busiest engine. On a hand-built round and on a small scenario: the same samples with the same lengths are
 trained, the moved request's timeline is abort-then-submit with its tokens kept, the worker bubble does not grow,
 and the physical limit stays below.
@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 
 from scheduler.cost_model import EngineCostModel
-from scheduler.limit import physical_limit
-from scheduler.report import bubble_ratios
-from scheduler.sim_config import ClusterCosts, SimConfig, WorkloadConfig, load_sim_config
-from scheduler.simulator import Simulator, build_policy, simulate
+from scheduler.sim.limit import physical_limit
+from scheduler.sim.report import bubble_ratios
+from scheduler.sim.sim_config import ClusterCosts, SimConfig, WorkloadConfig, load_sim_config
+from scheduler.sim.simulator import Simulator, build_policy, simulate
 from tests.test_scheduler_policies import BASE_RUN
 from tests.test_simulator import FixedLengths
 

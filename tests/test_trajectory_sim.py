@@ -1,4 +1,4 @@
-"""Multi-turn trajectories in the simulator and the per-trajectory history (scheduler/trajectory_sim.py).
+"""Multi-turn trajectories in the simulator and the per-trajectory history (scheduler/sim/trajectory_sim.py).
 
 Hardware: CPU only. Run: .venv/bin/python -m pytest tests/test_trajectory_sim.py -q
 
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from megatron_sortedrl.errors import ConfigError
 from scheduler.history import LengthHistory
-from scheduler.sim_config import ToolKind, load_sim_config
-from scheduler.simulator import build_policy, simulate
-from scheduler.trajectory_sim import Trajectory, ToolCall, tokens_per_tool_s
+from scheduler.sim.sim_config import ToolKind, load_sim_config
+from scheduler.sim.simulator import build_policy, simulate
+from scheduler.sim.trajectory_sim import Trajectory, ToolCall, tokens_per_tool_s
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "configs" / "sim_agentic_7b_8gpu.yaml"
@@ -232,7 +232,7 @@ def test_tool_kind_defaults_are_valid():
 def test_physical_limit_counts_tool_time_and_every_policy_respects_it():
     """The limit's latency term is the longest critical path (turns decoded alone + tool latencies); no policy
     finishes the agent scenario faster than the bound."""
-    from scheduler.limit import physical_limit
+    from scheduler.sim.limit import physical_limit
 
     sim, run = load_sim_config(AGENT, SMALL)
     lim = physical_limit(sim, run, speculation=True)

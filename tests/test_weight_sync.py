@@ -142,7 +142,7 @@ def test_gpu_receive_schedule_never_overwrites_a_buffer_in_use(counts):
     """The GPU receiver's plan (pure logic, checked here on CPU): every bucket is posted once, in each stage's
     order, before it is loaded; a stage's two buffers alternate, and a receive into a buffer is posted only
     after the bucket that used it before was loaded; receives run at most two rounds ahead of the loads."""
-    from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule
+    from megatron_sortedrl.rollout.weight_sync_gpu import receive_order, receive_schedule
 
     order = receive_order(counts)
     assert sorted(order) == sorted((s, k) for s, n in enumerate(counts) for k in range(n))
@@ -167,7 +167,7 @@ def test_transfer_groups_do_not_accumulate_over_relayouts(monkeypatch):
     stand-in communicator counts what is alive (tests/test_weight_sync_gpu.py checks the GPU memory)."""
     import vllm.distributed.weight_transfer.nccl_common as nccl_common
 
-    from megatron_sortedrl.rollout.weight_sync import GpuWeightSync
+    from megatron_sortedrl.rollout.weight_sync_gpu import GpuWeightSync
     from megatron_sortedrl.rollout.worker_extension import WeightSyncExtension
     from megatron_sortedrl.trainer.worker import TrainerWorker
 
@@ -199,7 +199,7 @@ def test_transfer_groups_do_not_accumulate_over_relayouts(monkeypatch):
 
 def test_replay_refuses_weights_the_trainer_no_longer_has():
     from megatron_sortedrl.rollout import PoolOptions, RolloutPool
-    from megatron_sortedrl.rollout.pool import _Slot
+    from megatron_sortedrl.rollout.types import EngineSlot
 
     class Pusher:
         weights_epoch = 3
@@ -208,7 +208,7 @@ def test_replay_refuses_weights_the_trainer_no_longer_has():
     pool.opts, pool.version = PoolOptions(model_path="unused"), 4
     pool._replay_src = ("push", Pusher(), 2)
     with pytest.raises(RuntimeError, match="changed after version 4 was synced"):
-        pool._reload([_Slot(0, 1, actor=object())])
+        pool._reload([EngineSlot(0, 1, actor=object())])
 
 
 _MAPPED_PROBE = """

@@ -24,7 +24,7 @@ A failed call changes nothing in the state (the worker reports the state after e
 a call fails); later calls of the same turn still run. The tools run in the order the model wrote them,
 each with the state the previous one left.
 
-The worker processes are the reward pool's (`reward_pool._Worker`: spawned, never forked; each dies with
+The worker processes are the reward pool's (`reward_pool.RewardWorker`: spawned, never forked; each dies with
 the process that started it, so a SIGKILLed driver leaves none behind) with a main of their own. One
 submission goes to one idle worker; the per-call timeout clock restarts at each call's result, as the
 reward pool's does. Left out: tools on other nodes (Ray actors), batching several submissions per message
@@ -46,7 +46,7 @@ from megatron_sortedrl.agentic.parsers import Parsed
 from megatron_sortedrl.agentic.tools import ERROR_KINDS, ToolError, ToolSettings, create_kwargs, load_tools
 from megatron_sortedrl.errors import ConfigError
 from megatron_sortedrl.lifetime import die_with_parent
-from megatron_sortedrl.reward_pool import _close_worker, _Worker, worker_messages
+from megatron_sortedrl.reward_pool import RewardWorker, close_reward_worker, worker_messages
 
 # The tool message of each failure; the model reads these, so they say what happened and what to do.
 MESSAGES = {
@@ -241,7 +241,7 @@ class ToolRunner:
             if w.tasks:  # its call is dropped anyway: no reason to wait for it
                 w.kill()
             else:
-                _close_worker(w)
+                close_reward_worker(w)
 
     def __enter__(self) -> ToolRunner:
         return self
@@ -251,8 +251,8 @@ class ToolRunner:
 
     # ------------------------------------------------------------ machinery
 
-    def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self._spec, target=_worker_main)
+    def _new_worker(self) -> RewardWorker:
+        return RewardWorker(self._ctx, self._spec, target=_worker_main)
 
     def _dispatch(self) -> None:
         for w in self.workers:
@@ -303,7 +303,7 @@ class ToolRunner:
             job.errors.append(kind)
             self.counts[kind] += 1
 
-    def _fail_call(self, w: _Worker, job: _Job, why: str) -> None:
+    def _fail_call(self, w: RewardWorker, job: _Job, why: str) -> None:
         """The call running on `w` answers with the defined message; its worker is replaced, and the job's
         later calls go back to the front of the queue with the state before this call."""
         name = job.calls[len(job.contents)][0]
@@ -321,6 +321,6 @@ class ToolRunner:
         self.done.append(ToolOutcome(job.key, job.contents, job.state, now - job.submitted, job.errors,
                                      queued_s=(job.started or now) - job.submitted, names=[c[0] for c in job.calls]))
 
-    def _restart(self, w: _Worker) -> None:
+    def _restart(self, w: RewardWorker) -> None:
         w.kill()
         self.workers[self.workers.index(w)] = self._new_worker()

@@ -1,18 +1,18 @@
 """`python -m megatron_sortedrl simulate <sim.yaml> [key=value ...] --policies sync,sorted,tail,twotier`
 
-Runs the real scheduling policies on the discrete-event cluster simulator (`scheduler/simulator.py`),
+Runs the real scheduling policies on the discrete-event cluster simulator (`scheduler/sim/simulator.py`),
 prints a table (bubble ratios, rollout and step time, throughput and its ratio to sync, to the best sync at equal
 optimizer steps and to the scenario's physical limit, optimizer steps and samples per step, staleness) and writes a
 plot and a JSON of the figures. With `sync` and another policy among `--policies`, `sync` runs again at a rollout
 batch equal to the default policy's mean harvest (`sync@<B>`), and `x best sync` is each row's throughput over the
-better plain sync (`scheduler/equal_footing.py`); every policy trains `run.algorithm.ppo_mini_batch_size` samples
+better plain sync (`scheduler/sim/equal_footing.py`); every policy trains `run.algorithm.ppo_mini_batch_size` samples
 per optimizer step. Overrides starting with `run.` change
 the run config the scenario points to (e.g. `run.scheduler.max_staleness=2`), others the scenario
 (e.g. `workload.persistence=0.5`). Timelines per policy are written with `--timelines DIR`.
 
 `--calibrate-from RUN_DIR` (or the scenario key `calibrate_from`) replaces the scenario's engine and cluster
 costs by those measured on a real run (decode step time against batch and context, prefill, train time
-per token and fixed, weight sync, reward latency; `scheduler/calibrate.py`), replays that run's response
+per token and fixed, weight sync, reward latency; `scheduler/sim/calibrate.py`), replays that run's response
 lengths and simulates with that run's own config; the engine speed is level-matched (one factor on all
 engines so that the run's own replay spends its measured rollout seconds; `--no-level-match` keeps the raw
 fit); the measured costs are printed and written to `calibration.json`. Example:
@@ -49,12 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scheduler.policies import POLICIES
-    from scheduler.report import add_ratios, format_table, plot
-    from scheduler.sim_config import load_sim_config
-    from scheduler.simulator import simulate
+    from scheduler.sim.report import add_ratios, format_table, plot
+    from scheduler.sim.sim_config import load_sim_config
+    from scheduler.sim.simulator import simulate
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from scheduler.speculation_model import split_policy
+    from scheduler.sim.speculation_model import split_policy
 
     bad = [p for p in names if split_policy(p)[0] not in POLICIES]
     if bad or not names:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     run_dir = getattr(args, "calibrate_from", "") or sim.calibrate_from
     if run_dir:
-        from scheduler.calibrate import calibrated_scenario, describe
+        from scheduler.sim.calibrate import calibrated_scenario, describe
 
         run_over = [o[len("run."):] for o in args.overrides if o.startswith("run.")]
         sim, run_cfg, cal = calibrated_scenario(sim, run_dir, out, run_over,
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "calibration.json").write_text(json.dumps(
             {"run_dir": str(run_dir), "engine": cal.engine, "cluster": cal.cluster, "fit": cal.fit}, indent=1))
         print(describe(cal, run_dir))
-    from scheduler.equal_footing import compare
+    from scheduler.sim.equal_footing import compare
 
     def timed(sim_, cfg, name):
         t0 = time.time()
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     rows, results = compare(sim, run_cfg, names, timed, written)  # + sync@<default's harvest>, x_best_sync
     add_ratios(rows)
-    from scheduler.limit import add_limit, physical_limit
+    from scheduler.sim.limit import add_limit, physical_limit
 
     limit = physical_limit(sim, run_cfg)
     add_limit(rows, limit)  # "x limit": time per trained sample over the scenario's physical limit

@@ -13,7 +13,7 @@ or `n_shared_experts` x `moe_intermediate_size`); which layers are sparse follow
 (`decoder_sparse_step`, `mlp_only_layers`; the others use the dense `intermediate_size`). `num_params` is the
 whole model (what engines hold and weight sync sends), `active_params` what one token reads (shared part plus
 top-k experts: what decode cost follows). Left out: sliding windows, multi-latent attention, grouped (node-
-limited) routing; such a config.json is refused by `convert.validate.check_architecture`, the check every
+limited) routing; such a config.json is refused by `convert.architectures.check_architecture`, the check every
 command shares.
 """
 
@@ -52,7 +52,7 @@ class Arch:
     def from_dict(cls, cfg: dict, name: str = "model", source: str | None = None) -> Arch:
         """The shape of a config.json's contents; an architecture the project does not model (DeepSeek MLA,
         sliding windows, ...) is refused with the line `convert` prints, not planned as if it were Qwen2."""
-        from megatron_sortedrl.convert.validate import check_architecture
+        from megatron_sortedrl.convert.architectures import check_architecture
 
         check_architecture(cfg, source or f"model config {name}")
         try:

@@ -26,7 +26,7 @@ Host memory per node adds the offloaded trainer state (weights, gradients and op
 on the node, pinned) and, at sleep level 1, every engine rank's weights.
 
 Switch costs per step, in seconds (`switch_seconds`, the same function the simulator charges,
-`scheduler/layout_sim.py`):
+`scheduler/sim/layout_sim.py`):
 
     sleep   = engine weights per GPU / offload_gbs        (level 1; level 2 frees them: 0)
     reload  = trainer state per GPU / offload_gbs         (offload_trainer; else 0)

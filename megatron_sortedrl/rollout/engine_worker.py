@@ -106,7 +106,7 @@ def routes_from_output(completion_output, num_experts: int, moe_layers: tuple[in
     numpy ids from the first prompt token), or None when the engine returned none.
 
     vLLM's capture has a column for every hidden layer, dense ones included (never written there); the trainer
-    replays MoE layers only, so with `moe_layers` (0-based, `convert.validate.moe_layer_indices`) those columns
+    replays MoE layers only, so with `moe_layers` (0-based, `convert.architectures.moe_layer_indices`) those columns
     are kept. An array with as many columns as MoE layers is taken as it is."""
     arr = getattr(completion_output, "routed_experts", None)
     if arr is None:
@@ -195,7 +195,7 @@ class EngineWorker:
             import json
             from pathlib import Path
 
-            from megatron_sortedrl.convert.validate import moe_layer_indices
+            from megatron_sortedrl.convert.architectures import moe_layer_indices
 
             hf_config = json.loads((Path(self.kwargs["model"]) / "config.json").read_text())
             self.num_experts = routed_experts_count(hf_config)

@@ -36,34 +36,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_sortedrl.rollout.engine_worker import EngineWorker, engine_env, engine_kwargs
 from megatron_sortedrl.rollout.pool_options import PoolOptions, executor_for
 from megatron_sortedrl.rollout.pool_weights import PoolWeights
-from megatron_sortedrl.rollout.types import Completion, GenRequest, WorkerLoad
-from megatron_sortedrl.rollout.weight_sync import GpuWeightSync
+from megatron_sortedrl.rollout.types import Completion, EngineSlot, GenRequest, WorkerLoad
+from megatron_sortedrl.rollout.weight_sync_gpu import GpuWeightSync
 
 
 class WorkerUnavailable(RuntimeError):
     """A request was sent to a worker slot that died and was not restarted."""
-
-
-@dataclass
-class _Slot:
-    index: int
-    tp: int
-    actor: Any = None
-    state: str = "starting"  # starting | ready | dead
-    start_ref: Any = None
-    poll_ref: Any = None
-    pending: list[GenRequest] = field(default_factory=list)  # submitted while starting
-    clock_offset: float = 0.0
-    pid: int = -1
-    generated: int = 0
-    last_progress: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 class RolloutPool(PoolWeights):
@@ -74,7 +57,7 @@ class RolloutPool(PoolWeights):
             ray.init(address="local", include_dashboard=False, log_to_driver=True)
         self.opts = opts
         self.version = 0
-        self.slots: list[_Slot] = []
+        self.slots: list[EngineSlot] = []
         self.events: list[dict[str, Any]] = []  # failures, restarts, layout switches (for the run timeline)
         self._owner: dict[str, int] = {}  # request id -> slot, for every request not yet returned
         self._ready: list[Completion] = []  # lost records waiting for the next poll
@@ -106,7 +89,7 @@ class RolloutPool(PoolWeights):
         self._gpu_sync = None
         self.slots = []
         self._reserve(num_engines, tp)
-        self.slots = [self._launch(_Slot(i, tp)) for i in range(num_engines)]
+        self.slots = [self._launch(EngineSlot(i, tp)) for i in range(num_engines)]
         try:
             self._wait_started(self.slots, reload=reload)
         except BaseException:
@@ -137,7 +120,7 @@ class RolloutPool(PoolWeights):
             self._placement.release()
         self._placement = None
 
-    def _launch(self, slot: _Slot) -> _Slot:
+    def _launch(self, slot: EngineSlot) -> EngineSlot:
         import ray
 
         o = self.opts
@@ -168,7 +151,7 @@ class RolloutPool(PoolWeights):
         slot.state, slot.poll_ref, slot.generated = "starting", None, 0
         return slot
 
-    def _wait_started(self, slots: list[_Slot], reload: bool = True) -> None:
+    def _wait_started(self, slots: list[EngineSlot], reload: bool = True) -> None:
         from megatron_sortedrl.placement import wait_ready
 
         if not slots:
@@ -181,7 +164,7 @@ class RolloutPool(PoolWeights):
         for slot, info in zip(slots, infos):
             self._finish_start(slot, info)
 
-    def _finish_start(self, slot: _Slot, info: dict[str, Any]) -> None:
+    def _finish_start(self, slot: EngineSlot, info: dict[str, Any]) -> None:
         slot.info, slot.pid, slot.state, slot.start_ref = info, info["pid"], "ready", None
         slot.clock_offset = self._clock_offset(slot)
         slot.last_progress = time.monotonic()
@@ -190,7 +173,7 @@ class RolloutPool(PoolWeights):
             slot.pending = []
 
     @staticmethod
-    def _clock_offset(slot: _Slot) -> float:
+    def _clock_offset(slot: EngineSlot) -> float:
         """Driver clock minus the worker's, from the fastest of three pings (the start-up reply can reach the
         driver long after the worker stamped it, e.g. behind the weight reload)."""
         import ray
@@ -203,7 +186,7 @@ class RolloutPool(PoolWeights):
             best = min(best, (t_b - t_a, (t_a + t_b) / 2 - t_w))
         return best[1]
 
-    def _stop(self, slot: _Slot) -> None:
+    def _stop(self, slot: EngineSlot) -> None:
         import ray
 
         if slot.actor is None:
@@ -374,13 +357,13 @@ class RolloutPool(PoolWeights):
         return [ray.get(s.actor.weights_digest.remote()) for s in self.slots if s.state == "ready"]
 
     # ---------------------------------------------------------------------------------------- internals
-    def _accept(self, slot: _Slot, res: dict[str, Any]) -> None:
+    def _accept(self, slot: EngineSlot, res: dict[str, Any]) -> None:
         if res["generated_tokens"] != slot.generated or res["completions"]:
             slot.last_progress = time.monotonic()
         slot.generated = res["generated_tokens"]
         self._ready.extend(self._claim(slot, res["completions"]))
 
-    def _claim(self, slot: _Slot, recs: list[Completion]) -> list[Completion]:
+    def _claim(self, slot: EngineSlot, recs: list[Completion]) -> list[Completion]:
         """Keeps only records this slot still owns (so a request is returned once), on the driver clock."""
         out = []
         for rec in recs:
@@ -415,7 +398,7 @@ class RolloutPool(PoolWeights):
             if slot.state == "ready" and slot.index in busy and now - slot.last_progress > self.opts.request_timeout_s:
                 self._fail(slot, f"no progress for {now - slot.last_progress:.0f} s")
 
-    def _fail(self, slot: _Slot, reason: str, restart: bool | None = None) -> None:
+    def _fail(self, slot: EngineSlot, reason: str, restart: bool | None = None) -> None:
         import ray
 
         now = time.monotonic()

@@ -10,11 +10,10 @@ Split out of `pool.py` (the running pool: layout, streaming, abort, failures), w
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from megatron_sortedrl.rollout.types import SyncReport
+from megatron_sortedrl.rollout.types import EngineSlot, SyncReport
 from megatron_sortedrl.rollout.weight_sync import (
-    GpuWeightSync,
     WeightPusher,
     WeightSource,
     iter_packed,
@@ -24,9 +23,7 @@ from megatron_sortedrl.rollout.weight_sync import (
     sync_cpu,
     sync_push,
 )
-
-if TYPE_CHECKING:
-    from megatron_sortedrl.rollout.pool import _Slot
+from megatron_sortedrl.rollout.weight_sync_gpu import GpuWeightSync
 
 
 class PoolWeights:
@@ -51,7 +48,7 @@ class PoolWeights:
 
         # Engines still restarting are waited for without their reload: this sync brings them up to date.
         self._wait_started([s for s in self.slots if s.state == "starting"], reload=False)
-        died: list[_Slot] = []
+        died: list[EngineSlot] = []
         while True:
             ready = [s for s in self.slots if s.state == "ready"]
             try:
@@ -74,7 +71,7 @@ class PoolWeights:
                 self._launch(slot)
         return report
 
-    def _sync_to(self, ready: list[_Slot], source: WeightSource | WeightPusher, version: int) -> tuple[SyncReport, Any]:
+    def _sync_to(self, ready: list[EngineSlot], source: WeightSource | WeightPusher, version: int) -> tuple[SyncReport, Any]:
         actors = [s.actor for s in ready]
         o = self.opts
         if hasattr(source, "push_weights"):
@@ -89,7 +86,7 @@ class PoolWeights:
         report, kept = self._sync_gpu(ready, source, version)
         return report, (("kept", kept) if kept else None)
 
-    def _dead(self, slots: list[_Slot]) -> list[_Slot]:
+    def _dead(self, slots: list[EngineSlot]) -> list[EngineSlot]:
         """The slots whose engine actor no longer answers a ping."""
         import ray
 
@@ -110,7 +107,7 @@ class PoolWeights:
                          transport=t, nccl={} if t == "nccl" else None,
                          mode=self.opts.weight_sync_mode)
 
-    def _reload(self, slots: list[_Slot]) -> None:
+    def _reload(self, slots: list[EngineSlot]) -> None:
         """Gives freshly started engines the last synced weights and version (see `_replay_src`)."""
         if self._replay_src is None or not slots:
             return
@@ -127,7 +124,7 @@ class PoolWeights:
         else:
             replay(actors, self._replay_src[1], self.version)
 
-    def _sync_gpu(self, ready: list[_Slot], source: WeightSource, version: int) -> tuple[SyncReport, list[Any]]:
+    def _sync_gpu(self, ready: list[EngineSlot], source: WeightSource, version: int) -> tuple[SyncReport, list[Any]]:
         """Single-sender GPU path for (name, tensor) sources: this process broadcasts through vLLM's engines."""
         import ray
 

@@ -115,3 +115,22 @@ class SyncReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "gib_per_s": self.gib_per_s}
+
+
+@dataclass
+class EngineSlot:
+    """One engine of the pool as the pool tracks it (its Ray actor, state and counters); the pool and its weight
+    delivery (`pool_weights.py`) both read it, so it stands here, below both."""
+
+    index: int
+    tp: int
+    actor: Any = None
+    state: str = "starting"  # starting | ready | dead
+    start_ref: Any = None
+    poll_ref: Any = None
+    pending: list[GenRequest] = field(default_factory=list)  # submitted while starting
+    clock_offset: float = 0.0
+    pid: int = -1
+    generated: int = 0
+    last_progress: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)

@@ -35,7 +35,8 @@ over the stages on one stream per stage into two buffers per stage, loading whil
 (`receive_schedule`; `worker_extension.msrl_nccl_receive_stages`). Serial: one group spans the stage
 senders (ranks 0..S-1) and every engine GPU (ranks S..); buckets are broadcast stage after stage, each
 announced by a Ray call (`nccl_send_buckets`). `GpuWeightSync` keeps the single-sender path (this process
-is rank 0) for (name, tensor) sources. Written for GPU testing (`tests/test_weight_sync_gpu.py`,
+is rank 0) for (name, tensor) sources. The GPU half lives in `weight_sync_gpu.py`, which builds on this file
+(never the other way round): import its names from there. Written for GPU testing (`tests/test_weight_sync_gpu.py`,
 `tests/test_rollout_gpu.py`).
 
 Deliberately left out: delta/sparse updates, quantised transfer, CUDA IPC for colocated engines in the
@@ -260,9 +261,9 @@ def push_packed(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]]
         del ref
         while len(in_flight) >= max_buckets_in_flight:
             futs, sent = in_flight.pop(0)
-            _check_counts(ray.get(futs), sent)
+            check_counts(ray.get(futs), sent)
     for futs, sent in in_flight:
-        _check_counts(ray.get(futs), sent)
+        check_counts(ray.get(futs), sent)
     return stats, kept
 
 
@@ -317,9 +318,9 @@ def push_ring(engines: list[Any], buckets: Iterable[tuple[torch.Tensor, Meta]], 
         del flat
         while len(pending) >= len(ring.paths):  # the next bucket goes into the oldest slot
             futs, sent = pending.popleft()
-            _check_counts(ray.get(futs), sent)
+            check_counts(ray.get(futs), sent)
     for futs, sent in pending:
-        _check_counts(ray.get(futs), sent)
+        check_counts(ray.get(futs), sent)
     return {**stats, "shm_peak_bytes": ring.peak_bytes}
 
 
@@ -400,23 +401,12 @@ def replay(actors: list[Any], kept: list[tuple[Any, Meta]], version: int) -> Non
 
     ray.get([a.begin_weight_update.remote() for a in actors])
     for ref, meta in kept:
-        _check_counts(ray.get([a.load_packed_bucket.remote(ref, meta) for a in actors]), meta)
+        check_counts(ray.get([a.load_packed_bucket.remote(ref, meta) for a in actors]), meta)
     ray.get([a.finish_weight_update.remote(version) for a in actors])
 
 
-def _check_counts(counts: list[int], meta: Meta) -> None:
+def check_counts(counts: list[int], meta: Meta) -> None:
+    """Raises unless every engine loaded every tensor of the bucket (what each transport checks after a bucket)."""
     if any(c != len(meta) for c in counts):
         raise RuntimeError(f"engines loaded {counts} tensors from one bucket of {len(meta)}")
 
-
-# The GPU transports live in weight_sync_gpu.py (imported here, so callers have one module to import from).
-from megatron_sortedrl.rollout.weight_sync_gpu import (  # noqa: E402
-    DeviceRing,
-    GpuWeightSync,
-    ipc_send_stage,
-    nccl_ranks,
-    nccl_send_buckets,
-    nccl_send_stage,
-    receive_order,
-    receive_schedule,
-)

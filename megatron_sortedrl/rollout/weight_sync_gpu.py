@@ -1,6 +1,6 @@
 """Weight sync over NCCL (GPU only): the stage senders' and the engines' halves, and the single-sender path.
 
-    from megatron_sortedrl.rollout.weight_sync import nccl_send_stage, receive_schedule   # re-exported there
+    from megatron_sortedrl.rollout.weight_sync_gpu import nccl_send_stage, receive_schedule
 
 Pipelined (the default mode): every stage sender has its own NCCL group, itself as rank 0 and every engine
 GPU after it, so the stages broadcast at the same time; a sender packs into two GPU buffers and broadcasts
@@ -28,7 +28,7 @@ from megatron_sortedrl.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     Meta,
     WeightSource,
-    _check_counts,
+    check_counts,
     bucket_nbytes,
     iter_buckets,
     iter_packed,
@@ -59,7 +59,7 @@ def nccl_send_buckets(comm: Any, my_rank: int, plan: list[tuple[int, int]], buck
             futs = [e.nccl_receive_bucket.remote(src, flat.numel(), meta) for e in engines]
             comm.broadcast(flat, src=src, stream=stream)
             stream.synchronize()
-            _check_counts(ray.get(futs), meta)
+            check_counts(ray.get(futs), meta)
             stats["num_tensors"] += len(meta)
             stats["bytes"] += packed_nbytes(meta)
             stats["num_buckets"] += 1
@@ -169,7 +169,7 @@ def ipc_send_stage(engines: list[Any], tensors: Iterable[tuple[str, torch.Tensor
     for flat, meta in iter_packed(tensors, bucket_bytes, device="cuda", reuse_buffer=True):
         torch.cuda.current_stream().synchronize()  # packed before another process reads it
         handle = ipc_handle(flat)
-        _check_counts(ray.get([e.load_ipc_bucket.remote(handle, flat.numel(), meta) for e in engines]), meta)
+        check_counts(ray.get([e.load_ipc_bucket.remote(handle, flat.numel(), meta) for e in engines]), meta)
         stats["num_tensors"] += len(meta)
         stats["bytes"] += packed_nbytes(meta)
         stats["num_buckets"] += 1

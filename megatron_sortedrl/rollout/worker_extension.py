@@ -42,7 +42,7 @@ sync; `msrl_finish_weight_update` trims the heap once the whole load is done (`m
 A colocated engine loads the stage senders' GPU buckets through their CUDA IPC handles (`msrl_load_ipc`).
 
 Deliberately left out: the single-sender GPU path for (name, tensor) sources uses vLLM's own
-`weight_transfer_config`, driven by `weight_sync.GpuWeightSync`.
+`weight_transfer_config`, driven by `weight_sync_gpu.GpuWeightSync`.
 """
 
 from __future__ import annotations
@@ -206,11 +206,12 @@ class WeightSyncExtension:
         """Receives a whole pipelined sync (GPU only): `stage_plans[s]` is [(bytes, meta), ...] of sender s.
 
         Buckets are taken round robin over the stages, each stage's on its own stream into one of two
-        buffers, the next receives posted before this round is loaded (`weight_sync.receive_schedule`), so
+        buffers, the next receives posted before this round is loaded (`weight_sync_gpu.receive_schedule`), so
         transfers of all stages overlap each other and the loads. A buffer is received into again only
         after its load is done, and whatever vLLM's reload still holds of it (a module not yet complete) is
         copied out first."""
-        from megatron_sortedrl.rollout.weight_sync import receive_order, receive_schedule, unpack_tensors
+        from megatron_sortedrl.rollout.weight_sync import unpack_tensors
+        from megatron_sortedrl.rollout.weight_sync_gpu import receive_order, receive_schedule
 
         comms = self._msrl_stage_comms
         streams = [torch.cuda.Stream() for _ in comms]

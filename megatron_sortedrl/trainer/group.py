@@ -377,7 +377,7 @@ class TrainerGroup:
     def _nccl_setup(self, engines: list, bucket_bytes: int, mode: str = "pipelined") -> dict:
         import ray
 
-        from megatron_sortedrl.rollout.weight_sync import nccl_ranks
+        from megatron_sortedrl.rollout.weight_sync_gpu import nccl_ranks
 
         key = (mode, tuple(a._actor_id.hex() for a in engines))
         if mode == "pipelined":

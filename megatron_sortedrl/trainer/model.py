@@ -21,7 +21,7 @@ comes from config.json unless `model.rope_scaling` overrides it (`megatron_sorte
 dictionary the engines get.
 
 Deliberately left out: sliding-window attention, latent attention (MLA), shared experts and learned absolute
-positions (`convert/validate.check_architecture` refuses configs that use them); dynamic NTK and other rope
+positions (`convert/architectures.check_architecture` refuses configs that use them); dynamic NTK and other rope
 types are rejected with a clear error (see `rope.py`).
 """
 
@@ -76,7 +76,7 @@ def read_hf_config(model_dir: str | Path, rope_override: dict[str, Any] | None =
     if not path.is_file():
         raise UserError(f"model directory {model_dir} has no config.json (set model.path to a Hugging Face model dir)")
     cfg = json.loads(path.read_text())
-    from megatron_sortedrl.convert.validate import EXPERT_KEYS, MODELLED, check_architecture, moe_layer_indices
+    from megatron_sortedrl.convert.architectures import EXPERT_KEYS, MODELLED, check_architecture, moe_layer_indices
 
     check_architecture(cfg, str(path))  # the same line as `plan` and `convert`
     model_type = cfg["model_type"]

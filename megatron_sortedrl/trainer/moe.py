@@ -26,7 +26,7 @@ EP x ETP expert groups out of the TP x DP ranks of each pipeline stage, so (TP x
 EP x ETP; tokens move between EP ranks by all-to-all. Attention and dense layers keep their TP x DP layout.
 
 Deliberately left out: shared experts, sigmoid / grouped / bias-corrected routers (DeepSeek-V3) and
-MLA: `convert/validate.check_architecture` refuses configs that use them; token dropping and capacity factors
+MLA: `convert/architectures.check_architecture` refuses configs that use them; token dropping and capacity factors
 (the engines never drop a token, so the trainer must not either).
 """
 

@@ -34,10 +34,10 @@ from collections.abc import Iterator
 import torch
 
 from megatron_sortedrl.trainer.weights import (
-    _expert_layout,
-    _local_name,
-    _local_params,
-    _owner_stage,
+    expert_layout,
+    local_param_name,
+    local_params,
+    owner_stage,
     export_order,
     hf_shapes,
 )
@@ -50,7 +50,7 @@ def stage_export_cells(arch, pp: int, stage: int, *, use_te: bool = False, order
     thus has every attention and router weight before the first expert, and the expert pass can gather over
     the EP group without mixing with the TP gathers of the first pass."""
     per = arch.num_layers // pp
-    rows = [r for r in export_order(arch, use_te=use_te, order=order) if _owner_stage(r[0], r[3], pp, per) == stage]
+    rows = [r for r in export_order(arch, use_te=use_te, order=order) if owner_stage(r[0], r[3], pp, per) == stage]
     return [r for r in rows if r[4] is None] + [r for r in rows if r[4] is not None]
 
 
@@ -64,7 +64,7 @@ def stage_export_plan(arch, pp: int, stage: int, *, use_te: bool = False, order:
     holds them at expert-parallel size `ep`."""
     per = arch.num_layers // pp
     local_experts = arch.num_experts // ep if arch.num_experts else 1
-    return [(_local_name(mname, gi, e, stage * per, local_experts), layout, names)
+    return [(local_param_name(mname, gi, e, stage * per, local_experts), layout, names)
             for mname, layout, names, gi, e in stage_export_cells(arch, pp, stage, use_te=use_te, order=order)]
 
 
@@ -117,10 +117,10 @@ def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dty
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    params = _local_params(model)
+    params = local_params(model)
     out_dtype = dtype or next(iter(params.values())).dtype
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    ep, ep_rank, etp, etp_rank = _expert_layout()
+    ep, ep_rank, etp, etp_rank = expert_layout()
     cells = stage_export_cells(arch, pp, stage, use_te=use_te, order=order)
     first = stage * (arch.num_layers // pp)
     local_experts = arch.num_experts // ep if arch.num_experts else 1
@@ -129,10 +129,10 @@ def iter_stage_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dty
     # Who holds which expert pieces, and whether this rank's expert group has the sender (one tiny collective).
     owners = _expert_owners(sender, next(iter(params.values())).device) if arch.num_experts else None
     if in_replica0:
-        dense = [(_local_name(m, gi, None, first, 1), layout, names) for m, layout, names, gi, e in cells if e is None]
+        dense = [(local_param_name(m, gi, None, first, 1), layout, names) for m, layout, names, gi, e in cells if e is None]
         yield from _tp_pass(params, dense, arch, tp, sender, out_dtype)
     if owners is not None:
-        experts = [(_local_name(m, gi, e, first, local_experts), layout, names, e // local_experts)
+        experts = [(local_param_name(m, gi, e, first, local_experts), layout, names, e // local_experts)
                    for m, layout, names, gi, e in cells if e is not None]
         yield from _expert_pass(params, experts, arch, owners, (ep_rank, etp, etp_rank), sender, out_dtype)
 
@@ -178,7 +178,7 @@ def _expert_owners(sender: bool, device) -> dict | None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    ep, ep_rank, etp, etp_rank = _expert_layout()
+    ep, ep_rank, etp, etp_rank = expert_layout()
     if ep * etp == 1:
         return {"sender": dist.get_rank(), "group": None, (0, 0): dist.get_rank()} if sender else None
     group = ps.get_expert_tensor_and_model_parallel_group()

@@ -214,11 +214,12 @@ def _stage_layers(arch) -> tuple[int, int]:
     return rank * per, per
 
 
-def _local_params(model) -> dict[str, torch.Tensor]:
+def local_params(model) -> dict[str, torch.Tensor]:
+    """This rank's parameters by local name (Transformer Engine's `_extra_state` entries left out)."""
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if "_extra_state" not in k}
 
 
-def _expert_layout() -> tuple[int, int, int, int]:
+def expert_layout() -> tuple[int, int, int, int]:
     """(EP size, EP rank, expert TP size, expert TP rank) of this rank (1, 0, TP, TP rank without experts)."""
     from megatron.core import parallel_state as ps
 
@@ -226,7 +227,8 @@ def _expert_layout() -> tuple[int, int, int, int]:
             ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
 
 
-def _owner_stage(mname: str, gi: int | None, pp: int, per: int) -> int:
+def owner_stage(mname: str, gi: int | None, pp: int, per: int) -> int:
+    """The pipeline stage that holds a table row: embeddings on the first, the head on the last, layer gi on gi // per."""
     return (0 if mname.startswith("embedding") else pp - 1) if gi is None else gi // per
 
 
@@ -236,11 +238,11 @@ def load_hf_weights(model, model_dir: str | Path, arch, *, use_te: bool = False)
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    ep, ep_rank, etp, etp_rank = _expert_layout()
+    ep, ep_rank, etp, etp_rank = expert_layout()
     local_experts = arch.num_experts // ep if arch.num_experts else 0
     first, per = _stage_layers(arch)
     reader = HFReader(model_dir)
-    params = _local_params(model)
+    params = local_params(model)
     done = set()
 
     def put(name: str, names: list[str], layout: str, expert: bool) -> None:
@@ -258,7 +260,7 @@ def load_hf_weights(model, model_dir: str | Path, arch, *, use_te: bool = False)
             continue
         if e is not None and e // local_experts != ep_rank:
             continue
-        name = _local_name(mname, gi, e, first, local_experts)
+        name = local_param_name(mname, gi, e, first, local_experts)
         if name in params:
             put(name, names, layout, e is not None)
     if arch.tie_word_embeddings and "output_layer.weight" in params:
@@ -268,7 +270,7 @@ def load_hf_weights(model, model_dir: str | Path, arch, *, use_te: bool = False)
         raise CheckpointError(f"parameters not covered by the HF weight table: {sorted(missing)}")
 
 
-def _local_name(mname: str, gi: int | None, e: int | None, first_layer: int, local_experts: int) -> str:
+def local_param_name(mname: str, gi: int | None, e: int | None, first_layer: int, local_experts: int) -> str:
     """A table name with its layer and expert made local to this stage and EP rank."""
     if gi is None:
         return mname
@@ -289,24 +291,24 @@ def export_hf_weights(model, arch, *, use_te: bool = False, dtype: torch.dtype |
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else [dist.get_rank()]
-    ep, ep_rank, etp, _ = _expert_layout()
+    ep, ep_rank, etp, _ = expert_layout()
     if arch.num_experts:
         ep_group, etp_group = ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group()
         ep_ranks = dist.get_process_group_ranks(ep_group) if ep > 1 else [dist.get_rank()]
     local_experts = arch.num_experts // ep if arch.num_experts else 0
     my_stage = ps.get_pipeline_model_parallel_rank()
     per = arch.num_layers // pp
-    params = tensors if tensors is not None else _local_params(model)
+    params = tensors if tensors is not None else local_params(model)
     shapes = hf_shapes(arch)
     out_dtype = dtype or next(iter(params.values())).dtype
     device = next(iter(params.values())).device
     for mname, layout, names, gi, e in export_order(arch, use_te=use_te, order=order):
-        owner = _owner_stage(mname, gi, pp, per)
+        owner = owner_stage(mname, gi, pp, per)
         owner_ep = e // local_experts if e is not None else ep_rank
         size, group = (etp, etp_group) if e is not None else (tp, tp_group)
         fulls: list[torch.Tensor]
         if owner == my_stage and owner_ep == ep_rank:
-            local = params[_local_name(mname, gi, e, owner * per, local_experts or 1)].detach()
+            local = params[local_param_name(mname, gi, e, owner * per, local_experts or 1)].detach()
             if size > 1 and layout != "replicated":
                 gathered = [torch.empty_like(local) for _ in range(size)]
                 dist.all_gather(gathered, local.contiguous(), group=group)

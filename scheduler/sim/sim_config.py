@@ -1,6 +1,6 @@
 """Parameters of the cluster simulator, loaded from their own YAML (`configs/sim_*.yaml`).
 
-    from scheduler.sim_config import load_sim_config
+    from scheduler.sim.sim_config import load_sim_config
     sim, run = load_sim_config("configs/sim_qwen32b_128gpu.yaml", ["workload.persistence=0.5"])
 
 A sim YAML names a run config (`run_config`, default configs/tiny_cpu.yaml) plus `run_overrides`
@@ -26,9 +26,9 @@ from megatron_sortedrl.config import RunConfig, help_field, load_config
 from megatron_sortedrl.config.run import load_schema
 from megatron_sortedrl.errors import ConfigError, UserError
 from scheduler.cost_model import EngineCostModel
-from scheduler.layout_sim import LayoutCosts, check_layout
-from scheduler.speculation_model import SpeculationConfig
-from scheduler.reward_cost import RewardCostConfig
+from scheduler.sim.layout_sim import LayoutCosts, check_layout
+from scheduler.sim.speculation_model import SpeculationConfig
+from scheduler.sim.reward_cost import RewardCostConfig
 
 WORKLOADS = ("synthetic", "replay")
 
@@ -54,13 +54,13 @@ class ClusterCosts:
     engine_jitter: float = help_field("Round-to-round spread of each engine's speed: per round and engine its decode "
                                       "and prefill time is multiplied by exp(jitter * z - jitter^2 / 2), z standard "
                                       "normal (mean 1; engines on shared cores; 0 = steady engines).", 0.0, min=0)
-    stream_training: bool = help_field("Stream training, colocated (scheduler/stream_sim.py): GPUs of engines that have "
+    stream_training: bool = help_field("Stream training, colocated (scheduler/sim/stream_sim.py): GPUs of engines that have "
                                        "run out of the round's work compute the backward of finished samples the harvest "
                                        "will train, while the tail still generates.", False)
-    tail_migration: bool = help_field("Tail migration (scheduler/tail_migration.py): an engine with nothing left to run "
+    tail_migration: bool = help_field("Tail migration (scheduler/sim/tail_migration.py): an engine with nothing left to run "
                                       "takes over a running request of the engine running the most (abort there, "
                                       "resubmit with its tokens, re-prefill).", False)
-    trainer_gpus: int = help_field("Disaggregated placement (scheduler/stream_sim.py): GPUs of `gpus` kept for the "
+    trainer_gpus: int = help_field("Disaggregated placement (scheduler/sim/stream_sim.py): GPUs of `gpus` kept for the "
                                    "trainer alone (it trains at train_tokens_per_s * trainer_gpus / gpus); the engines "
                                    "get the rest. 0 = colocated.", 0, min=0)
 
@@ -74,7 +74,7 @@ class ClusterCosts:
         for key in ("train_fixed_s", "optimizer_step_s", "weight_sync_s", "relayout_s", "reward_latency_s", "round_start_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key}", getattr(self, key), "a number >= 0")
-        # A one-node scenario may give the trainer up to half of its GPUs (scheduler/layout_sim.py).
+        # A one-node scenario may give the trainer up to half of its GPUs (scheduler/sim/layout_sim.py).
         if not 0 <= self.trainer_gpus <= self.gpus - min(self.gpus_per_node, self.gpus // 2):
             raise ConfigError("cluster.trainer_gpus", self.trainer_gpus,
                               f"0 (colocated) or a number that leaves the engines at least a node of {self.gpus} GPUs "
@@ -85,7 +85,7 @@ class ClusterCosts:
 
 @dataclass
 class ToolKind:
-    """One kind of tool a multi-turn workload calls (scheduler/trajectory_sim.py): its latency is log-normal."""
+    """One kind of tool a multi-turn workload calls (scheduler/sim/trajectory_sim.py): its latency is log-normal."""
 
     name: str = help_field("Label in tables (e.g. calculator, python, search).", "tool")
     weight: float = help_field("Relative share of the calls that go to this kind.", 1.0, gt=0)
@@ -112,7 +112,7 @@ class WorkloadConfig:
     mixed_share_start: float = help_field("Rewards: share of prompts solved sometimes (informative groups) in the first epoch.", 0.32, min=0, max=1)
     mixed_share_end: float = help_field("Rewards: share of prompts solved sometimes in the last epoch.", 0.21, min=0, max=1)
     pass_rate_jitter: float = help_field("Rewards: per-epoch random move of a prompt's skill rank (0: classes persist exactly).", 0.04, min=0, max=1)
-    turns_max: int = help_field("Multi-turn (scheduler/trajectory_sim.py): most assistant turns per trajectory, a tool "
+    turns_max: int = help_field("Multi-turn (scheduler/sim/trajectory_sim.py): most assistant turns per trajectory, a tool "
                                 "call between two turns; 1 = single-turn samples, no tools.", 1, min=1)  # type: ignore[assignment]
     turns_median: float = help_field("Multi-turn: median assistant turns per trajectory (before the 1..turns_max clamp).", 2.0, min=1)
     turns_sigma: float = help_field("Multi-turn: log-normal sigma of the turn count (prompt share and persistence as "
@@ -165,13 +165,13 @@ class SimConfig:
     engine: EngineCostModel = help_field("Cost model of one rollout engine.", factory=EngineCostModel)
     workload: WorkloadConfig = help_field("Response-length workload.", factory=WorkloadConfig)
     speculation: SpeculationConfig = help_field("HistoSpec model for `<policy>+histospec` variants.", factory=SpeculationConfig)
-    reward: RewardCostConfig = help_field("Reward scoring cost and workers (scheduler/reward_cost.py).",
+    reward: RewardCostConfig = help_field("Reward scoring cost and workers (scheduler/sim/reward_cost.py).",
                                           factory=RewardCostConfig)
-    layout: LayoutCosts = help_field("Colocated or disaggregated step costs (scheduler/layout_sim.py; '' = as before).",
+    layout: LayoutCosts = help_field("Colocated or disaggregated step costs (scheduler/sim/layout_sim.py; '' = as before).",
                                      factory=LayoutCosts)
     calibrate_from: str = help_field(
         "A `train` run directory: measure engine and cluster costs from its timeline and metrics, replay its "
-        "response lengths and use its config.yaml as the run config (scheduler/calibrate.py; '' = off).", "")
+        "response lengths and use its config.yaml as the run config (scheduler/sim/calibrate.py; '' = off).", "")
 
 
 def load_sim_config(path: str | Path, overrides: list[str] | None = None) -> tuple[SimConfig, RunConfig]:
@@ -250,8 +250,8 @@ def check_engines(sim: SimConfig, run: RunConfig) -> None:
 
 def check_replay(workload: WorkloadConfig) -> None:
     """A replay workload's lengths file is read now, so a missing or malformed one is refused before any
-    simulation (scheduler/workload.py: `load_lengths`)."""
+    simulation (scheduler/sim/replay_lengths.py: `load_lengths`)."""
     if workload.kind == "replay":
-        from scheduler.workload import load_lengths
+        from scheduler.sim.replay_lengths import load_lengths
 
         load_lengths(workload.replay_path)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_sortedrl.config import help_field
+from megatron_sortedrl.schema import help_field
 from megatron_sortedrl.errors import ConfigError
 
 GIB = 2**30

@@ -1,7 +1,7 @@
 """Tail migration in the simulator: an engine that has run dry takes over a running request of the busiest engine.
 
     cluster.tail_migration: true   in a simulator scenario (configs/sim_*.yaml)
-    from scheduler.tail_migration import take_running
+    from scheduler.sim.tail_migration import take_running
 
 When an engine has nothing left to run (no queued request of the round, no lookahead request), it would idle
 until the harvest while other engines still decode many sequences each, each step slowed by the others'

@@ -3,7 +3,7 @@
     python -m megatron_sortedrl simulate configs/sim_agentic_7b_8gpu.yaml --policies sync,tail,twotier
     PYTHONPATH=. python benchmarks/simulate_agentic.py          # docs/benchmarks/sim_agentic.{json,png,md}
 
-On with `workload.turns_max` > 1 (`scheduler/sim_config.py`); with 1 the simulator never builds this and runs
+On with `workload.turns_max` > 1 (`scheduler/sim/sim_config.py`); with 1 the simulator never builds this and runs
 single-turn samples exactly as before. A sample is a trajectory:
 
     turn 0 tokens | tool message 0 | turn 1 tokens | tool message 1 | ... | turn K-1 tokens
@@ -21,7 +21,7 @@ single-turn samples exactly as before. A sample is a trajectory:
 - **Budget.** The trajectory stops at `max_response_length` response tokens (turns and tool messages together):
   a turn that reaches it is cut there, and a tool message that would cross it ends the trajectory at its turn.
 
-In the engine (`scheduler/simulator.py` calls the hooks below): a turn decodes like any request; when it ends
+In the engine (`scheduler/sim/simulator.py` calls the hooks below): a turn decodes like any request; when it ends
 and a tool call follows, the sample leaves the engine (its slot and KV are free: the engine serves others while
 the tool runs off the engines), and when the tool answers it re-enters the same engine's waiting list ahead of
 queued requests, its tool message prefilled on admission (the earlier context is in the prefix cache). A sample
@@ -45,15 +45,12 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from megatron_sortedrl.sample import Sample
 from scheduler.protocol import Request
-from scheduler.sim_config import WorkloadConfig
-
-if TYPE_CHECKING:  # the simulator imports this module; these are only its types
-    from scheduler.sim_engine import SimEngine, _Seq
-    from scheduler.simulator import Simulator
+from scheduler.sim.sim_config import WorkloadConfig
+from scheduler.sim.sim_engine import SimEngine, SimSeq
 
 
 class ToolCall(NamedTuple):
@@ -172,8 +169,8 @@ class _Wait:
 class TrajectorySim:
     """The simulator's per-trajectory records and its hooks for turn ends, tool answers, aborts and harvests."""
 
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim  # the `Simulator` that owns these hooks; it imports this module, never the other way round
         self.level = TurnLevel(sim.sim.workload)
         self.draws: dict[str, Trajectory] = {}  # sample id -> trajectory of its current attempt
         self.waiting: dict[str, _Wait] = {}  # sample id -> its tool call in flight this round
@@ -201,14 +198,14 @@ class TrajectorySim:
         traj = self.draws[s.sample_id]
         return len(traj.turns), traj.tool_s
 
-    def turn_ended(self, engine: SimEngine, seq: _Seq) -> bool:
+    def turn_ended(self, engine: SimEngine, seq: SimSeq) -> bool:
         """Called when `seq` reached its target: True if a tool call follows (the sample leaves the engine)."""
         sid = seq.req.sample.sample_id
         traj = self.draws[sid]
         k = traj.call_at(seq.target)
         if k is None:
             return False
-        s = self.sim._commit(seq, self.sim.policy.version)  # the completed turn belongs to the sample now
+        s = self.sim.commit(seq, self.sim.policy.version)  # the completed turn belongs to the sample now
         self.sim.where.pop(sid, None)
         self.calls += 1
         self._wait(sid, seq, seq.req, engine, engine.t + traj.tools[k].latency_s)

@@ -23,7 +23,7 @@ optimizer step at harvest (the update equals the batch update: tests/test_traine
 
 The physical limit stays a lower bound: colocated, it charges generation and training as GPU time on the same
 GPUs; disaggregated, generation and token training overlap, so the bound for that placement is the GPU-time one
-(`scheduler/limit.py`, `any_placement_s_per_sample`); linear sharing gives training no more than its cluster rate
+(`scheduler/sim/limit.py`, `any_placement_s_per_sample`); linear sharing gives training no more than its cluster rate
 per GPU in both.
 
 Left out: the time to offload an idle engine's weights and KV cache before training on its GPUs (colocated),

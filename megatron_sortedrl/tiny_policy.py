@@ -1,6 +1,6 @@
 """A tiny policy whose responses repeat across epochs, for HistoSpec's tests and benchmark (CPU).
 
-    from speculative.tiny_policy import train_tiny_policy, arithmetic_corpus
+    from megatron_sortedrl.tiny_policy import train_tiny_policy, arithmetic_corpus
     prompts, responses = arithmetic_corpus(num_prompts=32, variants=2, seed=0)
     model_dir = train_tiny_policy(out_dir, prompts, responses, steps=300)
 

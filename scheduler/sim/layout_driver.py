@@ -1,6 +1,6 @@
 """The layout planner of a real run: `scheduler.layout_planner` honoured by the driver, or refused in one line.
 
-    from scheduler.layout_driver import driver_planner
+    from scheduler.sim.layout_driver import driver_planner
     planner = driver_planner(cfg)        # the driver's `_setup`; the policy asks it for each round's layout
     python -m megatron_sortedrl train configs/elastic_cpu.yaml     # cost_model with configs/sim_elastic_cpu.yaml
 
@@ -12,7 +12,7 @@
   The driver's `compose_round` rebuilds the engines (`RolloutPool.set_layout`, via
   `megatron_sortedrl/relayout.py`) when the chosen layout differs: a `relayout` phase on the run timeline,
   the layout per step in the metrics and the run report (demo: `configs/elastic_cpu.yaml`). Calibrate the YAML from a run of the same
-  engines (`scheduler/calibrate.py`) so its choice means something on them.
+  engines (`scheduler/sim/calibrate.py`) so its choice means something on them.
 - `preemption` is refused: it reacts to KV-cache preemption counts, which the real engines do not report to
   the driver yet.
 
@@ -40,7 +40,7 @@ def check_planner(cfg: Any) -> None:
     allowed = "a simulator YAML whose engine: section models these engines (e.g. configs/sim_tiny_cpu.yaml)"
     if not (s.layout_cost_model and Path(s.layout_cost_model).is_file()):
         raise ConfigError("scheduler.layout_cost_model", s.layout_cost_model, allowed)
-    from scheduler.sim_config import read_scenario
+    from scheduler.sim.sim_config import read_scenario
 
     try:
         read_scenario(Path(s.layout_cost_model))
@@ -57,7 +57,7 @@ def driver_planner(cfg: Any) -> FixedPlanner:
     gpus = cfg.rollout.num_workers * cfg.rollout.tensor_parallel_size
     kw: dict[str, Any] = {}
     if cfg.scheduler.layout_planner == "cost_model":
-        from scheduler.sim_config import load_sim_config
+        from scheduler.sim.sim_config import load_sim_config
 
         sim, _ = load_sim_config(cfg.scheduler.layout_cost_model)
         kw = {"model": sim.engine, "relayout_s": sim.cluster.relayout_s}

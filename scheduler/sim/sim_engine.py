@@ -1,7 +1,7 @@
-"""One continuously batched engine of the cluster simulator (`scheduler/simulator.py`, which documents the model:
+"""One continuously batched engine of the cluster simulator (`scheduler/sim/simulator.py`, which documents the model:
 admission with prefill, decode chunks from event to event, KV preemption, lookahead and tail migration).
 
-    from scheduler.sim_engine import SimEngine      # built by Simulator.set_layout, one per engine of the layout
+    from scheduler.sim.sim_engine import SimEngine      # built by Simulator.set_layout, one per engine of the layout
 
 Split out of simulator.py to keep both files readable; the event loop, rounds and harvests stay there.
 Left out: everything above one engine (queues across engines, policies, rewards): the `Simulator` does them.
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any
 
 from scheduler.cost_model import EngineCostModel
 from scheduler.protocol import Request
-from scheduler.tail_migration import take_running
-
-if TYPE_CHECKING:
-    from scheduler.simulator import Simulator
+from scheduler.sim.tail_migration import take_running
 
 
-class _Seq:
+class SimSeq:
     __slots__ = ("req", "target", "gen0", "gen", "prompt", "first", "rate", "pos", "cached")
 
     def __init__(self, req: Request, target: int) -> None:
@@ -40,12 +37,14 @@ class _Seq:
 class SimEngine:
     """One continuously batched engine; state is exact at `t` and a planned chunk runs to `t_next`."""
 
-    def __init__(self, wid: int, tp: int, model: EngineCostModel, sim: Simulator) -> None:
+    def __init__(self, wid: int, tp: int, model: EngineCostModel, sim: Any) -> None:
+        # `sim` is the `Simulator` that owns this engine (its queues, clock and hooks); it imports this module,
+        # never the other way round, so the engine names it only here.
         self.wid, self.tp, self.model, self.sim = wid, tp, model, sim
         self.cap, self.max_seqs = model.kv_capacity(tp), model.max_num_seqs
         self.t = 0.0
-        self.running: list[_Seq] = []  # admission order (the last one is preempted first)
-        self.preempted: deque[_Seq] = deque()
+        self.running: list[SimSeq] = []  # admission order (the last one is preempted first)
+        self.preempted: deque[SimSeq] = deque()
         self.ctx = 0  # KV tokens held by running sequences
         self.ahead = False  # runs the next round's lookahead requests (took one while it had no round work)
         self.idle_since: float | None = None  # since when it has had nothing to run (stream training uses its GPUs)
@@ -125,7 +124,7 @@ class SimEngine:
                     # finds some (an engine that filled all its slots would leave the last ones nothing).
                     req, self.ahead = self.sim.ahead.popleft(), True
                 if req is None:
-                    # Tail migration (scheduler/tail_migration.py): run dry, take a running request of the busiest.
+                    # Tail migration (scheduler/sim/tail_migration.py): run dry, take a running request of the busiest.
                     moved = (take_running(self.sim, self) if steal and self.sim.sim.cluster.tail_migration
                              and not self.running else None)
                     if moved is None:
@@ -161,7 +160,7 @@ class SimEngine:
             self.sim.emit("worker", "idle", self.t, worker=self.wid)
         self.plan()
 
-    def abort(self, sample_id: str) -> _Seq | None:
+    def abort(self, sample_id: str) -> SimSeq | None:
         for pool in (self.running, self.preempted):
             for s in pool:
                 if s.req.sample.sample_id == sample_id:

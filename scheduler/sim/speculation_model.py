@@ -2,7 +2,7 @@
 
     sim, run = load_sim_config("configs/sim_qwen32b_128gpu.yaml")
     simulate(sim, run, "twotier+histospec")                      # a `+histospec` policy name turns it on
-    python -m scheduler.speculation_model docs/benchmarks/histospec_benchmark.json runs/tiny_cpu [RUN_DIR ...]
+    python -m scheduler.sim.speculation_model docs/benchmarks/histospec_benchmark.json runs/tiny_cpu [RUN_DIR ...]
         # refits the acceptance curve from real measurements, prints it and writes
         # docs/benchmarks/histospec_sim_calibration.json (the numbers the sim YAMLs carry)
 
@@ -53,7 +53,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from megatron_sortedrl.config import help_field
+from megatron_sortedrl.schema import help_field
 from megatron_sortedrl.errors import ConfigError, UserError
 
 SPEC_SUFFIX = "+histospec"

@@ -30,7 +30,7 @@ import random
 import zlib
 from dataclasses import dataclass
 
-from megatron_sortedrl.config import help_field
+from megatron_sortedrl.schema import help_field
 from megatron_sortedrl.errors import ConfigError
 
 

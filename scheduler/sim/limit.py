@@ -1,6 +1,6 @@
 """The physical limit of a simulator scenario: a lower bound on time per trained sample for any policy.
 
-    from scheduler.limit import physical_limit
+    from scheduler.sim.limit import physical_limit
     lim = physical_limit(sim, run)            # {"total_s", "s_per_sample", "rollout_s", "train_s", ...}
     python -m megatron_sortedrl simulate ... / benchmarks/simulate_policies.py report rows' `ratio_to_limit`
 
@@ -22,12 +22,12 @@ rollout share the GPUs, so their times add):
   mini-batches (`algorithm.ppo_mini_batch_size`) every policy makes alike: ceil(samples / mini-batch) x epochs.
 
 The **any-placement** bound (`any_placement_total_s`) is the one for the disaggregated placement (trainer GPUs of
-their own, training streamed while the engines generate, `scheduler/stream_sim.py`): generation and token
+their own, training streamed while the engines generate, `scheduler/sim/stream_sim.py`): generation and token
 training overlap, so it charges them as GPU time on all GPUs, at least the longest response, plus every update's
 `train_fixed_s` and `weight_sync_s` (the rounds stay synchronous, nothing overlaps those). It is never above
 the colocated bound and equals it when generation is throughput bound.
 
-Trajectories (`workload.turns_max` > 1, `scheduler/trajectory_sim.py`): throughput counts the decoded tokens (the
+Trajectories (`workload.turns_max` > 1, `scheduler/sim/trajectory_sim.py`): throughput counts the decoded tokens (the
 assistant turns), training every token of the trajectory (tool messages included), and the latency term is the
 longest critical path, a trajectory's turns decoded alone plus its tool latencies.
 
@@ -47,10 +47,10 @@ from typing import Any
 
 from megatron_sortedrl.config import RunConfig
 from scheduler.cost_model import EngineCostModel
-from scheduler.sim_config import SimConfig
-from scheduler.trajectory_sim import TurnLevel, draw_trajectory
-from scheduler.speculation_model import SpeculationConfig, emitted
-from scheduler.workload import make_workload
+from scheduler.sim.sim_config import SimConfig
+from scheduler.sim.trajectory_sim import TurnLevel, draw_trajectory
+from scheduler.sim.speculation_model import SpeculationConfig, emitted
+from scheduler.sim.workload import make_workload
 
 
 def _tps(model: EngineCostModel, gpus_per_node: int, gpus: int) -> list[int]:

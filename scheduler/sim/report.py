@@ -1,7 +1,7 @@
 """Figures of simulated runs: bubble ratios (from the timeline, with the telemetry functions a real run
 uses), rollout and step time, throughput, staleness and samples per update; a table and a plot.
 
-    from scheduler.report import summarize, format_table, plot
+    from scheduler.sim.report import summarize, format_table, plot
     rows = [summarize(simulate(sim, run, p)) for p in ("sync", "twotier")]
     print(format_table(rows)); plot(rows, results, "docs/benchmarks/simulation.png")
 
@@ -10,7 +10,7 @@ bubble) or slot-seconds (slot bubble), exactly as `worker_bubble_ratio(events)` 
 they are computed per step on that step's events only, which is the same number but linear in time.
 Throughput is samples trained per second of wall time over the whole run (every policy trains the same
 samples: all prompts x n x epochs). "vs sync" columns are ratios to the `sync` row of the same run; `x_best_sync`
-(scheduler/equal_footing.py) is the ratio to the better of sync at its recipe batch and sync at the default's mean
+(scheduler/sim/equal_footing.py) is the ratio to the better of sync at its recipe batch and sync at the default's mean
 harvest, at the same samples per optimizer step. `updates` are optimizer steps (mini-batches x epochs), and
 `max_staleness_steps` the largest number of optimizer steps between a trained sample's weights and its step.
 
@@ -133,7 +133,7 @@ def plot(rows: list[dict[str, Any]], results: list[Any], path: str, title: str =
     ax[0][1].bar(list(x), [r["total_s"] - b for r, b in zip(rows, bottom)], bottom=bottom, label="sync/other")
     ax[0][1].set(xticks=list(x), xticklabels=names, ylabel="seconds (same samples trained)", title="Wall time")
     ax[0][1].legend()
-    best = all("x_best_sync" in r for r in rows)  # equal footing (scheduler/equal_footing.py)
+    best = all("x_best_sync" in r for r in rows)  # equal footing (scheduler/sim/equal_footing.py)
     ax[1][0].bar(list(x), [r.get("x_best_sync" if best else "throughput_vs_sync", 0) for r in rows], color="tab:green")
     ax[1][0].axhline(1.0, color="gray", lw=0.8)
     ax[1][0].set(xticks=list(x), xticklabels=names,

@@ -1,6 +1,6 @@
 """Speed-ups at equal footing: every policy against the best `sync`, at the same samples per optimizer step.
 
-    from scheduler.equal_footing import compare
+    from scheduler.sim.equal_footing import compare
     rows, results = compare(sim, run, ["sync", "twotier", "twotier+histospec"])   # adds sync@<B>, x_best_sync
     python -m megatron_sortedrl simulate configs/sim_qwen32b_128gpu.yaml --policies sync,twotier,twotier+histospec
 
@@ -28,8 +28,8 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from scheduler.report import summarize
-from scheduler.speculation_model import split_policy
+from scheduler.sim.report import summarize
+from scheduler.sim.speculation_model import split_policy
 
 
 def mean_harvest_prompts(result: Any, n: int) -> int:
@@ -102,7 +102,7 @@ def compare(sim: Any, run: Any, policies: list[str], simulate: Callable | None =
     returns (rows with `x_best_sync` and `sim_wall_s`, the seconds each simulation took, results) in that order.
     `simulate(sim, run, policy)` gets the row's label as `policy` (a `sync@b<B>` row: its sync policy)."""
     if simulate is None:
-        from scheduler.simulator import simulate
+        from scheduler.sim.simulator import simulate
     rows, results = [], []
 
     def one(label: str, cfg: Any, policy: str) -> Any:

@@ -1,7 +1,7 @@
 """Discrete-event cluster simulator that drives the real scheduling policies.
 
     python -m megatron_sortedrl simulate configs/sim_tiny_cpu.yaml --policies sync,sorted,tail,twotier
-    from scheduler.simulator import simulate; result = simulate(sim_cfg, run_cfg, "twotier")
+    from scheduler.sim.simulator import simulate; result = simulate(sim_cfg, run_cfg, "twotier")
 
 Model (colocated, synchronous, as verl and RollPacker): each round the policy composes requests; the
 simulator builds the round's engine layout (re-layout costs `cluster.relayout_s`), queues requests per
@@ -17,31 +17,31 @@ every engine as a continuous batcher:
   keeps its tokens and re-prefills), counted as a preemption;
 - a finished sample reaches the policy `reward_latency_s` later (rewards are scored asynchronously), plus
   its heavy-tailed scoring time on `reward.workers` reward workers when that section is on
-  (`scheduler/reward_cost.py`; each round reports `reward_critical_s`);
+  (`scheduler/sim/reward_cost.py`; each round reports `reward_critical_s`);
 - at harvest the remaining requests are aborted and handed back with their tokens; the harvest is cut into
   mini-batches of `run.algorithm.ppo_mini_batch_size` samples as the driver cuts it (`megatron_sortedrl/minibatch.py`:
   whole groups, the remainder waits for the next harvest, flushed after the last round), and training takes
   `train_fixed_s + steps x optimizer_step_s + tokens x ppo_epochs / train_tokens_per_s`, then one `weight_sync_s`
   (or the layout's own step: a colocated switch around training, a disaggregated network sync;
-  `scheduler/layout_sim.py`); a harvest smaller than one mini-batch makes no step and no sync; then the next round.
+  `scheduler/sim/layout_sim.py`); a harvest smaller than one mini-batch makes no step and no sync; then the next round.
 
 Every request, phase and worker transition is written as a `megatron_sortedrl.telemetry.timeline` event,
-so the bubble ratios come from the same functions as for a real run (see `scheduler/report.py`).
+so the bubble ratios come from the same functions as for a real run (see `scheduler/sim/report.py`).
 
-HistoSpec (`<policy>+histospec`, `scheduler/speculation_model.py`): each request advances `rate` tokens
+HistoSpec (`<policy>+histospec`, `scheduler/sim/speculation_model.py`): each request advances `rate` tokens
 per engine step (expected tokens per target forward at its history's age) and a step verifies `pos`
 positions per sequence; without it both are 1 and the engine is the plain decoder above.
 
 Engines may differ in speed (`cluster.engine_slowdown`) and, round to round, by a random factor
-(`cluster.engine_jitter`, lognormal with mean 1): engines on shared cores, measured by `scheduler/calibrate.py`.
+(`cluster.engine_jitter`, lognormal with mean 1): engines on shared cores, measured by `scheduler/sim/calibrate.py`.
 
-Stream training (`cluster.stream_training`, `scheduler/stream_sim.py`): colocated, GPUs of engines with nothing
+Stream training (`cluster.stream_training`, `scheduler/sim/stream_sim.py`): colocated, GPUs of engines with nothing
 left to run train the update's finished samples before the harvest; disaggregated (`cluster.trainer_gpus`), the
 trainer's own GPUs do, from the round's start; the train phase keeps the rest.
-Tail migration (`cluster.tail_migration`, `scheduler/tail_migration.py`): an engine that ran dry takes over a
+Tail migration (`cluster.tail_migration`, `scheduler/sim/tail_migration.py`): an engine that ran dry takes over a
 running request of the busiest engine.
 
-Multi-turn trajectories (`workload.turns_max` > 1, `scheduler/trajectory_sim.py`): turns decode as above; between
+Multi-turn trajectories (`workload.turns_max` > 1, `scheduler/sim/trajectory_sim.py`): turns decode as above; between
 two turns the sample leaves its engine while its tool runs (log-normal latency per tool kind), then re-enters it
 and prefills the tool message. With one turn none of it runs.
 
@@ -65,19 +65,19 @@ from megatron_sortedrl.minibatch import MiniBatcher
 from megatron_sortedrl.sample import Sample
 from megatron_sortedrl.telemetry.timeline import Event
 from scheduler.base import PolicyBase
-from scheduler.reward_cost import RewardQueue
+from scheduler.sim.reward_cost import RewardQueue
 from scheduler.cost_model import EngineCostModel
 from scheduler.layout import make_planner
-from scheduler.layout_sim import step_phases
+from scheduler.sim.layout_sim import step_phases
 from scheduler.placement import WorkerQueues
 from scheduler.policies import make_policy
 from scheduler.protocol import Layout, ManualClock, Request, Round
-from scheduler.sim_config import SimConfig
-from scheduler.speculation_model import HistoSpecSim, split_policy
-from scheduler.sim_engine import SimEngine, _Seq  # noqa: F401  (one engine; re-exported)
-from scheduler.stream_sim import train_phase_s
-from scheduler.trajectory_sim import ToolDone, TrajectorySim, tokens_per_tool_s
-from scheduler.workload import make_workload
+from scheduler.sim.sim_config import SimConfig
+from scheduler.sim.speculation_model import HistoSpecSim, split_policy
+from scheduler.sim.sim_engine import SimEngine, SimSeq
+from scheduler.sim.stream_sim import train_phase_s
+from scheduler.sim.trajectory_sim import ToolDone, TrajectorySim, tokens_per_tool_s
+from scheduler.sim.workload import make_workload
 
 
 class SimulationError(RuntimeError):
@@ -120,7 +120,7 @@ class Simulator:
         self.preemptions = 0
         self.migrations = 0  # running requests moved to an engine that ran dry (cluster.tail_migration)
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
-        self.by_prompt: dict[str, dict[str, _Seq]] = {}  # prompt id -> its submitted, unfinished requests
+        self.by_prompt: dict[str, dict[str, SimSeq]] = {}  # prompt id -> its submitted, unfinished requests
         self.rerate: set[str] = set()  # prompts whose running requests draft from a newer sibling (HistoSpec)
         self.rewards = RewardQueue(sim.reward, sim.cluster.reward_latency_s)  # reward workers and cost per sample
         self.traj: TrajectorySim | None = None  # multi-turn trajectories (set by `simulate`; None: single-turn)
@@ -139,7 +139,7 @@ class Simulator:
             return model.decode_step_s(tp, batch, context)
         return self.spec.step_s(model, tp, batch, positions, context)
 
-    def start(self, engine: SimEngine, req: Request) -> _Seq:
+    def start(self, engine: SimEngine, req: Request) -> SimSeq:
         s = req.sample
         sid = s.sample_id
         if s.response_length == 0 or sid not in self.targets:  # a fresh attempt draws a new length
@@ -149,7 +149,7 @@ class Simulator:
                                  self.workload.length(s.prompt_id, s.epoch, s.index, attempt))
         end = self.traj.turn_end(s) if self.traj else self.targets[sid]  # a trajectory decodes turn by turn
         target = min(end, s.response_length + req.max_tokens)
-        seq = _Seq(req, max(target, s.response_length + 1))
+        seq = SimSeq(req, max(target, s.response_length + 1))
         if self.spec is not None:
             seq.rate, seq.pos = self.spec.rate(s.prompt_id, sid, self.attempts[sid], self.policy.version)
             self.by_prompt.setdefault(s.prompt_id, {})[sid] = seq
@@ -159,17 +159,17 @@ class Simulator:
         self.emit("request", "submit", engine.t, worker=engine.wid, sample_id=sid, tokens=s.response_length)
         return seq
 
-    def _commit(self, seq: _Seq, version: int) -> Sample:
+    def commit(self, seq: SimSeq, version: int) -> Sample:
         s = seq.req.sample
         k = min(int(seq.gen + 1e-6), seq.target) - s.response_length
         if k > 0:  # the simulator's tokens are placeholders; lengths and versions are what matter
             s.append([0] * k, [0.0] * k, version)
         return s
 
-    def finished(self, engine: SimEngine, seq: _Seq) -> None:
+    def finished(self, engine: SimEngine, seq: SimSeq) -> None:
         if self.traj is not None and self.traj.turn_ended(engine, seq):
             return  # a turn ended and a tool call follows: the sample waits off the engine
-        s = self._commit(seq, self.policy.version)
+        s = self.commit(seq, self.policy.version)
         s.finish_reason = "length" if s.response_length >= self.run.rollout.max_response_length else "stop"
         if hasattr(self.workload, "reward"):  # a workload without a pass-rate process leaves rewards unset
             s.reward = self.workload.reward(s.prompt_id, s.epoch, s.index)
@@ -286,7 +286,7 @@ class Simulator:
                 if sid in wanted:
                     wanted.discard(sid)
                     self.where.pop(sid, None)
-                    s = self._commit(seq, self.policy.version)
+                    s = self.commit(seq, self.policy.version)
                     self.emit("request", "abort", max(e.t, t_end), worker=e.wid, sample_id=sid, tokens=s.response_length)
                     if self.traj:
                         self.traj.aborted(s, t_end)
@@ -343,7 +343,7 @@ class Simulator:
         ages = mb.staleness(batches)
         trained = sum(len(s.prompt_tokens) + s.response_length for b in batches for s in b)
         cap = None if steps == 1 else sum(len(s.prompt_tokens) + s.response_length for s in batches[0])
-        # Stream training and the trainer's placement (scheduler/stream_sim.py): what is left after the harvest.
+        # Stream training and the trainer's placement (scheduler/sim/stream_sim.py): what is left after the harvest.
         train_s, streamed = train_phase_s(self, batch, t0, t_end, trained, steps, mb.epochs, cap)
         step_phases(self, train_s)  # train and sync, or a colocated switch around train (layout_sim.py)
         mb.stepped(steps)
@@ -357,7 +357,7 @@ class Simulator:
                 engine.advance_to(self.clock.t, finish_step=True)
             seq = engine.abort(sample_id)
             if seq is not None:
-                s = self._commit(seq, self.policy.version)
+                s = self.commit(seq, self.policy.version)
                 self.emit("request", "abort", max(engine.t, self.clock.t), worker=engine.wid, sample_id=sample_id,
                           tokens=s.response_length)
                 if self.traj:

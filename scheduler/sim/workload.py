@@ -1,7 +1,7 @@
 """Response-length workloads for the simulator: synthetic heavy tails with per-prompt persistence, or
 replay of a recorded run.
 
-    from scheduler.workload import make_workload
+    from scheduler.sim.workload import make_workload
     w = make_workload(sim.workload, max_response_length=32768)
     w.length("p17", epoch=1, index=3, attempt=0)      # -> tokens this sample generates before EOS
 
@@ -17,7 +17,7 @@ coordinates, so all policies see the same lengths. The median-to-max ratio of re
 1:25 to 1:32 at 16k-32k) corresponds to median ~ max/32 with sigma around 1.2.
 
 Replay: a run timeline (`finish` events, sample ids "<prompt>/e<epoch>/<index>") or a JSON file
-{prompt_id: {epoch: [lengths]}} (checked against `LENGTHS_SCHEMA` when the scenario loads: a wrong structure is
+{prompt_id: {epoch: [lengths]}} (read by `replay_lengths.load_lengths` and checked when the scenario loads: a wrong structure is
 one line with the file and the JSON path); a regenerated sample takes the next recorded length of that prompt.
 
 Rewards (`reward`, every workload): a per-prompt pass-rate process that persists across epochs and drifts as
@@ -28,7 +28,7 @@ band. The shares move linearly from `*_start` to `*_end` over the epochs (more p
 between), so with n = 16 about 30% of groups are informative early and 20% late. A sample's reward is a
 seeded Bernoulli draw of its prompt's rate, the same for every policy.
 
-Multi-turn trajectories (`workload.turns_max` > 1) are drawn by `scheduler/trajectory_sim.py`; each turn's tokens
+Multi-turn trajectories (`workload.turns_max` > 1) are drawn by `scheduler/sim/trajectory_sim.py`; each turn's tokens
 come from `turn_length`, the model above with a per-turn eps (the prompt's level is shared by its turns).
 
 Left out: correlation between length and reward, and length drift over training.
@@ -36,14 +36,11 @@ Left out: correlation between length and reward, and length drift over training.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import re
-from pathlib import Path
 
-from megatron_sortedrl.errors import UserError
-from scheduler.sim_config import WorkloadConfig
+from scheduler.sim.replay_lengths import load_lengths
+from scheduler.sim.sim_config import WorkloadConfig
 
 
 class PassRates:
@@ -139,41 +136,5 @@ class ReplayWorkload:
 
 
 # A lengths file: {prompt_id: {epoch: [response lengths in tokens]}}, epochs written as JSON keys ("0", "1").
-LENGTHS_SCHEMA = {"type": "object", "minProperties": 1, "additionalProperties": {
-    "type": "object", "minProperties": 1, "propertyNames": {"pattern": "^[0-9]+$"},
-    "additionalProperties": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}}
-
-
-def load_lengths(path: str) -> dict[str, dict[int, list[int]]]:
-    """{prompt_id: {epoch: [lengths]}} from a lengths JSON or a timeline's request finish events."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"workload.replay_path: {path} does not exist")
-    if p.suffix == ".json":
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import best_match
-
-        try:
-            raw = json.loads(p.read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"workload.replay_path: {path} is not JSON ({exc})") from None
-        problem = best_match(Draft202012Validator(LENGTHS_SCHEMA).iter_errors(raw))
-        if problem is not None:
-            raise UserError(f"workload.replay_path: {path} at {problem.json_path}: {problem.message[:160]}; expected "
-                            '{prompt_id: {epoch: [lengths]}}, e.g. {"p0": {"0": [120, 87]}}')
-        return {pid: {int(e): [int(x) for x in v] for e, v in per.items()} for pid, per in raw.items()}
-    from megatron_sortedrl.telemetry.timeline import read_timeline
-
-    table: dict[str, dict[int, list[int]]] = {}
-    for e in read_timeline(p):
-        if e.kind == "request" and e.event == "finish" and e.sample_id and e.tokens is not None:
-            m = re.fullmatch(r"(.+)/e(\d+)/(\d+)", e.sample_id)
-            pid, epoch = (m.group(1), int(m.group(2))) if m else (e.sample_id.rsplit("/", 1)[0], 0)
-            table.setdefault(pid, {}).setdefault(epoch, []).append(e.tokens)
-    if not table:
-        raise UserError(f"workload.replay_path: {path} holds no request finish events with tokens")
-    return table
-
-
 def make_workload(cfg: WorkloadConfig, max_response_length: int) -> SyntheticWorkload | ReplayWorkload:
     return (SyntheticWorkload if cfg.kind == "synthetic" else ReplayWorkload)(cfg, max_response_length)
