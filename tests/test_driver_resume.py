@@ -46,7 +46,9 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
 MINI_BATCH = 12  # three prompt groups: harvests of two leave remainders that wait (and cross the stops)
 
 
-@pytest.mark.parametrize("layout", ["disaggregated", "minibatches", pytest.param("colocated", marks=pytest.mark.slow)])
+# minibatches: about 3 minutes, run with -m slow (the remainder's checkpoint state is also checked in tests/test_minibatch.py)
+@pytest.mark.parametrize("layout", ["disaggregated", pytest.param("minibatches", marks=pytest.mark.slow),
+                                    pytest.param("colocated", marks=pytest.mark.slow)])
 def test_sigusr1_then_sigkill_then_resume_trains_every_prompt_once(tiny_model_dir, tmp_path, layout):
     run_dir = tmp_path / "run"
     # colocated: the same invariants with engines that sleep and a trainer whose state leaves for every round;
