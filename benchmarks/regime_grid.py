@@ -49,9 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scheduler.sim.equal_footing import compare  # noqa: E402
-from scheduler.sim.speculation_model import split_policy  # noqa: E402
 from scheduler.sim.sim_config import load_sim_config  # noqa: E402
-from scheduler.sim.simulator import simulate  # noqa: E402
 
 POLICIES = ("sync", "sorted", "tail", "twotier")
 BASELINES = ("sync", "sorted", "tail", "sync_at_harvest")
@@ -152,22 +150,16 @@ def run_regime(name: str, path: str, overrides: list[str]) -> list[dict]:
     """Every policy at the scenario's mini-batch (equal optimizer steps), then sync at twotier's mean harvest
     (`sync_at_harvest`, a baseline since every policy trains the same mini-batches; scheduler/sim/equal_footing.py)."""
     sim, run = load_sim_config(ROOT / path, overrides)
-    t_start: dict[str, float] = {}
 
-    def timed(sim_, run_, policy):
-        t_start[policy] = time.time()
-        return simulate(sim_, run_, policy)
-
-    def measured(label, result, row):
+    def measured(label, result, row):  # (compare() records each row's sim_wall_s)
         row["waste_ratio"] = row["wasted_tokens"] / max(1, sum(sum(r["response_lengths"]) for r in result.rounds))
-        row["sim_wall_s"] = round(time.time() - t_start[split_policy(label.partition("@")[0])[0]], 1)
         decisions = [d for d in result.policy_stats.get("decisions", [])]
         if decisions:
             row["decisions"] = {"rounds": len(decisions), "first": decisions[0], "last": decisions[-1],
                                 "max_carried": max(d.get("carried", 0) for d in decisions),
                                 "mean_trained_prompts": sum(d.get("trained", 0) for d in decisions) / len(decisions)}
 
-    rows, _ = compare(sim, run, list(POLICIES), timed, measured)
+    rows, _ = compare(sim, run, list(POLICIES), on_result=measured)
     for r in rows:
         if r["policy"].startswith("sync@b"):  # one stable name across regimes; the batch is kept beside it
             r["rollout_batch_size"] = int(r["policy"].removeprefix("sync@b"))

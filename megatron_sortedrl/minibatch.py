@@ -33,16 +33,18 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from megatron_sortedrl.sample import Sample
+from scheduler.base import prompt_key
 
 
-def group_key(s: Sample) -> tuple[str, int]:
-    """A prompt group: the n samples of one prompt in one epoch (what group-baseline advantages average over)."""
-    return s.prompt_id, s.epoch
+def group_key(s: Sample) -> str:
+    """A prompt group: the n samples of one prompt in one epoch (what group-baseline advantages average over),
+    keyed as the scheduler keys it."""
+    return prompt_key(s.prompt_id, s.epoch)
 
 
 def groups_in_order(samples: Sequence[Sample]) -> list[list[Sample]]:
     """The samples grouped by prompt group, groups in order of their first sample, samples in order."""
-    out: dict[tuple[str, int], list[Sample]] = {}
+    out: dict[str, list[Sample]] = {}
     for s in samples:
         out.setdefault(group_key(s), []).append(s)
     return list(out.values())

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from megatron_sortedrl.errors import UserError
@@ -75,14 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print(describe(cal, run_dir))
     from scheduler.sim.equal_footing import compare
 
-    def timed(sim_, cfg, name):
-        t0 = time.time()
-        result = simulate(sim_, cfg, name)
-        result.policy_stats["sim_wall_s"] = time.time() - t0
-        return result
-
-    def written(name, result, row):
-        row["sim_wall_s"] = result.policy_stats.get("sim_wall_s", 0.0)
+    def written(name, result, row):  # (compare() records each row's sim_wall_s)
         if args.timelines:
             from megatron_sortedrl.telemetry.timeline import TimelineWriter
 
@@ -91,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                 for e in result.events:
                     w.write(e)
 
-    rows, results = compare(sim, run_cfg, names, timed, written)  # + sync@<default's harvest>, x_best_sync
+    rows, results = compare(sim, run_cfg, names, simulate, written)  # + sync@<default's harvest>, x_best_sync
     add_ratios(rows)
     from scheduler.sim.limit import add_limit, physical_limit
 

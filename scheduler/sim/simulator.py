@@ -116,7 +116,6 @@ class Simulator:
         self.attempts: dict[str, int] = {}
         self.where: dict[str, SimEngine] = {}
         self.step = 0
-        self.optimizer_steps = 0
         self.preemptions = 0
         self.migrations = 0  # running requests moved to an engine that ran dry (cluster.tail_migration)
         self.spec: HistoSpecSim | None = None  # set by `simulate` for `+histospec` variants
@@ -347,7 +346,6 @@ class Simulator:
         train_s, streamed = train_phase_s(self, batch, t0, t_end, trained, steps, mb.epochs, cap)
         step_phases(self, train_s)  # train and sync, or a colocated switch around train (layout_sim.py)
         mb.stepped(steps)
-        self.optimizer_steps += steps
         return steps, ages, streamed
 
     def abort(self, sample_id: str, mid_round: bool = True) -> None:
@@ -388,7 +386,7 @@ class Simulator:
         if self.minibatch.pending:  # the data's last samples that did not fill a mini-batch train now
             self.step += 1
             self.train_update([], self.clock.t, self.clock.t, flush=True)
-        result.optimizer_steps = self.optimizer_steps
+        result.optimizer_steps = self.minibatch.steps
         result.total_s = self.clock.t
         result.policy_stats = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.policy.stats.items()}
         result.staleness = dict(self.policy.stats["staleness"])
