@@ -179,6 +179,7 @@ class Session:
         driver's hook); `replay` adds sync's packed replay (the `ceiling` block)."""
         import random
 
+        from megatron_sortedrl.minibatch import MiniBatcher
         from megatron_sortedrl.trainer.stream import DriverStream
         from scheduler.layout import make_planner
         from scheduler.policies import make_policy
@@ -207,6 +208,8 @@ class Session:
                                max_response_length=cfg.rollout.max_response_length, planner=planner, seed=cfg.seed,
                                sample_factory=d.new_sample, num_epochs=cfg.data.num_epochs or None)
         d.stream = DriverStream(d.trainer, d.policy) if cfg.trainer.stream else None  # as Driver.__init__ does
+        # this run's mini-batch size and a fresh step count (the driver's own was built for the session's config)
+        d.minibatch = MiniBatcher(cfg.algorithm.ppo_mini_batch_size, cfg.algorithm.ppo_epochs)
         d.history = HistoryStore(max_prompts=cfg.speculative.history_max_prompts,
                                  max_responses_per_prompt=cfg.speculative.history_max_responses)
         d._shipped = 0
