@@ -206,10 +206,12 @@ def test_clip_binds_only_after_the_first_step_on_a_harvest(trained):
     assert ep["clip_frac"] == pytest.approx(ep["clip_frac_high"] + ep["clip_frac_low"], abs=1e-6)
 
 
-@pytest.mark.slow  # two DP=2 trainer groups: about 2 minutes on 2 cores
-def test_minibatch_steps_at_dp2_equal_sequential_steps(tiny_model_dir, local_ray):
-    """Data parallelism (two gloo ranks through Ray, as the driver runs them): the group's old log-probs, gathered
-    from both replicas, and its steps give the same parameters as sequential steps with those log-probs."""
+@pytest.mark.slow  # two trainer groups of two ranks each: about 2 minutes per layout on 2 cores
+@pytest.mark.parametrize("layout", ["data_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"])
+def test_minibatch_steps_at_two_ranks_equal_sequential_steps(tiny_model_dir, local_ray, layout):
+    """Two gloo ranks through Ray, as the driver runs them, at DP=2, TP=2 and PP=2: the group's old log-probs
+    (gathered from both replicas at DP, from the last stage at PP) and its mini-batch steps give the same
+    parameters as sequential steps with those log-probs."""
     from helpers import random_rl_samples
 
     from megatron_sortedrl.config import RunConfig
@@ -218,7 +220,7 @@ def test_minibatch_steps_at_dp2_equal_sequential_steps(tiny_model_dir, local_ray
     cfg = RunConfig()
     cfg.model.path = str(tiny_model_dir)
     cfg.cluster.device = "cpu"
-    cfg.parallel.data_parallel_size = 2
+    setattr(cfg.parallel, layout, 2)
     cfg.trainer.micro_batch_tokens = 48
     cfg.trainer.lr = 3e-2
     samples = random_rl_samples(12, seed=4)
