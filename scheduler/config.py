@@ -51,6 +51,16 @@ class SchedulerConfig:
     layout_cost_model: str = field(
         default="", metadata={"help": "cost_model in `train`: a simulator YAML whose engine: section models the run's engines."}
     )
+    staleness_bound: int = field(
+        default=2, metadata={"help": "Asynchronous rows of `simulate` (`async`, `async-fifo`; scheduler/asynchronous.py): "
+                                     "the most optimizer steps between a trained sample's weights and its step; prompts "
+                                     "are admitted only within it, nothing is discarded. `train` does not run "
+                                     "asynchronously yet.", "min": 0}
+    )
+    weight_update_interval: int = field(
+        default=1, metadata={"help": "Asynchronous rows: optimizer steps between in-flight weight pushes to the engines.",
+                             "min": 1}
+    )
     lookahead: bool = field(
         default=False,
         metadata={"help": "twotier (other policies ignore it), partial mode: an engine that has run out of the round's "

@@ -30,7 +30,9 @@ log-probs and version spans; the engine continues it (prompt + response as the n
 Within a round the driver keeps at most the engine's batch in flight per worker and queues the rest
 itself (`scheduler.placement.WorkerQueues`), so queued requests can still move between workers.
 
-Left out: asynchronous (off-policy, overlapping) rollout and training; a round ends at its harvest.
+Left out: asynchronous (overlapping) rollout and training in this protocol; a round ends at its harvest. The
+asynchronous controller (`scheduler/asynchronous.py`) is a protocol of its own: admission under a staleness bound
+and earliest-deadline-first mini-batches, run today by the simulator (`scheduler/sim/async_sim.py`).
 """
 
 from __future__ import annotations

@@ -50,14 +50,15 @@ def run(args: argparse.Namespace) -> int:
     from scheduler.policies import POLICIES
     from scheduler.sim.report import add_ratios, format_table, plot
     from scheduler.sim.sim_config import load_sim_config
-    from scheduler.sim.simulator import simulate
+    from scheduler.sim.async_sim import ASYNC_POLICIES, parse_label, simulate_any as simulate
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     from scheduler.sim.speculation_model import split_policy
 
-    bad = [p for p in names if split_policy(p)[0] not in POLICIES]
+    bad = [p for p in names if split_policy(p)[0] not in POLICIES and parse_label(p) is None]
     if bad or not names:
-        raise UserError(f"--policies: unknown {bad or 'empty list'}; choose from {', '.join(POLICIES)} "
+        raise UserError(f"--policies: unknown {bad or 'empty list'}; choose from {', '.join(POLICIES)} or the "
+                        f"asynchronous {', '.join(ASYNC_POLICIES)}[@t<trainer GPUs>s<bound>k<steps per push>] "
                         "(each optionally with +histospec)")
     sim, run_cfg = load_sim_config(args.config, args.overrides)
     out = Path(args.out)

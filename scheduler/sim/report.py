@@ -59,7 +59,7 @@ def summarize(result: Any) -> dict[str, Any]:
         for k, v in row.items():
             phases[k] += v
     stale = result.staleness
-    return {
+    row = {
         "policy": result.policy,
         **bubble_ratios(result.events, result.max_num_seqs),
         "rounds": len(rounds),
@@ -82,6 +82,13 @@ def summarize(result: Any) -> dict[str, Any]:
         "wasted_tokens": result.policy_stats.get("wasted_tokens", 0),
         "tokens_trained": sum(r["tokens"] for r in rounds),
     }
+    fig = result.policy_stats.get("async")  # an asynchronous run (scheduler/sim/async_sim.py): its own figures
+    if fig:
+        row.update(placement="async", worker_bubble=fig["worker_bubble"], pause_share=fig["pause_share"],
+                   trainer_idle_share=fig["trainer_idle_share"], trainer_gpus=fig["trainer_gpus"], bound=fig["bound"],
+                   discarded=fig["discarded"], length_bias_max=fig["length_bias_max"],
+                   harvests=-(-result.optimizer_steps // max(1, fig["steps_per_push"])))
+    return row
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

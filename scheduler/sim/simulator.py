@@ -45,8 +45,8 @@ Multi-turn trajectories (`workload.turns_max` > 1, `scheduler/sim/trajectory_sim
 two turns the sample leaves its engine while its tool runs (log-normal latency per tool kind), then re-enters it
 and prefills the tool message. With one turn none of it runs.
 
-Left out: asynchronous RL (overlapping rollout and training across updates), stragglers and failures, and
-network contention during weight sync.
+Left out: asynchronous RL (overlapping rollout and training across updates: `scheduler/sim/async_sim.py` runs it,
+on this module's engines), stragglers and failures, and network contention during weight sync.
 """
 
 from __future__ import annotations
@@ -209,6 +209,20 @@ class Simulator:
             for engine in touched.values():
                 engine.plan()
 
+    def next_item(self) -> Any:
+        """Pops the next event. An engine's chunk end runs here (None is returned); anything else moves the clock to
+        its time and is returned (a finished sample whose reward is in, a tool call's end, a caller's own event)."""
+        t, _, item = heapq.heappop(self.heap)
+        if isinstance(item, tuple):
+            engine, token = item
+            if token == engine.token:
+                self.clock.t = max(self.clock.t, t)
+                engine.on_event()
+                self.rerate_siblings()
+            return None
+        self.clock.t = max(self.clock.t, t)
+        return item
+
     # layout -----------------------------------------------------------------------------------------------
     def set_layout(self, layout: Layout) -> None:
         if layout != self.layout:
@@ -252,15 +266,9 @@ class Simulator:
         while (h := self.policy.harvest(self.clock)) is None:
             if not self.heap:
                 raise SimulationError(f"{self.policy.name}: round {rnd.index} waits for samples but none is running")
-            t, _, item = heapq.heappop(self.heap)
-            if isinstance(item, tuple):
-                engine, token = item
-                if token == engine.token:
-                    self.clock.t = max(self.clock.t, t)
-                    engine.on_event()
-                    self.rerate_siblings()
+            item = self.next_item()
+            if item is None:
                 continue
-            self.clock.t = max(self.clock.t, t)
             if isinstance(item, ToolDone):
                 self.traj.on_tool_done(item)  # type: ignore[union-attr]
                 self.rerate_siblings()

@@ -1,0 +1,206 @@
+"""Asynchronous RL under a staleness bound: admission control and oldest-first mini-batches (pure logic).
+
+    ctl = AsyncController(prompt_ids, n=16, mini_batch=512, bound=2, num_epochs=3, history=LengthHistory())
+    for group in ctl.admit(version=v):  ...submit the group's n samples...      # never more than the bound allows
+    ctl.on_finished(sample)                                                     # scored, back from an engine
+    batch = ctl.next_minibatch()       # None: wait (a due group is still generating, or too few are done)
+    ctl.stepped(batch)                 # after its optimizer step(s); ctl.synced(version) after a weight push
+    python -m megatron_sortedrl simulate configs/sim_qwen32b_128gpu.yaml --policies sync,async,async+histospec
+
+Engines keep generating while the trainer trains; new weights reach them in flight (the simulator,
+`scheduler/sim/async_sim.py`, pauses them between decode steps; running requests keep their tokens and their
+version spans grow). What keeps it correct is here, as a controller both the simulator and a driver can run:
+
+- **Staleness in optimizer steps** (as `megatron_sortedrl/minibatch.py` counts it): a group admitted while the
+  engines hold the weights after `s` optimizer steps has every token sampled by weights at least that new, so
+  training it at step `j` makes it `j - s` steps stale. Its **deadline** is `s + bound`: it must be in a
+  mini-batch that starts at most `bound` steps after its weights.
+- **Admission control, never discard.** A group is admitted only if every deadline can still be met: with
+  `D_j` the untrained samples due by step `j` and `c` the steps made, `D_j <= (j - c + 1) x mini_batch` for every
+  `j` (each step trains one mini-batch). A finished sample is never dropped for staleness: `discarded` stays 0.
+- **Earliest deadline first.** A mini-batch takes the groups due now (all must be complete, else the trainer
+  waits), then complete groups in deadline order (= admission order), whole groups only, until it holds
+  `mini_batch` samples; it then checks that the groups it leaves behind can still meet their deadlines (the
+  same inequality one step on), else it waits. EDF is optimal for this check, so the trainer waits only when a
+  deadline forces it. Harvests therefore train oldest first, and what is trained follows what was admitted.
+- **Length awareness** (`length_aware`, the default policy's): the per-prompt history (scheduler/history.py)
+  decides admission order. Within each epoch the prompts it knows are admitted longest predicted first, the
+  unseen ones after them in data order. A long group pins the trainer to at most `bound` steps while it
+  generates; admitted together at the start of the epoch the long groups cost that once per epoch instead of
+  once per mini-batch (RollPacker's tail batching, inside the bound), and their generation overlaps the short
+  groups' training. An epoch's prompts are all admitted before the next epoch's, so what is trained per epoch is
+  the data's distribution of lengths (the simulator reports it). Placement by predicted length is the caller's
+  (`scheduler.placement.place`).
+
+Plain Python on `Sample` records; the clock is the caller's.
+Left out: the real driver's asynchronous loop (the simulator runs this controller today); partial groups
+(a group is admitted and trained whole, so group-baseline advantages see all n samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from megatron_sortedrl.sample import Sample
+from scheduler.base import DataCursor, prompt_key
+from scheduler.history import LengthHistory
+
+
+@dataclass
+class Group:
+    """One prompt instance (prompt, epoch) in flight: its n samples, its weights' step and its deadline."""
+
+    prompt_id: str
+    epoch: int
+    samples: list[Sample]
+    admit_step: int  # optimizer steps behind the weights the engines held when it was admitted
+    deadline: int  # the last optimizer step index (steps made before it) that may train it
+    order: int  # admission order (ties in deadline keep it)
+    finished: set[str] = field(default_factory=set)
+
+    @property
+    def key(self) -> str:
+        return prompt_key(self.prompt_id, self.epoch)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) == len(self.samples)
+
+
+class AsyncController:
+    """Admission and oldest-first (earliest-deadline-first) mini-batches under a staleness bound in steps."""
+
+    def __init__(self, prompt_ids: Sequence[str], *, n: int, mini_batch: int, bound: int, num_epochs: int | None,
+                 seed: int = 0, history: LengthHistory | None = None, length_aware: bool = True,
+                 factory: Callable[[str, int, int], Sample] | None = None) -> None:
+        if bound < 0:
+            raise ValueError(f"bound must be >= 0 optimizer steps (got {bound})")
+        if mini_batch <= 0 or mini_batch % n:
+            raise ValueError(f"mini_batch must be a positive multiple of n={n} (got {mini_batch})")
+        self.n, self.m, self.bound = n, mini_batch, bound
+        self.cursor = DataCursor(prompt_ids, num_epochs, seed)
+        self.epoch_size = len(prompt_ids)
+        self.history = history if history is not None else LengthHistory()  # (an empty one is falsy)
+        self.length_aware = length_aware
+        self.factory = factory or (lambda pid, epoch, idx: Sample(prompt_id=pid, index=idx, epoch=epoch))
+        self.steps = 0  # optimizer steps made
+        self.engine_step = 0  # optimizer steps behind the weights the engines hold now
+        self.step_at_version: dict[int, int] = {0: 0}
+        self.groups: list[Group] = []  # admitted, untrained, in admission order
+        self.by_sample: dict[str, Group] = {}
+        self.next_up: list[tuple[str, int]] = []  # this epoch's prompts not yet admitted, in admission order
+        self.admitted = self.trained = self.discarded = 0
+        self._order = 0
+        self.ages: list[int] = []  # staleness in steps of every trained sample, at its step
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def synced(self, version: int) -> None:
+        """The engines now hold `version`, the weights after `self.steps` optimizer steps."""
+        self.step_at_version[version] = self.steps
+        self.engine_step = self.steps
+
+    # -- admission --------------------------------------------------------------------------------------------
+    def feasible(self, groups: Sequence[Group], start: int, extra: tuple[int, int] | None = None) -> bool:
+        """Can `groups` (untrained, plus `extra` = (deadline, samples)) all meet their deadlines from step `start`
+        on, one mini-batch a step? `D_j <= (j - start + 1) x mini_batch` for every deadline j."""
+        due: dict[int, int] = {}
+        for g in groups:
+            due[g.deadline] = due.get(g.deadline, 0) + len(g.samples)
+        if extra is not None:
+            due[extra[0]] = due.get(extra[0], 0) + extra[1]
+        total = 0
+        for j in sorted(due):
+            total += due[j]
+            if j < start or total > (j - start + 1) * self.m:
+                return False
+        return True
+
+    def _candidates(self) -> list[tuple[str, int]]:
+        """Prompts not yet admitted, in the order they will be: one epoch at a time; with `length_aware` the
+        prompts the history knows go longest predicted first, unseen ones after them in data order."""
+        if not self.next_up and not self.cursor.exhausted:
+            epoch = self.cursor.epoch
+            self.next_up = [p for p in self.cursor.take(self.epoch_size) if p[1] == epoch]
+            if self.length_aware:
+                known = [p for p in self.next_up if self.history.known(p[0])]
+                known.sort(key=lambda p: -self.history.predict(p[0]))  # stable: ties keep data order
+                self.next_up = known + [p for p in self.next_up if not self.history.known(p[0])]
+        return self.next_up
+
+    def admit(self) -> list[Group]:
+        """Groups to start now (their samples fresh), as many as the bound allows, in admission order."""
+        out: list[Group] = []
+        deadline = self.engine_step + self.bound
+        while True:
+            cands = self._candidates()
+            if not cands:
+                break
+            pid, epoch = cands[0]
+            if deadline < self.steps or not self.feasible(self.groups, self.steps, (deadline, self.n)):
+                break
+            self.next_up.pop(0)
+            g = Group(pid, epoch, [self.factory(pid, epoch, i) for i in range(self.n)], self.engine_step, deadline,
+                      self._order)
+            self._order += 1
+            self.groups.append(g)
+            for s in g.samples:
+                self.by_sample[s.sample_id] = g
+            self.admitted += self.n
+            out.append(g)
+        return out
+
+    @property
+    def exhausted(self) -> bool:
+        """Every prompt of every epoch admitted."""
+        return self.cursor.exhausted and not self.next_up
+
+    @property
+    def done(self) -> bool:
+        return self.exhausted and not self.groups
+
+    # -- samples ---------------------------------------------------------------------------------------------
+    def on_finished(self, sample: Sample) -> None:
+        g = self.by_sample.get(sample.sample_id)
+        if g is not None:
+            g.finished.add(sample.sample_id)
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def next_minibatch(self) -> list[Sample] | None:
+        """The next mini-batch (whole groups, earliest deadline first), or None when the trainer must wait. At the
+        end of the data the last groups train even when they hold fewer than `mini_batch` samples."""
+        if not self.groups:
+            return None
+        pick: list[Group] = []
+        taken = 0
+        for g in sorted(self.groups, key=lambda g: (g.deadline, g.order)):
+            if g.deadline <= self.steps and not g.complete:
+                return None  # due now and still generating: the trainer waits for it
+            if taken >= self.m:
+                break
+            if g.complete:
+                pick.append(g)
+                taken += len(g.samples)
+        if not pick or (taken < self.m and not self.exhausted) or (taken < self.m and any(
+                not g.complete for g in self.groups)):
+            return None
+        left = [g for g in self.groups if g not in pick]
+        if not self.feasible(left, self.steps + 1):
+            return None  # training these now would leave a deadline unmet: wait for an earlier group
+        return [s for g in pick for s in g.samples]
+
+    def stepped(self, batch: Sequence[Sample], steps: int = 1) -> list[int]:
+        """`batch` (from `next_minibatch`) was trained in `steps` optimizer steps; returns each sample's staleness
+        in steps (steps made before it minus the step behind its oldest token's weights)."""
+        ages = []
+        keys = set()
+        for s in batch:
+            g = self.by_sample.pop(s.sample_id)
+            keys.add(id(g))
+            v = s.oldest_version
+            ages.append(max(0, self.steps - self.step_at_version.get(v, g.admit_step)) if v >= 0 else 0)
+        self.groups = [g for g in self.groups if id(g) not in keys]
+        self.trained += len(batch)
+        self.steps += steps
+        self.ages.extend(ages)
+        return ages
