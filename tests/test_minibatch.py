@@ -207,11 +207,13 @@ def test_clip_binds_only_after_the_first_step_on_a_harvest(trained):
 
 
 @pytest.mark.slow  # two trainer groups of two ranks each: about 2 minutes per layout on 2 cores
-@pytest.mark.parametrize("layout", ["data_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"])
-def test_minibatch_steps_at_two_ranks_equal_sequential_steps(tiny_model_dir, local_ray, layout):
-    """Two gloo ranks through Ray, as the driver runs them, at DP=2, TP=2 and PP=2: the group's old log-probs
-    (gathered from both replicas at DP, from the last stage at PP) and its mini-batch steps give the same
-    parameters as sequential steps with those log-probs."""
+@pytest.mark.parametrize("layout", ["data_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                    "expert_model_parallel_size"])
+def test_minibatch_steps_at_two_ranks_equal_sequential_steps(tiny_model_dir, local_ray, layout, tmp_path):
+    """Two gloo ranks through Ray, as the driver runs them, at DP=2, TP=2, PP=2 and EP=2 (DP=2 with the experts
+    of a tiny Qwen3-MoE split over the two ranks): the group's old log-probs (gathered from both replicas at DP,
+    from the last stage at PP) and its mini-batch steps give the same parameters as sequential steps with those
+    log-probs."""
     from helpers import random_rl_samples
 
     from megatron_sortedrl.config import RunConfig
@@ -221,6 +223,12 @@ def test_minibatch_steps_at_two_ranks_equal_sequential_steps(tiny_model_dir, loc
     cfg.model.path = str(tiny_model_dir)
     cfg.cluster.device = "cpu"
     setattr(cfg.parallel, layout, 2)
+    if layout == "expert_model_parallel_size":
+        from megatron_sortedrl.tiny_model import build_tiny_qwen3
+
+        cfg.model.path = str(build_tiny_qwen3(tmp_path / "moe", moe=True, seed=3, num_experts=4,
+                                              num_hidden_layers=2, num_experts_per_tok=2))
+        cfg.parallel.data_parallel_size = 2
     cfg.trainer.micro_batch_tokens = 48
     cfg.trainer.lr = 3e-2
     samples = random_rl_samples(12, seed=4)
