@@ -12,7 +12,9 @@ Rows, every one at the scenario's mini-batch (`algorithm.ppo_mini_batch_size`, t
 - the asynchronous rows (`scheduler/sim/async_sim.py`), disaggregated at each `--splits` (trainer GPUs; the engines
   get the rest, so every row uses the same GPUs in all) and each `--bounds` (staleness bound in optimizer steps),
   with and without HistoSpec: `async` admits by the history (longest predicted first within each epoch),
-  `async-fifo` in data order (as verl's fully-async and AReaL admit), both under the same admission control.
+  `async-fifo` in data order (as verl's fully-async and AReaL admit), both under the same admission control;
+  `async-partial` counts the bound from each group's completion and caps only the samples in flight (what
+  partial-rollout systems keep): a comparison, its `max_staleness_steps` says how old its oldest tokens got.
 
 Per row (JSON `rows`): `samples_per_s`, `x_best_sync` (over the better plain sync), `x_best_sync_histospec` (over the
 better sync+histospec), `ratio_to_limit` (asynchronous rows: over the overlapped bound at their split,
@@ -61,6 +63,7 @@ def async_labels(splits: list[int], bounds: list[int], fifo: bool) -> list[str]:
                 out.append(f"async{spec}@t{t}s{s}")
                 if fifo:
                     out.append(f"async-fifo{spec}@t{t}s{s}")
+                    out.append(f"async-partial{spec}@t{t}s{s}")
     return out
 
 
@@ -98,7 +101,7 @@ def main() -> int:
     ap.add_argument("--scenario", default="configs/sim_qwen32b_128gpu.yaml")
     ap.add_argument("--splits", default="32,64,96", help="trainer GPUs of the asynchronous rows, comma-separated")
     ap.add_argument("--bounds", default="1,2,4,8", help="staleness bounds in optimizer steps, comma-separated")
-    ap.add_argument("--no-fifo", action="store_true", help="leave out the async-fifo rows")
+    ap.add_argument("--no-fifo", action="store_true", help="leave out the async-fifo and async-partial rows")
     ap.add_argument("--stem", default="simulate_async_qwen32b_128gpu")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--machine-note", default="")
@@ -127,8 +130,9 @@ def main() -> int:
     limit = physical_limit(sim, run)
     add_limit(rows, limit)
     rows = [{k: r[k] for k in KEEP if k in r} for r in rows]
-    plain = [r for r in rows if r.get("placement") == "async" and "histospec" not in r["policy"]]
-    spec = [r for r in rows if r.get("placement") == "async" and "histospec" in r["policy"]]
+    bounded = [r for r in rows if r.get("placement") == "async" and "partial" not in r["policy"]]  # keep the bound
+    plain = [r for r in bounded if "histospec" not in r["policy"]]
+    spec = [r for r in bounded if "histospec" in r["policy"]]
     head = {}
     for name, group in (("async", plain), ("async+histospec", spec)):
         if group:

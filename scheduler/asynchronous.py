@@ -32,6 +32,11 @@ version spans grow). What keeps it correct is here, as a controller both the sim
   the data's distribution of lengths (the simulator reports it). Placement by predicted length is the caller's
   (`scheduler.placement.place`).
 
+- **Counted from completion** (`from_finish`, the simulator's `async-partial` rows; for comparison, it does not
+  keep the bound): the deadline is set when a group completes (`bound` steps after it) and admission only caps
+  the samples in flight at `(bound + 1) x mini_batch` (AReaL's rule). That is what partial-rollout systems bound in
+  practice; a long group's oldest tokens can then be far older than the bound, and `stepped` reports their real age.
+
 Plain Python on `Sample` records; the clock is the caller's.
 Left out: the real driver's asynchronous loop (the simulator runs this controller today); partial groups
 (a group is admitted and trained whole, so group-baseline advantages see all n samples).
@@ -73,7 +78,7 @@ class AsyncController:
 
     def __init__(self, prompt_ids: Sequence[str], *, n: int, mini_batch: int, bound: int, num_epochs: int | None,
                  seed: int = 0, history: LengthHistory | None = None, length_aware: bool = True,
-                 factory: Callable[[str, int, int], Sample] | None = None) -> None:
+                 from_finish: bool = False, factory: Callable[[str, int, int], Sample] | None = None) -> None:
         if bound < 0:
             raise ValueError(f"bound must be >= 0 optimizer steps (got {bound})")
         if mini_batch <= 0 or mini_batch % n:
@@ -83,6 +88,7 @@ class AsyncController:
         self.epoch_size = len(prompt_ids)
         self.history = history if history is not None else LengthHistory()  # (an empty one is falsy)
         self.length_aware = length_aware
+        self.from_finish = from_finish  # count the bound from a group's completion, not its admission (see below)
         self.factory = factory or (lambda pid, epoch, idx: Sample(prompt_id=pid, index=idx, epoch=epoch))
         self.steps = 0  # optimizer steps made
         self.engine_step = 0  # optimizer steps behind the weights the engines hold now
@@ -137,7 +143,11 @@ class AsyncController:
             if not cands:
                 break
             pid, epoch = cands[0]
-            if deadline < self.steps or not self.feasible(self.groups, self.steps, (deadline, self.n)):
+            if self.from_finish:
+                if self.admitted - self.trained + self.n > (self.bound + 1) * self.m:
+                    break  # AReaL's count rule: at most bound + 1 mini-batches in flight
+                deadline = 1 << 60  # set when the group completes
+            elif deadline < self.steps or not self.feasible(self.groups, self.steps, (deadline, self.n)):
                 break
             self.next_up.pop(0)
             g = Group(pid, epoch, [self.factory(pid, epoch, i) for i in range(self.n)], self.engine_step, deadline,
@@ -164,6 +174,8 @@ class AsyncController:
         g = self.by_sample.get(sample.sample_id)
         if g is not None:
             g.finished.add(sample.sample_id)
+            if self.from_finish and g.complete:
+                g.deadline = self.steps + self.bound
 
     # -- training ----------------------------------------------------------------------------------------------
     def next_minibatch(self) -> list[Sample] | None:
@@ -185,7 +197,7 @@ class AsyncController:
                 not g.complete for g in self.groups)):
             return None
         left = [g for g in self.groups if g not in pick]
-        if not self.feasible(left, self.steps + 1):
+        if not self.from_finish and not self.feasible(left, self.steps + 1):
             return None  # training these now would leave a deadline unmet: wait for an earlier group
         return [s for g in pick for s in g.samples]
 

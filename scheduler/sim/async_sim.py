@@ -4,8 +4,10 @@
     python benchmarks/simulate_async.py           # the 32B scenario at several splits and bounds, equal steps
     from scheduler.sim.async_sim import simulate_any; res = simulate_any(sim, run, "async+histospec@t64s2")
 
-Row labels: `async` (length-aware admission, the default's history) and `async-fifo` (data order, as verl's
-fully-async and AReaL admit), each optionally `+histospec`, with an optional variant after `@`: `t<N>` trainer
+Row labels: `async` (length-aware admission, the default's history), `async-fifo` (data order, as verl's
+fully-async and AReaL admit) and `async-partial` (data order, the bound counted from each group's completion
+and only the samples in flight capped: what partial-rollout systems keep; a comparison row, its oldest tokens
+may be far older than the bound and its reported staleness says how old), each optionally `+histospec`, with an optional variant after `@`: `t<N>` trainer
 GPUs (default `cluster.trainer_gpus`, else half the GPUs, in whole nodes where there are two or more), `s<B>` the staleness bound in optimizer
 steps (default `run.scheduler.staleness_bound`), `k<K>` optimizer steps per weight push (default
 `run.scheduler.weight_update_interval`). Every other label runs the synchronous simulator unchanged.
@@ -56,7 +58,8 @@ from scheduler.sim.simulator import SimResult, Simulator, simulate
 from scheduler.sim.speculation_model import HistoSpecSim, split_policy
 from scheduler.sim.workload import make_workload
 
-ASYNC_POLICIES = {"async": True, "async-fifo": False}  # name -> length-aware admission and placement
+ASYNC_POLICIES = {"async": True, "async-fifo": False, "async-partial": False}  # name -> length-aware admission
+PARTIAL = "async-partial"  # the bound counted from a group's completion (scheduler/asynchronous.py): a comparison
 # Length-aware placement (`async`): a share of the engines is kept for the groups the history predicts long
 # (over `scheduler.long_round_threshold` x max_response_length), each running at most TAIL_SEQS sequences, so a
 # due group's tail decodes at small-batch latency instead of sharing a full batch; the other engines pack the
@@ -125,7 +128,7 @@ class AsyncSimulator(Simulator):
         self.ctl = AsyncController(
             workload.prompt_ids, n=run.rollout.n_samples_per_prompt, mini_batch=a.ppo_mini_batch_size,
             bound=self.bound, num_epochs=sim.workload.num_epochs, seed=run.seed, history=self.history,
-            length_aware=ASYNC_POLICIES[name],
+            length_aware=ASYNC_POLICIES[name], from_finish=name == PARTIAL,
             factory=lambda pid, e, i: Sample(prompt_id=pid, index=i, epoch=e, prompt_tokens=[0] * prompt_tokens[pid]))
         self.layout_ = Layout(tp, engines)
         self.tail: list[Any] = []  # engines kept for predicted-long groups (set in run_all)
