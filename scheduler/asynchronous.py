@@ -1,7 +1,7 @@
 """Asynchronous RL under a staleness bound: admission control and oldest-first mini-batches (pure logic).
 
     ctl = AsyncController(prompt_ids, n=16, mini_batch=512, bound=2, num_epochs=3, history=LengthHistory())
-    for group in ctl.admit(version=v):  ...submit the group's n samples...      # never more than the bound allows
+    for group in ctl.admit():  ...submit the group's n samples...               # never more than the bound allows
     ctl.on_finished(sample)                                                     # scored, back from an engine
     batch = ctl.next_minibatch()       # None: wait (a due group is still generating, or too few are done)
     ctl.stepped(batch)                 # after its optimizer step(s); ctl.synced(version) after a weight push
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from megatron_sortedrl.sample import Sample
-from scheduler.base import DataCursor, prompt_key
+from scheduler.base import DataCursor
 from scheduler.history import LengthHistory
 
 
@@ -63,10 +63,6 @@ class Group:
     deadline: int  # the last optimizer step index (steps made before it) that may train it
     order: int  # admission order (ties in deadline keep it)
     finished: set[str] = field(default_factory=set)
-
-    @property
-    def key(self) -> str:
-        return prompt_key(self.prompt_id, self.epoch)
 
     @property
     def complete(self) -> bool:
@@ -193,9 +189,8 @@ class AsyncController:
             if g.complete:
                 pick.append(g)
                 taken += len(g.samples)
-        if not pick or (taken < self.m and not self.exhausted) or (taken < self.m and any(
-                not g.complete for g in self.groups)):
-            return None
+        if not pick or (taken < self.m and (not self.exhausted or any(not g.complete for g in self.groups))):
+            return None  # too few done for a full mini-batch (a short last one only once everything is done)
         left = [g for g in self.groups if g not in pick]
         if not self.from_finish and not self.feasible(left, self.steps + 1):
             return None  # training these now would leave a deadline unmet: wait for an earlier group

@@ -82,12 +82,11 @@ def parse_label(label: str) -> tuple[str, bool, dict[str, int]] | None:
 @dataclass
 class TrainDone:
     batch: list[Sample]
-    token = None
+    tokens: int  # prompt + response tokens of the batch
 
 
-@dataclass
 class SyncDone:
-    token = None
+    """The weight push has reached the engines."""
 
 
 class _Engines:
@@ -162,12 +161,12 @@ class AsyncSimulator(Simulator):
             place(reqs, e_all)
         self.queues.add(reqs)
         for e in self.engines:  # engines with a free slot start the new work now (after the step they are in)
-            if len(e.running) < e.max_seqs and e.t <= self.clock.t + 1e-9:
+            if len(e.running) >= e.max_seqs:
+                continue
+            if e.t <= self.clock.t + 1e-9:  # not paused for weights: bring it to now first
                 e.advance_to(self.clock.t, finish_step=True)
                 e.t = max(e.t, self.clock.t)
-                e.admit()
-            elif len(e.running) < e.max_seqs:
-                e.admit()
+            e.admit()
 
     # the trainer ---------------------------------------------------------------------------------------------
     def try_train(self) -> None:
@@ -186,9 +185,9 @@ class AsyncSimulator(Simulator):
             self.trainer_idle_s += self.clock.t - self.idle_from
             self.idle_from = None
         self.emit("phase", "start", self.clock.t, phase="train")
-        self.push(self.clock.t + seconds, TrainDone(batch))
+        self.push(self.clock.t + seconds, TrainDone(batch, tokens))
 
-    def trained(self, batch: list[Sample]) -> None:
+    def trained(self, batch: list[Sample], tokens: int) -> None:
         self.emit("phase", "end", self.clock.t, phase="train")
         version = self.policy.version
         ages = self.ctl.stepped(batch, self.run.algorithm.ppo_epochs)
@@ -203,9 +202,8 @@ class AsyncSimulator(Simulator):
                             "trained_mean_length": statistics.fmean(lengths), "trained_p90_length": _p90(lengths),
                             "generated_mean_length": statistics.fmean(fresh) if fresh else None,
                             "oldest_age_steps": max(ages, default=0), "discarded": self.ctl.discarded,
-                            "tokens": sum(len(s.prompt_tokens) + s.response_length for s in batch),
-                            "optimizer_steps": self.run.algorithm.ppo_epochs, "staleness_steps": ages,
-                            "response_lengths": [s.response_length for s in batch], "epoch": min(s.epoch for s in batch),
+                            "tokens": tokens, "optimizer_steps": self.run.algorithm.ppo_epochs, "staleness_steps": ages,
+                            "response_lengths": lengths,
                             "trained": [f"{s.prompt_id}/e{s.epoch}" for s in batch], "preemptions": 0, "t": self.clock.t})
         self.since_push += self.run.algorithm.ppo_epochs
         if self.ctl.done:
@@ -236,7 +234,6 @@ class AsyncSimulator(Simulator):
         self.emit("phase", "end", self.clock.t, phase="sync")
         self.policy.version += 1
         self.ctl.synced(self.policy.version)
-        self.minibatch.synced(self.policy.version)
         self.since_push = 0
         if self.spec is not None:
             self.spec.publish()  # the drafters get the responses finished so far with the weights
@@ -266,7 +263,7 @@ class AsyncSimulator(Simulator):
             if item is None:
                 continue
             if isinstance(item, TrainDone):
-                self.trained(item.batch)
+                self.trained(item.batch, item.tokens)
             elif isinstance(item, SyncDone):
                 self.synced()
             else:  # a finished sample's reward is in
@@ -284,8 +281,8 @@ class AsyncSimulator(Simulator):
         result.total_s = end
         result.optimizer_steps = self.ctl.steps
         result.staleness = dict(self.policy.stats["staleness"])
-        result.policy_stats = {"staleness": result.staleness, "wasted_tokens": 0, "discarded": self.ctl.discarded,
-                               "async": self.figures(end), "generated_lengths": list(self.generated)}
+        result.policy_stats = {"staleness": result.staleness, "wasted_tokens": 0, "async": self.figures(end),
+                               "generated_lengths": list(self.generated)}
         if self.spec is not None:
             result.policy_stats["speculation"] = self.spec.stats()
         return result
@@ -309,14 +306,14 @@ class AsyncSimulator(Simulator):
             trained = [n for r in self.rounds[i:i + window] for n in r["response_lengths"]]
             bias[f"{i}-{min(i + window, len(self.rounds)) - 1}"] = statistics.fmean(trained) / data_mean if data_mean else 1.0
         ages = self.ctl.ages
+        trained_all = [n for r in self.rounds for n in r["response_lengths"]]
         return {"trainer_gpus": self.trainer_gpus, "engines": len(self.engines), "tp": self.layout_.tp,
                 "bound": self.bound, "steps_per_push": self.every,
                 "worker_bubble": idle / total if total else 0.0, "pause_share": self.pause_s / total if total else 0.0,
                 "trainer_idle_share": self.trainer_idle_s / end if end else 0.0,
                 "max_staleness_steps": max(ages, default=0), "discarded": self.ctl.discarded,
                 "length_bias": bias, "length_bias_max": max((abs(b - 1.0) for b in bias.values()), default=0.0),
-                "trained_mean_length": statistics.fmean(l for r in self.rounds for l in r["response_lengths"]),
-                "trained_p90_length": _p90([l for r in self.rounds for l in r["response_lengths"]])}
+                "trained_mean_length": statistics.fmean(trained_all), "trained_p90_length": _p90(trained_all)}
 
 
 def _p90(values: list[int]) -> float:
