@@ -35,7 +35,9 @@ The bookkeeping around the loop (resume point, record files, the metrics row, su
 lives in `run_records.py`; the set-up before the first phase (tokenizer, Ray, trainer, engines, rewards,
 policy) in `run_setup.py`; the streamed round (the `generate` phase) in `round_stream.py`.
 
-Left out: asynchronous (overlapping) rollout and training.
+With `scheduler.policy=async` the driver runs the asynchronous loop instead (`async_loop.py`): one step is one
+optimizer step, the engines generate throughout, and weights reach them in flight under a staleness bound; the
+phases around it (warm start, eval, checkpoint, resume, log) are the same.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any, Callable
 
 from megatron_sortedrl import lifetime
 from megatron_sortedrl.agentic.trajectory import sample_meta, step_metrics
+from megatron_sortedrl.async_loop import AsyncLoop
 from megatron_sortedrl.errors import CheckpointError
 from megatron_sortedrl.minibatch import train_update
 from megatron_sortedrl.preflight import preflight
@@ -86,6 +89,7 @@ class Driver:
         self.lifetime = lifetime.guard()
         try:
             set_up_run(self, reward_fn)  # tokenizer, prompts, Ray, trainer, engines, rewards, policy (run_setup.py)
+            self.async_loop = AsyncLoop(self) if cfg.scheduler.policy == "async" else None
             self._resumed = self._load_resume_state() if self.resume_from else {}
             self._open_records()
         except BaseException:
@@ -226,6 +230,8 @@ class Driver:
         loop as rollouts (agentic/evaluate.py)."""
         from megatron_sortedrl.agentic.evaluate import eval_metrics, generate_eval
 
+        if self.async_loop is not None:  # what runs steps aside (queued again as partials)
+            self.async_loop.hold()
         self._phase("eval", "start")
         self.colo.to_rollout()
         out = generate_eval(self, self.eval_prompts)
@@ -259,6 +265,10 @@ class Driver:
     # ------------------------------------------------------------------------------------------ the loop
 
     def rl_step(self) -> StepResult | None:
+        """One step of the loop the config picks: the asynchronous one (`async_loop.py`) or the synchronous one."""
+        return self.async_loop.rl_step() if self.async_loop is not None else self.sync_step()
+
+    def sync_step(self) -> StepResult | None:
         t0 = time.monotonic()
         self.events = []  # the bubble ratio of a step needs only that step's events
         self.layout_row = {}
@@ -352,6 +362,7 @@ class Driver:
         import ray
 
         closers = [self.rewards.close, self.pool.shutdown, self.trainer.shutdown, *self.records.closers()]
+        closers += [self.async_loop.close] if getattr(self, "async_loop", None) is not None else []
         closers += [self.agentic.close] if getattr(self, "agentic", None) is not None else []
         if self.nvml is not None:
             closers.insert(0, self.nvml.stop)

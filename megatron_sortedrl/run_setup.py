@@ -82,7 +82,8 @@ def set_up_run(d: Any, reward_fn: Any = None) -> None:
     d.policy = make_policy(cfg.scheduler, sorted(d.prompts), n_samples=cfg.rollout.n_samples_per_prompt,
                            max_response_length=cfg.rollout.max_response_length, planner=planner,
                            seed=cfg.seed, sample_factory=d.new_sample,
-                           num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling)
+                           num_epochs=cfg.data.num_epochs or None, sampling=cfg.sampling,
+                           mini_batch=cfg.algorithm.ppo_mini_batch_size or cfg.scheduler.update_batch_size)
     if d.agentic is not None:  # the history predicts trajectory cost: tokens, turns, tool seconds
         d.agentic.attach(d.policy)
     # trainer/stream.py; a streamed group gets the batch's overlong shaping before its advantages

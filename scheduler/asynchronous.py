@@ -37,9 +37,15 @@ version spans grow). What keeps it correct is here, as a controller both the sim
   the samples in flight at `(bound + 1) x mini_batch` (AReaL's rule). That is what partial-rollout systems bound in
   practice; a long group's oldest tokens can then be far older than the bound, and `stepped` reports their real age.
 
+`AsyncPolicy` (below) is the controller as the driver's scheduling policy (`scheduler.policy=async`): scored
+samples in, the length history kept, state for checkpoints; the driver's loop is
+`megatron_sortedrl/async_loop.py`. `place_admitted` places admitted samples on engines, predicted-long groups on
+the tail engines, for both the driver and the simulator.
+
 Plain Python on `Sample` records; the clock is the caller's.
-Left out: the real driver's asynchronous loop (the simulator runs this controller today); partial groups
-(a group is admitted and trained whole, so group-baseline advantages see all n samples).
+Left out: partial groups (a group is admitted and trained whole, so group-baseline advantages see all n
+samples); more than one optimizer step per mini-batch (`algorithm.ppo_epochs` > 1: the deadlines count one step
+per mini-batch).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from typing import Any, Callable, Sequence
 from megatron_sortedrl.sample import Sample
 from scheduler.base import DataCursor
 from scheduler.history import LengthHistory
+from scheduler.placement import place
+from scheduler.protocol import Request
 
 
 @dataclass
@@ -211,3 +219,110 @@ class AsyncController:
         self.steps += steps
         self.ages.extend(ages)
         return ages
+
+    # -- checkpointing -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable. Finished samples are kept with their tokens and rewards; the unfinished ones (in an
+        engine or queued) are stored by position only and start afresh on resume (`load_state_dict`)."""
+        return {"steps": self.steps, "engine_step": self.engine_step, "order": self._order,
+                "step_at_version": {str(k): v for k, v in self.step_at_version.items()},
+                "cursor": self.cursor.state_dict(), "next_up": [list(p) for p in self.next_up],
+                "admitted": self.admitted, "trained": self.trained, "discarded": self.discarded,
+                "groups": [{"prompt_id": g.prompt_id, "epoch": g.epoch, "admit_step": g.admit_step,
+                            "deadline": g.deadline, "order": g.order,
+                            "samples": [s.to_dict() if s.sample_id in g.finished else None for s in g.samples]}
+                           for g in self.groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[Sample]:
+        """Restores the controller; returns the samples to generate again (fresh, under the current weights:
+        newer than the ones they replace, so every deadline still holds)."""
+        self.steps, self.engine_step, self._order = state["steps"], state["engine_step"], state["order"]
+        self.step_at_version = {int(k): int(v) for k, v in state["step_at_version"].items()}
+        self.cursor.load_state_dict(state["cursor"])
+        self.next_up = [(p[0], int(p[1])) for p in state["next_up"]]
+        self.admitted, self.trained, self.discarded = state["admitted"], state["trained"], state["discarded"]
+        self.groups, self.by_sample, again = [], {}, []
+        for gs in state["groups"]:
+            samples = []
+            for i, d in enumerate(gs["samples"]):
+                if d is None:
+                    again.append(self.factory(gs["prompt_id"], gs["epoch"], i))
+                samples.append(Sample.from_dict(d) if d is not None else again[-1])
+            g = Group(gs["prompt_id"], gs["epoch"], samples, gs["admit_step"], gs["deadline"], gs["order"],
+                      {s.sample_id for s, d in zip(samples, gs["samples"]) if d is not None})
+            self.groups.append(g)
+            for s in samples:
+                self.by_sample[s.sample_id] = g
+        return again
+
+
+def place_admitted(requests: list[Request], num_engines: int, long_cut: float, tail_engines: int = 0) -> None:
+    """Sets `request.worker`: with `tail_engines` > 0 the requests predicted longer than `long_cut` tokens go to the
+    last `tail_engines` engines and the rest to the others, each set longest predicted first (LPT); else LPT over
+    all engines."""
+    if tail_engines <= 0 or tail_engines >= num_engines:
+        place(requests, num_engines)
+        return
+    long = [r for r in requests if r.predicted_length > long_cut]
+    short = [r for r in requests if r.predicted_length <= long_cut]
+    place(long, tail_engines)
+    for r in long:
+        r.worker += num_engines - tail_engines
+    place(short, num_engines - tail_engines)
+
+
+class AsyncPolicy:
+    """The controller as the driver's scheduling policy (`scheduler.policy=async`).
+
+    The driver's loop (`megatron_sortedrl/async_loop.py`) asks `admit()` for new samples, hands every scored one to
+    `on_sample_finished`, trains `next_minibatch()` and reports it with `stepped`; a weight push reaches
+    `on_update`. The prompt length history (the default policy's predictor) learns from every finished sample
+    and orders admission (`scheduler.admission=length`)."""
+
+    name = "async"
+
+    def __init__(self, cfg: Any, prompt_ids: Sequence[str], *, n_samples: int, mini_batch: int,
+                 max_response_length: int, seed: int = 0, num_epochs: int | None = None,
+                 sample_factory: Callable[[str, int, int], Sample] | None = None, **_: Any) -> None:
+        self.history = LengthHistory(cfg.predictor, cfg.predictor_quantile, cfg.history_max_prompts)
+        self.ctl = AsyncController(prompt_ids, n=n_samples, mini_batch=mini_batch, bound=cfg.staleness_bound,
+                                   num_epochs=num_epochs, seed=seed, history=self.history,
+                                   length_aware=cfg.admission == "length", factory=sample_factory)
+        self.long_cut = cfg.long_round_threshold * max_response_length
+        self.max_len = max_response_length
+        self.version = 0
+        self.again: list[Sample] = []  # restored from a checkpoint, to generate again
+
+    def admit(self) -> list[Request]:
+        """Requests for the samples to start now (restored ones first), each with its predicted length."""
+        samples, self.again = self.again, []
+        samples += [s for g in self.ctl.admit() for s in g.samples]
+        return [Request(s, 0, self.history.predict(s.prompt_id) if self.history.known(s.prompt_id) else 0.0,
+                        self.max_len - s.response_length) for s in samples]
+
+    def on_sample_finished(self, sample: Sample, clock: Any = None) -> list[str]:
+        g = self.ctl.by_sample.get(sample.sample_id)
+        if g is None or sample.sample_id in g.finished:
+            return []  # trained already, or a second copy: nothing to count twice
+        g.samples[sample.index] = sample  # the scored record (the reward stage may hand back a copy)
+        self.history.record(sample.prompt_id, sample.epoch, sample.response_length)
+        self.ctl.on_finished(sample)
+        return []
+
+    def on_sample_aborted(self, sample: Sample, clock: Any = None) -> None:
+        """Nothing is aborted for staleness; the loop puts a partial it aborted itself back in its queue."""
+
+    def on_update(self, version: int, clock: Any = None, preemptions: int = 0) -> None:
+        self.version = version
+        self.ctl.synced(version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.name, "version": self.version, "controller": self.ctl.state_dict(),
+                "history": self.history.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["policy"] != self.name:
+            raise ValueError(f"checkpoint holds scheduler policy {state['policy']!r}, config says {self.name!r}")
+        self.version = state["version"]
+        self.history.load_state_dict(state["history"])
+        self.again = self.ctl.load_state_dict(state["controller"])

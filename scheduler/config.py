@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from megatron_sortedrl.errors import ConfigError
 
-POLICIES = ("sync", "sorted", "tail", "twotier")
+POLICIES = ("sync", "sorted", "tail", "twotier", "async")
+ADMISSIONS = ("length", "data")
 MODES = ("on_policy", "partial")
 PREDICTORS = ("prev_max", "prev_mean", "quantile")
 PLACEMENTS = ("round_robin", "lpt")
@@ -19,7 +20,8 @@ LAYOUT_PLANNERS = ("fixed", "preemption", "cost_model")
 
 @dataclass
 class SchedulerConfig:
-    policy: str = field(default="twotier", metadata={"help": "Tier-1 policy: sync | sorted | tail | twotier.", "choices": POLICIES})
+    policy: str = field(default="twotier", metadata={"help": "Tier-1 policy: sync | sorted | tail | twotier | async (rollout and training overlap under "
+                                                                   "staleness_bound; docs/scheduler.md, \"Asynchronous\").", "choices": POLICIES})
     mode: str = field(
         default="partial",
         metadata={"help": "on_policy: abort and regenerate unfinished samples; partial: cache and resume them.", "choices": MODES},
@@ -52,14 +54,19 @@ class SchedulerConfig:
         default="", metadata={"help": "cost_model in `train`: a simulator YAML whose engine: section models the run's engines."}
     )
     staleness_bound: int = field(
-        default=2, metadata={"help": "Asynchronous rows of `simulate` (`async`, `async-fifo`; scheduler/asynchronous.py): "
-                                     "the most optimizer steps between a trained sample's weights and its step; prompts "
-                                     "are admitted only within it, nothing is discarded. `train` does not run "
-                                     "asynchronously yet.", "min": 0}
+        default=2, metadata={"help": "async: the most optimizer steps between the weights that sampled a trained sample's "
+                                     "oldest token and its step; prompts are admitted only within it and nothing is "
+                                     "discarded (scheduler/asynchronous.py; also the `async` rows of `simulate`).",
+                             "min": 0}
     )
     weight_update_interval: int = field(
-        default=1, metadata={"help": "Asynchronous rows: optimizer steps between in-flight weight pushes to the engines.",
-                             "min": 1}
+        default=1, metadata={"help": "async: optimizer steps between in-flight weight pushes to the engines; at most "
+                                     "staleness_bound + 1.", "min": 1}
+    )
+    admission: str = field(
+        default="length", metadata={"help": "async: admission order within an epoch: length (the history's longest "
+                                            "predicted first, unseen prompts after) | data (data order).",
+                                    "choices": ADMISSIONS}
     )
     lookahead: bool = field(
         default=False,
@@ -73,6 +80,13 @@ class SchedulerConfig:
         _one_of("scheduler.mode", self.mode, MODES)
         _one_of("scheduler.predictor", self.predictor, PREDICTORS)
         _one_of("scheduler.placement", self.placement, PLACEMENTS)
+        _one_of("scheduler.admission", self.admission, ADMISSIONS)
+        if self.staleness_bound < 0:
+            raise ConfigError("scheduler.staleness_bound", self.staleness_bound, "an integer >= 0 (optimizer steps)")
+        if self.weight_update_interval < 1 or self.weight_update_interval > self.staleness_bound + 1:
+            raise ConfigError("scheduler.weight_update_interval", self.weight_update_interval,
+                              f"an integer in [1, staleness_bound + 1 = {self.staleness_bound + 1}] (engines a push "
+                              "behind would sample outside the bound)")
         _one_of("scheduler.layout_planner", self.layout_planner, LAYOUT_PLANNERS)
         for key in ("rollout_batch_size", "update_batch_size", "group_size", "history_max_prompts"):
             if getattr(self, key) < 1:

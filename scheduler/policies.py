@@ -303,6 +303,11 @@ POLICY_CLASSES: dict[str, type[PolicyBase]] = {
 def make_policy(cfg: Any, prompt_ids: Any, *, sampling: Any = None, **kw: Any) -> Any:
     """The policy named by `cfg.policy` (a `SchedulerConfig`); keyword arguments as `PolicyBase`. With a
     `SamplingConfig` whose `dynamic` is on, it is wrapped in `scheduler.selective.SelectivePolicy`."""
+    if cfg.policy == "async":  # the driver's asynchronous loop runs it (megatron_sortedrl/async_loop.py)
+        from scheduler.asynchronous import AsyncPolicy
+
+        return AsyncPolicy(cfg, prompt_ids, **kw)
+    kw.pop("mini_batch", None)
     policy = POLICY_CLASSES[cfg.policy](cfg, prompt_ids, **kw)
     if sampling is not None and sampling.dynamic:
         from scheduler.selective import SelectivePolicy

@@ -79,6 +79,7 @@ def _hf_logits(model_dir, seqs, rope: dict | None) -> list[torch.Tensor]:
         return [hf(torch.tensor([seq[:-1]])).logits[0] for seq in seqs]
 
 
+@pytest.mark.slow  # about 60 s
 def test_yarn_past_original_positions_trainer_matches_transformers_and_engine(tmp_path, local_ray):
     from megatron_sortedrl.rollout import GenRequest, PoolOptions, RolloutPool
 

@@ -304,7 +304,7 @@ def test_run_report_draws_the_sampling_panel(tmp_path):
 
 
 def test_driver_generates_more_rounds_before_training_and_ends_on_an_empty_harvest():
-    """The driver's hook lines (megatron_sortedrl/driver.py `rl_step`) with stub phases around them."""
+    """The driver's hook lines (megatron_sortedrl/driver.py `sync_step`) with stub phases around them."""
     from types import SimpleNamespace
 
     from megatron_sortedrl.driver import Driver
@@ -325,10 +325,10 @@ def test_driver_generates_more_rounds_before_training_and_ends_on_an_empty_harve
 
     batch = [Sample(prompt_id="p", index=i, reward=float(i)) for i in range(2)]
     d = stub([Harvest([], [], {"more": True}), Harvest([], [], {"more": True}), Harvest(batch, [], {"sampling": {}})])
-    assert Driver.rl_step(d) is not None
+    assert Driver.sync_step(d) is not None
     assert d.calls == ["compose", "generate", "compose", "generate", "compose", "generate", ("train", 2)]
     d = stub([Harvest([], [], {"more": True}), Harvest([], [], {"sampling": {}})])  # the data ran out mid-update
-    assert Driver.rl_step(d) is None and ("train", 0) not in d.calls
+    assert Driver.sync_step(d) is None and ("train", 0) not in d.calls
 
 
 def test_overlong_filter_masks_the_truncated_response_out_of_the_trainer_items():

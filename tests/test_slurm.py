@@ -183,6 +183,7 @@ def test_two_node_bringup_runs_head_command(tmp_path):
     assert stopped.returncode != 0  # cleanup stopped the cluster
 
 
+@pytest.mark.slow  # about 95 s (a two-node bring-up that waits for the missing one)
 def test_missing_node_is_named(tmp_path):
     # nodeC is down: its srun fails at once, so only two of three nodes ever join.
     env = _env(tmp_path, 2345 + os.getpid() % 500, SLURM_JOB_NODELIST="nodeA,nodeB,nodeC",

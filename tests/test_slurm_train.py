@@ -86,6 +86,7 @@ def _wait_gone(marker: str, timeout: float = 30) -> list[int]:
     return left
 
 
+@pytest.mark.slow  # about 160 s; the driver resume test covers SIGUSR1 in the default suite
 def test_train_is_requeued_by_usr1_and_resumes(tiny_model_dir, tmp_path):
     # Ray's unix socket paths must stay under ~107 characters: pytest's tmp_path is too deep for them.
     ray_tmp = tempfile.mkdtemp(prefix="msrl", dir="/tmp")

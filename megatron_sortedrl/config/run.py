@@ -105,6 +105,8 @@ class RunConfig:
         if self.trainer.stream and self.cluster.colocate:  # colocate/: the engines hold the devices in a round
             raise ConfigError("trainer.stream", True, "false with cluster.colocate=true (a colocated trainer cannot "
                               "run a backward while the engines generate on its devices; docs/cluster.md)")
+        if s.policy == "async":
+            check_asynchronous(self)
         if self.trainer.warmup_answer_only_share > 0 and self.data.task not in ANSWER_LINE_TASKS:
             raise ConfigError("trainer.warmup_answer_only_share", self.trainer.warmup_answer_only_share,
                               f"0 with data.task={self.data.task} (only {', '.join(ANSWER_LINE_TASKS)} solutions have "
@@ -300,3 +302,31 @@ def _translate(exc: OmegaConfBaseException, path: Path, root: type = RunConfig) 
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def check_asynchronous(cfg) -> None:
+    """What `scheduler.policy=async` (megatron_sortedrl/async_loop.py) runs with, refused in one line otherwise."""
+    a, s, r = cfg.algorithm, cfg.scheduler, cfg.rollout
+    refusals = [
+        ("cluster.colocate", cfg.cluster.colocate, "false with scheduler.policy=async (overlap needs the engines and "
+         "the trainer on GPUs of their own; colocated runs use a synchronous policy, docs/scheduler.md)"),
+        ("trainer.stream", cfg.trainer.stream, "false with scheduler.policy=async (it trains mini-batches as they "
+         "fill, not one streamed step per harvest)"),
+        ("algorithm.ppo_epochs", a.ppo_epochs if a.ppo_epochs > 1 else 0, "1 with scheduler.policy=async (the "
+         "staleness bound counts one optimizer step per mini-batch)"),
+        ("sampling.dynamic", cfg.sampling.dynamic, "false with scheduler.policy=async (a filtered group would leave "
+         "its admitted place in the bound empty; use a synchronous policy for DAPO's dynamic sampling)"),
+        ("scheduler.layout_planner", s.layout_planner if s.layout_planner != "fixed" else "", "fixed with "
+         "scheduler.policy=async (engines are not re-laid out while they generate)"),
+        ("scheduler.lookahead", s.lookahead, "false with scheduler.policy=async (it is always ahead)"),
+        ("tools.tools", list(cfg.tools.tools) if cfg.tools.tools else [], "empty with scheduler.policy=async (multi-turn "
+         "trajectories run with the synchronous policies)"),
+    ]
+    for key, value, allowed in refusals:
+        if value:
+            raise ConfigError(key, value, allowed)
+    size = a.ppo_mini_batch_size or s.update_batch_size
+    if size % r.n_samples_per_prompt:
+        raise ConfigError("scheduler.update_batch_size", s.update_batch_size, "a multiple of "
+                          f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): with scheduler.policy=async it "
+                          "is the mini-batch when algorithm.ppo_mini_batch_size is 0")

@@ -50,9 +50,8 @@ from typing import Any
 
 from megatron_sortedrl.errors import UserError
 from megatron_sortedrl.sample import Sample
-from scheduler.asynchronous import AsyncController
+from scheduler.asynchronous import AsyncController, place_admitted
 from scheduler.history import LengthHistory
-from scheduler.placement import place
 from scheduler.protocol import Layout, Request
 from scheduler.sim.simulator import SimResult, Simulator, simulate
 from scheduler.sim.speculation_model import HistoSpecSim, split_policy
@@ -148,17 +147,7 @@ class AsyncSimulator(Simulator):
             return
         reqs = [Request(smp, 0, self.history.predict(g.prompt_id) if self.history.known(g.prompt_id) else 0.0,
                         self.run.rollout.max_response_length) for g in groups for smp in g.samples]
-        k, e_all = len(self.tail), len(self.engines)
-        if k:
-            cut = self.ctl_threshold
-            long = [r for r in reqs if r.predicted_length > cut]
-            short = [r for r in reqs if r.predicted_length <= cut]
-            place(long, k)
-            for r in long:
-                r.worker += e_all - k
-            place(short, e_all - k)
-        else:
-            place(reqs, e_all)
+        place_admitted(reqs, len(self.engines), self.ctl_threshold, len(self.tail))
         self.queues.add(reqs)
         for e in self.engines:  # engines with a free slot start the new work now (after the step they are in)
             if len(e.running) >= e.max_seqs:
