@@ -38,7 +38,8 @@
   for its tail, instead of idling. They are never trained in that round; they are carried (due next round),
   so the per-prompt bound and staleness <= 1 hold unchanged.
 
-Left out: asynchronous (overlapping) generation and training.
+Left out: asynchronous (overlapping) generation and training: `scheduler.policy=async` is
+`scheduler.asynchronous.AsyncPolicy`, run by its own loop (megatron_sortedrl/async_loop.py).
 """
 
 from __future__ import annotations

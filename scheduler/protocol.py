@@ -32,7 +32,8 @@ itself (`scheduler.placement.WorkerQueues`), so queued requests can still move b
 
 Left out: asynchronous (overlapping) rollout and training in this protocol; a round ends at its harvest. The
 asynchronous controller (`scheduler/asynchronous.py`) is a protocol of its own: admission under a staleness bound
-and earliest-deadline-first mini-batches, run today by the simulator (`scheduler/sim/async_sim.py`).
+and earliest-deadline-first mini-batches, run by the simulator (`scheduler/sim/async_sim.py`) and by the driver's
+asynchronous loop (`megatron_sortedrl/async_loop.py`, `scheduler.policy=async`).
 """
 
 from __future__ import annotations

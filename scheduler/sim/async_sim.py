@@ -37,8 +37,8 @@ own, a colocated one cannot overlap):
   `length_bias_max` the largest deviation from 1). Per update (`rounds`): the trained samples' mean and p90 length,
   the mean of the responses that finished since the update before, the oldest sample's age in steps.
 
-Left out: network contention of the pushes, the engines' KV recompute option (kept here), partial groups, and
-the real driver's asynchronous loop (the controller is the piece it would share).
+Left out: network contention of the pushes, the engines' KV recompute option (kept here, as in the driver's
+loop, megatron_sortedrl/async_loop.py, which runs the same controller) and partial groups.
 """
 
 from __future__ import annotations
