@@ -1,7 +1,7 @@
 """The asynchronous RL loop (`scheduler.policy=async`): the engines never wait for the trainer.
 
     loop = AsyncLoop(driver)          # the driver builds it when scheduler.policy=async
-    result = loop.rl_step()           # one optimizer step; the engines generate before, during and after it
+    row, batch = loop.rl_step()       # one optimizer step; the engines generate before, during and after it
 
 One step, as named phases::
 
@@ -109,9 +109,8 @@ class AsyncLoop:
         self.since_push = 0
         return self.d.sync_weights()  # the pool pauses each engine between decode steps, loads, resumes
 
-    def rl_step(self):
-        from megatron_sortedrl.driver import StepResult
-
+    def rl_step(self) -> tuple[dict[str, Any], list[Sample]] | None:
+        """One step: (the metrics row, the trained mini-batch); None when the data is used up."""
         d = self.d
         t0 = time.monotonic()
         d.events, d.layout_row = [], {}
@@ -123,7 +122,7 @@ class AsyncLoop:
         spec = d.update_history(batch)
         step_s = time.monotonic() - t0
         row = d.log(step_s, batch, {}, train, sync, spec, d.rewards.step_metrics(batch, step_s))
-        return StepResult(d.step, row, batch)
+        return row, batch
 
     # ------------------------------------------------------------------------------------------ plumbing
 

@@ -266,7 +266,10 @@ class Driver:
 
     def rl_step(self) -> StepResult | None:
         """One step of the loop the config picks: the asynchronous one (`async_loop.py`) or the synchronous one."""
-        return self.async_loop.rl_step() if self.async_loop is not None else self.sync_step()
+        if self.async_loop is None:
+            return self.sync_step()
+        out = self.async_loop.rl_step()
+        return StepResult(self.step, *out) if out is not None else None
 
     def sync_step(self) -> StepResult | None:
         t0 = time.monotonic()
